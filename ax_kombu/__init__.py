@@ -1,0 +1,113 @@
+"""ax — a distributed timed-task scheduler on Kombu.
+
+The public API::
+
+    import ax_kombu as ax
+
+    ax.configure(database_url="postgresql://127.0.0.1/app")   # optional
+    task_id = ax.enqueue("order.close", {"order": 42}, delay=1800)
+    ax.get(task_id).status
+    ax.cancel(task_id)
+
+    @ax.processor("order.close")
+    def close_order(payload, ctx): ...
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from .api import Client, TaskId, TaskView
+from .config import Settings, from_env
+from .exceptions import AxError, IllegalTransition, TaskNotFound, ValidationError
+from .processors import processor
+from .states import Status
+
+__all__ = ["enqueue", "enqueue_many", "get", "cancel", "processor", "configure", "client",
+           "Settings", "Status", "TaskId", "TaskView", "AxError", "ValidationError",
+           "TaskNotFound", "IllegalTransition"]
+__version__ = "0.1.0"
+
+_lock = threading.Lock()
+_client: Client | None = None
+_overrides: dict[str, Any] = {}
+
+
+def configure(**settings: Any) -> Settings:
+    """Override settings for this process (above ``AX_*`` variables); returns them.
+
+    Raises:
+        ConfigurationError: an unknown or invalid setting.
+    """
+    global _client
+    resolved = from_env(**{**_overrides, **settings})
+    with _lock:
+        _overrides.update(settings)
+        if _client is not None:
+            _client.close()
+            _client = None
+    return resolved
+
+
+def client() -> Client:
+    """This process's producer client, created on first use (and again after fork)."""
+    global _client
+    with _lock:
+        if _client is None or _client.pid != os.getpid():
+            _client = Client(from_env(**_overrides))
+        return _client
+
+
+def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = None,
+            delay: float | timedelta | None = None, priority: str = "default",
+            biz_key: str | None = None, max_retry: int | None = None,
+            timeout_ms: int | None = None, processor: str | None = None,
+            callback_url: str | None = None, trace_id: str | None = None) -> TaskId:
+    """Schedule one task.
+
+    Args:
+        task_type: what kind of task; also the default processor name.
+        payload: any JSON-serialisable value, passed to the processor.
+        run_at: an aware datetime to run at; or
+        delay: seconds (or a timedelta) from now on the database clock. Neither: now.
+        priority: "high", "default" or "slow" — the queue it is dispatched to.
+        biz_key: makes enqueue idempotent per (task_type, biz_key).
+        max_retry: retries after a failure (default AX_DEFAULT_MAX_RETRY).
+        timeout_ms: how long one run may take (default AX_DEFAULT_TIMEOUT_MS).
+        processor: a registered name or ``package.module:function``; or
+        callback_url: an http(s) URL to POST the payload to.
+        trace_id: carried into logs and messages (default: a new one).
+    Returns:
+        The task id, an int; ``.created`` is False if it duplicated an existing task.
+    Raises:
+        ValidationError: bad input; nothing was written.
+    """
+    return client().enqueue(task_type, payload, run_at=run_at, delay=delay, priority=priority,
+                            biz_key=biz_key, max_retry=max_retry, timeout_ms=timeout_ms,
+                            processor=processor, callback_url=callback_url, trace_id=trace_id)
+
+
+def enqueue_many(items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
+    """Schedule many tasks in one transaction; each item holds :func:`enqueue`'s arguments."""
+    return client().enqueue_many(items)
+
+
+def get(task_id: int) -> TaskView:
+    """A read-only view of the task. Raises TaskNotFound."""
+    return client().get(task_id)
+
+
+def cancel(task_id: int) -> TaskView:
+    """Cancel a task that has not finished. Raises TaskNotFound or IllegalTransition."""
+    return client().cancel(task_id)
+
+
+@atexit.register
+def _close() -> None:
+    if _client is not None and _client.pid == os.getpid():
+        _client.close()

@@ -1,0 +1,293 @@
+"""The producer side: validate a task, protect against duplicates, hand it to the store.
+
+Guarantees of :meth:`Client.enqueue` / :meth:`Client.enqueue_many`:
+
+* Bad input raises :class:`ValidationError` and writes nothing; a batch is
+  validated whole before anything is written.
+* A call that returns has committed its task(s): a crash after it loses
+  nothing.
+* ``biz_key``: the same ``(task_type, biz_key)`` enqueued again returns the
+  existing id and creates nothing.
+* Fingerprint: a task with the same type and payload (key order does not
+  matter) whose trigger time is less than ``dedup_window_ms`` from a
+  non-cancelled one is not created again; the existing id comes back with
+  ``created=False``.
+Both hold across concurrent producers in many processes (see
+:mod:`ax_kombu.store.tasks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from . import states
+from .config import PRIORITIES, Settings
+from .exceptions import IllegalTransition, TaskNotFound, ValidationError
+from .ids import LeasedIds
+from .states import Status
+from .store import Store
+from .store.leases import StoreLessor
+from .store.tasks import fetch_task, insert_tasks
+
+_TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "biz_key",
+                        "max_retry", "timeout_ms", "processor", "callback_url", "trace_id"})
+
+
+class TaskId(int):
+    """A task id (an ``int``) that also says whether this call created the task."""
+
+    created: bool
+
+    def __new__(cls, value: int, created: bool = True) -> TaskId:
+        obj = super().__new__(cls, value)
+        obj.created = created
+        return obj
+
+    @property
+    def duplicate(self) -> bool:
+        """True when the call matched an existing task and created nothing."""
+        return not self.created
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """A read-only snapshot of one task row."""
+
+    task_id: int
+    task_type: str
+    status: Status
+    trigger_time: int
+    priority: str
+    payload: Any
+    retry_count: int
+    max_retry: int
+    timeout_ms: int
+    processor_name: str | None
+    callback_url: str | None
+    biz_key: str | None
+    fingerprint: str
+    trace_id: str
+    attempt: int
+    last_run_node: str | None
+    created_at: int
+    dispatched_at: int | None
+    started_at: int | None
+    finished_at: int | None
+    last_error: str | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> TaskView:
+        data = {k: row[k] for k in cls.__dataclass_fields__}
+        data["status"] = Status(row["status"])
+        data["payload"] = json.loads(row["payload"])
+        return cls(**data)
+
+
+def canonical_json(payload: Any, limit: int) -> str:
+    """The payload as compact JSON with sorted keys (so key order never matters).
+
+    Raises:
+        ValidationError: not JSON-serialisable, NaN/Infinity, or over ``limit`` bytes.
+    """
+    try:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"payload is not JSON-serialisable: {exc}") from None
+    size = len(text.encode())
+    if size > limit:
+        raise ValidationError(f"payload is {size} bytes encoded; the limit is {limit} "
+                              "(AX_MAX_PAYLOAD_BYTES)")
+    return text
+
+
+def fingerprint(task_type: str, payload_json: str) -> str:
+    """128-bit hex digest of the task type and canonical payload."""
+    return hashlib.blake2b(f"{task_type}\0{payload_json}".encode(), digest_size=16).hexdigest()
+
+
+def _as_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValidationError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def trigger_ms(now_ms: int, run_at: datetime | None, delay: Any) -> int:
+    """The trigger time in epoch ms from exactly one of ``run_at`` / ``delay`` (or now).
+
+    ``run_at`` must be a timezone-aware datetime: a naive one is ambiguous and
+    refused. ``delay`` is seconds (int/float) or a timedelta, never negative.
+    """
+    if run_at is not None and delay is not None:
+        raise ValidationError("give run_at or delay, not both")
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise ValidationError(f"run_at must be a datetime, got {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise ValidationError("run_at is a naive datetime; pass an aware one, e.g. "
+                                  "datetime(2026, 12, 24, 20, 0, tzinfo=timezone.utc)")
+        return round(run_at.timestamp() * 1000)
+    if delay is None:
+        return now_ms
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise ValidationError(f"delay must be seconds or a timedelta, got {delay!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValidationError(f"delay must be a finite number >= 0, got {delay!r}")
+    return now_ms + round(seconds * 1000)
+
+
+def _target(task_type: str, processor: Any, callback_url: Any) -> tuple[str | None, str | None]:
+    if processor is not None and callback_url is not None:
+        raise ValidationError("give processor or callback_url, not both")
+    if callback_url is not None:
+        if not isinstance(callback_url, str) or not callback_url.startswith(("http://",
+                                                                            "https://")):
+            raise ValidationError(f"callback_url must be an http(s) URL, got {callback_url!r}")
+        return None, callback_url
+    if processor is None:
+        return task_type, None
+    if not isinstance(processor, str) or not processor.strip():
+        raise ValidationError(f"processor must be a non-empty name, got {processor!r}")
+    return processor, None
+
+
+def _text(name: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{name} must be a non-empty string, got {value!r}")
+    if len(value) > limit:
+        raise ValidationError(f"{name} is longer than {limit} characters")
+    return value
+
+
+def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
+              run_at: datetime | None = None, delay: Any = None, priority: str = "default",
+              biz_key: str | None = None, max_retry: int | None = None,
+              timeout_ms: int | None = None, processor: str | None = None,
+              callback_url: str | None = None, trace_id: str | None = None) -> dict[str, Any]:
+    """Validate one task and return its row (without ``task_id``).
+
+    Raises:
+        ValidationError: any argument is invalid.
+    """
+    task_type = _text("task_type", task_type, 128)
+    if priority not in PRIORITIES:
+        raise ValidationError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITIES)}")
+    if biz_key is not None:
+        biz_key = _text("biz_key", biz_key, 255)
+    processor_name, callback = _target(task_type, processor, callback_url)
+    payload_json = canonical_json(payload, settings.max_payload_bytes)
+    return {
+        "task_type": task_type,
+        "trigger_time": trigger_ms(now_ms, run_at, delay),
+        "status": Status.CREATED.value,
+        "priority": priority,
+        "retry_count": 0,
+        "max_retry": _as_int("max_retry", settings.default_max_retry if max_retry is None
+                             else max_retry, 0),
+        "timeout_ms": _as_int("timeout_ms", settings.default_timeout_ms if timeout_ms is None
+                              else timeout_ms, 1),
+        "processor_name": processor_name,
+        "callback_url": callback,
+        "payload": payload_json,
+        "biz_key": biz_key,
+        "fingerprint": fingerprint(task_type, payload_json),
+        "trace_id": _text("trace_id", trace_id, 32) if trace_id is not None else uuid.uuid4().hex,
+        "attempt": 0,
+        "created_at": now_ms,
+    }
+
+
+class Client:
+    """A producer's handle on one store. Thread-safe; one per process is enough."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store(settings)
+        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.ids = LeasedIds(StoreLessor(self.store.engine), owner,
+                             settings.node_lease_s * 1000, self.store.now_ms)
+        self.pid = os.getpid()
+
+    def enqueue(self, task_type: str, payload: Any = None, **options: Any) -> TaskId:
+        """Create one task; see :func:`ax_kombu.enqueue` for the arguments.
+
+        Returns:
+            The task id; ``.created`` is False when it matched an existing task.
+        Raises:
+            ValidationError: bad input; nothing was written.
+        """
+        return self.enqueue_many([dict(options, task_type=task_type, payload=payload)])[0]
+
+    def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
+        """Create many tasks in one transaction; each item holds enqueue's arguments.
+
+        Raises:
+            ValidationError: any item is invalid; nothing was written.
+        """
+        now = self.store.now_ms()
+        rows = [self._row(now, i, item) for i, item in enumerate(items)]
+        if not rows:
+            return []
+        for row, task_id in zip(rows, self.ids.next_ids(len(rows)), strict=True):
+            row["task_id"] = task_id
+        results = insert_tasks(self.store.engine, rows, self.settings.dedup_window_ms)
+        return [TaskId(task_id, created) for task_id, created in results]
+
+    def _row(self, now: int, index: int, item: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(item, Mapping):
+            raise ValidationError(f"item {index} is not a mapping of enqueue arguments")
+        unknown = set(item) - _TASK_ARGS
+        if unknown:
+            raise ValidationError(f"item {index}: unknown argument(s) {', '.join(sorted(unknown))}")
+        if "task_type" not in item:
+            raise ValidationError(f"item {index} has no task_type")
+        args = dict(item)
+        return build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
+                         **args)
+
+    def get(self, task_id: int) -> TaskView:
+        """The task ``task_id``.
+
+        Raises:
+            TaskNotFound: no such task.
+        """
+        with self.store.engine.connect() as conn:
+            row = fetch_task(conn, int(task_id))
+        if row is None:
+            raise TaskNotFound(f"no task {task_id}")
+        return TaskView.from_row(row._mapping)
+
+    def cancel(self, task_id: int) -> TaskView:
+        """Cancel a task that has not finished.
+
+        Raises:
+            TaskNotFound: no such task.
+            IllegalTransition: the task is already SUCCESS, FAILED or CANCELLED.
+        """
+        with self.store.engine.begin() as conn:
+            moved = states.transition(conn, [int(task_id)], states.ACTIVE, Status.CANCELLED,
+                                      values={"finished_at": self.store.now_ms()})
+        view = self.get(task_id)
+        if not moved:
+            raise IllegalTransition(f"task {task_id} is {view.status}; only a task that has "
+                                    "not finished can be cancelled")
+        return view
+
+    def close(self) -> None:
+        self.ids.release()
+        self.store.close()

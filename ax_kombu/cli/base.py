@@ -1,0 +1,78 @@
+"""What every ax command shares: settings from flags, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ..config import Settings, from_env, parse_duration_ms
+from ..exceptions import AxError
+
+
+class AxGroup(click.Group):
+    """A click group that turns an :class:`AxError` into ``ax: error: …`` and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except AxError as exc:
+            click.echo(f"ax: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+def run_guarded(func: Callable[[], Any]) -> Any:
+    """Call ``func``; an AxError becomes a one-line message and its exit code."""
+    try:
+        return func()
+    except AxError as exc:
+        click.echo(f"ax: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+def db_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--db", "database_url", envvar="AX_DATABASE_URL", default=None,
+                        help="Store URL: postgresql://… or sqlite:///path [AX_DATABASE_URL]")(func)
+
+
+def broker_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--broker", "broker_url", envvar="AX_BROKER_URL", default=None,
+                        help="Kombu broker URL: redis://…, amqp://… [AX_BROKER_URL]")(func)
+
+
+def settings_from(ctx: click.Context, **overrides: Any) -> Settings:
+    """Settings from AX_* variables, then the group's and this command's flags."""
+    merged = dict(ctx.find_root().obj or {})
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return from_env(**merged)
+
+
+class Duration(click.ParamType):
+    """``500ms``, ``5s``, ``2m``, ``1h`` or bare seconds, as milliseconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_duration_ms(str(value))
+        except AxError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class JsonValue(click.ParamType):
+    """A JSON document given on the command line."""
+
+    name = "json"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            self.fail(f"not valid JSON ({exc.msg} at position {exc.pos}): {value!r}", param, ctx)

@@ -1,0 +1,45 @@
+"""``ax enqueue TYPE --payload JSON [--delay 5s | --at ISO]``"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import click
+
+from ..api import Client
+from ..config import PRIORITIES
+from ..exceptions import ValidationError
+from .base import Duration, JsonValue, settings_from
+
+
+@click.command()
+@click.argument("task_type")
+@click.option("--payload", type=JsonValue(), default="null", help="JSON payload.")
+@click.option("--delay", type=Duration(), default=None, help="Run after this long (5s, 2m, …).")
+@click.option("--at", "run_at", default=None,
+              help="Run at this ISO time with a zone, e.g. 2026-12-24T20:00:00+08:00.")
+@click.option("--priority", type=click.Choice(PRIORITIES), default="default", show_default=True)
+@click.option("--biz-key", default=None, help="Idempotency key, unique per task type.")
+@click.option("--max-retry", type=int, default=None)
+@click.option("--timeout", "timeout_ms", type=Duration(), default=None, help="e.g. 30s")
+@click.option("--processor", default=None, help="Registered name or package.module:function.")
+@click.option("--callback-url", default=None, help="POST the payload to this URL instead.")
+@click.pass_context
+def enqueue(ctx: click.Context, task_type: str, payload: Any, delay: int | None,
+            run_at: str | None, **options: Any) -> None:
+    """Schedule one task and print its id."""
+    when = None
+    if run_at is not None:
+        try:
+            when = datetime.fromisoformat(run_at)
+        except ValueError:
+            raise ValidationError(f"--at {run_at!r} is not an ISO 8601 time") from None
+    client = Client(settings_from(ctx))
+    try:
+        task_id = client.enqueue(task_type, payload, run_at=when,
+                                 delay=None if delay is None else delay / 1000.0, **options)
+    finally:
+        client.close()
+    suffix = "" if task_id.created else "  (duplicate: existing task, nothing created)"
+    click.echo(f"{int(task_id)}{suffix}")

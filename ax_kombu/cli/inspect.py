@@ -1,0 +1,41 @@
+"""``ax inspect ID`` — one task, every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import UTC, datetime
+
+import click
+
+from ..api import Client
+from .base import settings_from
+
+_TIMES = ("trigger_time", "created_at", "dispatched_at", "started_at", "finished_at")
+
+
+def _iso(ms: int | None) -> str | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC).isoformat(
+        timespec="milliseconds")
+
+
+@click.command()
+@click.argument("task_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
+    """Show one task."""
+    client = Client(settings_from(ctx))
+    try:
+        view = dataclasses.asdict(client.get(task_id))
+    finally:
+        client.close()
+    view["status"] = str(view["status"])
+    for name in _TIMES:
+        view[name] = _iso(view[name])
+    if as_json:
+        click.echo(json.dumps(view, indent=2, ensure_ascii=False))
+        return
+    for key, value in view.items():
+        shown = json.dumps(value, ensure_ascii=False) if key == "payload" else value
+        click.echo(f"{key:>15}: {'' if shown is None else shown}")

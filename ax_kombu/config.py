@@ -1,0 +1,139 @@
+"""One typed settings object for every ax process.
+
+Precedence, lowest first: the defaults below < ``AX_*`` environment variables
+< ``ax.configure(...)`` / CLI flags. Every field ``name`` is read from the
+variable ``AX_NAME`` (for example ``database_url`` from ``AX_DATABASE_URL``).
+
+With nothing set, ax is embedded and server-free: the store is a SQLite file
+and the broker is ax's own SQLite Kombu transport, both in the current
+directory, so two terminals in the same folder share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .exceptions import ConfigurationError
+
+PRIORITIES = ("high", "default", "slow")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, None: 1000}
+
+
+def parse_duration_ms(text: str) -> int:
+    """Parse ``"250ms"``, ``"5s"``, ``"2m"``, ``"1.5h"`` or a bare number of seconds.
+
+    Raises:
+        ConfigurationError: the text is not a non-negative duration.
+    """
+    match = _DURATION.match(text)
+    if not match:
+        raise ConfigurationError(f"not a duration: {text!r} (use e.g. 500ms, 5s, 2m, 1h)")
+    return round(float(match.group(1)) * _UNIT_MS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything an ax process can be told. See the module docstring for precedence."""
+
+    database_url: str = "sqlite:///ax.sqlite3"
+    broker_url: str = "ax+sqlite:///ax-broker.sqlite3"
+    #: run Alembic migrations on first use (always on for SQLite).
+    auto_migrate: bool = False
+    queue_high: str = "high"
+    queue_default: str = "default"
+    queue_slow: str = "slow"
+    #: two tasks with the same type and payload closer than this are duplicates.
+    dedup_window_ms: int = 5000
+    max_payload_bytes: int = 65536
+    default_max_retry: int = 3
+    default_timeout_ms: int = 60_000
+    #: how long a process holds its snowflake node id before renewing it.
+    node_lease_s: int = 600
+    #: scheduler: how far ahead tasks are loaded from the database.
+    preload_window_ms: int = 10_000
+    #: scheduler: most rows loaded per preload round.
+    preload_batch: int = 20_000
+    #: scheduler: most rows claimed and published per round trip.
+    claim_batch: int = 1000
+    #: scheduler: a task DISPATCHING longer than this goes back to READY.
+    ack_timeout_ms: int = 30_000
+    #: scheduler: how often orphaned due tasks are looked for.
+    recovery_interval_s: float = 30.0
+    #: every process: how often it writes its heartbeat.
+    heartbeat_interval_s: float = 5.0
+    #: a node is dead after this many missed heartbeats.
+    heartbeat_misses: int = 3
+    #: a clock offset to the database above this is reported.
+    clock_skew_warn_ms: int = 50
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def queue_for(self, priority: str) -> str:
+        """The broker queue name that serves ``priority``."""
+        return {"high": self.queue_high, "default": self.queue_default,
+                "slow": self.queue_slow}[priority]
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` applied and validated."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        settings = dataclasses.replace(self, **changes)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigurationError` for a setting that cannot work."""
+        if not self.database_url:
+            raise ConfigurationError("database_url is empty")
+        if not self.broker_url:
+            raise ConfigurationError("broker_url is empty")
+        for name in ("dedup_window_ms", "max_payload_bytes", "node_lease_s", "preload_window_ms",
+                     "preload_batch", "claim_batch", "ack_timeout_ms", "heartbeat_misses"):
+            if getattr(self, name) < 0 or (name != "dedup_window_ms" and getattr(self, name) == 0):
+                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:
+            raise ConfigurationError("the high, default and slow queues need distinct names")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+def _coerce(name: str, kind: Any, raw: str) -> Any:
+    kind_name = kind if isinstance(kind, str) else kind.__name__
+    try:
+        if kind_name == "bool":
+            if raw.lower() not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
+                raise ValueError(raw)
+            return raw.lower() in {"1", "true", "yes", "on"}
+        if kind_name == "int":
+            return parse_duration_ms(raw) if name.endswith("_ms") and not raw.isdigit() else int(raw)
+        if kind_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigurationError(f"AX_{name.upper()}={raw!r} is not a valid {kind_name}") from None
+    return raw
+
+
+def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Defaults, then ``AX_*`` variables from ``environ``, then ``overrides``."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        raw = environ.get(f"AX_{f.name.upper()}")
+        if raw is not None and f.name != "extra":
+            values[f.name] = _coerce(f.name, f.type, raw)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings().replace(**values)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe for logs and CLI output)."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)

@@ -1,0 +1,55 @@
+"""Every error ax raises on purpose derives from :class:`AxError`.
+
+The CLI turns an ``AxError`` into a one-line message and a non-zero exit code;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class AxError(Exception):
+    """Root of every error ax raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigurationError(AxError):
+    """A setting is missing, malformed or contradicts another one."""
+
+    exit_code = 2
+
+
+class ValidationError(AxError, ValueError):
+    """Input to enqueue (or another public call) is invalid; nothing was written."""
+
+    exit_code = 2
+
+
+class TaskNotFound(AxError, LookupError):
+    """No task has the given id."""
+
+    exit_code = 3
+
+
+class IllegalTransition(AxError):
+    """A state change that the state machine does not allow was requested."""
+
+    exit_code = 4
+
+
+class StaleState(AxError):
+    """A compare-and-set lost: the row was no longer in the expected state."""
+
+    exit_code = 4
+
+
+class StoreError(AxError):
+    """The task store could not be reached or refused an operation."""
+
+    exit_code = 5
+
+
+class IdExhausted(AxError):
+    """No snowflake node id could be leased (all 1024 are held)."""
+
+    exit_code = 5

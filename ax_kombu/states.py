@@ -1,0 +1,150 @@
+"""Task statuses, the transitions allowed between them, and the compare-and-set for each.
+
+::
+
+    CREATED ─▶ DELAYED (future) | READY (due)
+    DELAYED ─▶ READY | DISPATCHING          (claimed by a scheduler node)
+    READY ─▶ DISPATCHING
+    DISPATCHING ─▶ RUNNING (a worker took it) | READY (publish failed, ack timeout,
+                   worker pool full)
+    RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff) | READY (worker lost)
+    FAILED ─▶ READY                          (manual retry)
+    any non-final ─▶ CANCELLED
+
+Every change is one ``UPDATE … WHERE task_id … AND status IN (…)`` statement;
+its rowcount (or RETURNING list) decides who won, so two nodes racing for
+the same task can never both succeed. A claim increments ``attempt``, the
+fencing token: a worker moves a task to RUNNING only when the attempt in its
+message equals the row's, so a stale message from an earlier attempt is
+refused. That makes dispatch exactly-once *per attempt*; execution is
+at-least-once (a task re-dispatched after a lost worker may run again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Connection, Row, bindparam, text, update
+
+from .exceptions import IllegalTransition
+from .store.schema import tasks
+
+
+class Status(StrEnum):
+    CREATED = "CREATED"
+    DELAYED = "DELAYED"
+    READY = "READY"
+    DISPATCHING = "DISPATCHING"
+    RUNNING = "RUNNING"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+S = Status
+FINAL = frozenset({S.SUCCESS, S.FAILED, S.CANCELLED})
+ACTIVE = frozenset(Status) - FINAL
+#: states a scheduler may claim from
+CLAIMABLE = (S.DELAYED, S.READY)
+
+TRANSITIONS: Mapping[Status, frozenset[Status]] = {
+    S.CREATED: frozenset({S.DELAYED, S.READY, S.CANCELLED}),
+    S.DELAYED: frozenset({S.READY, S.DISPATCHING, S.CANCELLED}),
+    S.READY: frozenset({S.DISPATCHING, S.CANCELLED}),
+    S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.CANCELLED}),
+    S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.READY, S.CANCELLED}),
+    S.SUCCESS: frozenset(),
+    S.FAILED: frozenset({S.READY}),
+    S.CANCELLED: frozenset(),
+}
+
+
+def check(sources: Iterable[Status], target: Status) -> tuple[Status, ...]:
+    """The sources as a tuple, after checking each may move to ``target``.
+
+    Raises:
+        IllegalTransition: some source may not move to ``target``.
+    """
+    sources = tuple(Status(s) for s in sources)
+    if not sources:
+        raise IllegalTransition(f"no source state given for a move to {target}")
+    for source in sources:
+        if target not in TRANSITIONS[source]:
+            raise IllegalTransition(f"a task cannot go from {source} to {target}")
+    return sources
+
+
+def sources_of(target: Status) -> tuple[Status, ...]:
+    """Every state from which ``target`` may be reached."""
+    return tuple(s for s in Status if target in TRANSITIONS[s])
+
+
+def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[Status],
+               target: Status, *, attempt: int | None = None,
+               values: Mapping[str, Any] | None = None) -> list[int]:
+    """Move every task in ``task_ids`` that is in one of ``sources`` to ``target``.
+
+    Args:
+        attempt: if given, only a row whose attempt equals it moves (fencing).
+        values: other columns to set in the same statement.
+    Returns:
+        The ids that moved (the others were not in a source state).
+    Raises:
+        IllegalTransition: a source may not move to ``target``; nothing is changed.
+    """
+    sources = check(sources, target)
+    if not task_ids:
+        return []
+    stmt = (update(tasks)
+            .where(tasks.c.task_id.in_(list(task_ids)), tasks.c.status.in_(sources))
+            .values(status=target, **(values or {}))
+            .returning(tasks.c.task_id))
+    if attempt is not None:
+        stmt = stmt.where(tasks.c.attempt == attempt)
+    return [r[0] for r in conn.execute(stmt)]
+
+
+_CLAIM_COLUMNS = ("task_id, task_type, trigger_time, priority, attempt, retry_count, max_retry, "
+                  "timeout_ms, processor_name, callback_url, payload, trace_id")
+
+_CLAIM_PG = text(f"""
+    UPDATE ax_task AS t
+       SET status = 'DISPATCHING', attempt = t.attempt + 1,
+           last_run_node = :node, dispatched_at = :now
+      FROM (SELECT task_id FROM ax_task
+             WHERE task_id = ANY(:ids) AND status IN ('DELAYED', 'READY')
+               AND trigger_time <= :due_before
+             FOR UPDATE SKIP LOCKED) AS c
+     WHERE t.task_id = c.task_id
+ RETURNING {', '.join('t.' + c.strip() for c in _CLAIM_COLUMNS.split(','))}
+""")
+
+_CLAIM_GENERIC = text(f"""
+    UPDATE ax_task
+       SET status = 'DISPATCHING', attempt = attempt + 1,
+           last_run_node = :node, dispatched_at = :now
+     WHERE task_id IN :ids AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
+ RETURNING {_CLAIM_COLUMNS}
+""").bindparams(bindparam("ids", expanding=True))
+
+
+def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
+          due_before: int | None = None) -> list[Row[Any]]:
+    """Claim due tasks for dispatch by ``node``: DELAYED/READY → DISPATCHING, attempt + 1.
+
+    One statement for the whole batch. On PostgreSQL rows another node has
+    locked are skipped rather than waited for (``FOR UPDATE SKIP LOCKED``), so
+    racing nodes never block each other; every row is returned to exactly one
+    claimer. Rows due after ``due_before`` (default ``now_ms``) are left alone.
+
+    Returns:
+        The claimed rows, with the columns a dispatch message needs.
+    """
+    if not task_ids:
+        return []
+    params = {"ids": list(task_ids), "node": node, "now": now_ms,
+              "due_before": now_ms if due_before is None else due_before}
+    stmt = _CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC
+    return list(conn.execute(stmt, params))

@@ -1,0 +1,50 @@
+"""Snowflake node-id leases held in the ``ax_id_lease`` table (see :mod:`ax_kombu.ids`).
+
+A slot is taken with one conditional UPDATE on a slot whose lease has ended
+(on the database clock); on PostgreSQL the candidate row is locked with
+``SKIP LOCKED`` so processes starting together take different slots without
+waiting on each other. SQLite serialises writers, which gives the same.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, select, update
+
+from ..exceptions import IdExhausted
+from .engine import db_now_ms
+from .schema import id_leases as L
+
+
+class StoreLessor:
+    """The :class:`ax_kombu.ids.Lessor` backed by the task store."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def acquire(self, owner: str, lease_ms: int) -> tuple[int, int]:
+        with self._engine.begin() as conn:
+            now = db_now_ms(conn)
+            candidate = (select(L.c.slot).where(L.c.lease_until < now)
+                         .order_by(L.c.lease_until, L.c.slot).limit(1)
+                         .with_for_update(skip_locked=True).scalar_subquery())
+            slot = conn.execute(
+                update(L).where(L.c.slot == candidate, L.c.lease_until < now)
+                .values(owner=owner, lease_until=now + lease_ms).returning(L.c.slot)
+            ).scalar_one_or_none()
+        if slot is None:
+            raise IdExhausted("all 1024 snowflake node ids are leased; "
+                              "too many producer processes are alive at once")
+        return int(slot), now + lease_ms
+
+    def renew(self, slot: int, owner: str, lease_ms: int) -> int | None:
+        with self._engine.begin() as conn:
+            now = db_now_ms(conn)
+            moved = conn.execute(
+                update(L).where(L.c.slot == slot, L.c.owner == owner, L.c.lease_until > now)
+                .values(lease_until=now + lease_ms)).rowcount
+        return now + lease_ms if moved == 1 else None
+
+    def release(self, slot: int, owner: str) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(update(L).where(L.c.slot == slot, L.c.owner == owner)
+                         .values(owner=None, lease_until=0))

@@ -1,0 +1,82 @@
+"""The tables, as SQLAlchemy Core. Alembic migrations create and upgrade them.
+
+Times are integers of milliseconds since the Unix epoch, taken from the
+database clock (see :mod:`ax_kombu.store.clock`), so PostgreSQL and SQLite
+store and compare them the same way and nothing depends on a time zone.
+
+Indexes, each with its reason:
+
+* ``(status, trigger_time)`` — the preload and recovery scans ask "tasks in
+  status S due before T"; with status first the scan is one tight index range
+  and never walks the finished history (SPEC lists the pair as
+  ``(trigger_time, status)``; this order serves the same queries without
+  reading every old row).
+* ``(task_type, status)`` — per-type admin views and concurrency limits.
+* ``(fingerprint, trigger_time)`` — the duplicate check at enqueue.
+* unique ``(task_type, biz_key)`` — idempotent enqueue by business key
+  (NULL biz_keys never conflict, on both databases).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger, CheckConstraint, Column, Index, Integer, MetaData, String, Table, Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+tasks = Table(
+    "ax_task", metadata,
+    Column("task_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("task_type", String(128), nullable=False),
+    Column("trigger_time", BigInteger, nullable=False),
+    Column("status", String(12), nullable=False),
+    Column("priority", String(8), nullable=False),
+    Column("retry_count", Integer, nullable=False, server_default="0"),
+    Column("max_retry", Integer, nullable=False),
+    Column("timeout_ms", Integer, nullable=False),
+    Column("processor_name", String(255)),
+    Column("callback_url", String(2048)),
+    Column("payload", Text, nullable=False),
+    Column("biz_key", String(255)),
+    Column("fingerprint", String(32), nullable=False),
+    Column("trace_id", String(32), nullable=False),
+    #: the fencing token: +1 on every claim; a worker acts only on its own attempt.
+    Column("attempt", Integer, nullable=False, server_default="0"),
+    Column("last_run_node", String(128)),
+    Column("created_at", BigInteger, nullable=False),
+    Column("dispatched_at", BigInteger),
+    Column("started_at", BigInteger),
+    Column("finished_at", BigInteger),
+    Column("last_error", Text),
+    UniqueConstraint("task_type", "biz_key", name="uq_ax_task_type_biz_key"),
+    CheckConstraint("(processor_name IS NULL) <> (callback_url IS NULL)",
+                    name="ck_ax_task_one_target"),
+    Index("ix_ax_task_status_trigger", "status", "trigger_time"),
+    Index("ix_ax_task_type_status", "task_type", "status"),
+    Index("ix_ax_task_fingerprint", "fingerprint", "trigger_time"),
+)
+
+#: 1024 rows, one per snowflake node id; a process leases one (see ids.py).
+id_leases = Table(
+    "ax_id_lease", metadata,
+    Column("slot", Integer, primary_key=True, autoincrement=False),
+    Column("owner", String(128)),
+    Column("lease_until", BigInteger, nullable=False, server_default="0"),
+)
+
+#: one row per live scheduler or worker process, refreshed by its heartbeat.
+nodes = Table(
+    "ax_node", metadata,
+    Column("node_id", String(128), primary_key=True),
+    Column("kind", String(16), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", BigInteger, nullable=False),
+    Column("heartbeat_at", BigInteger, nullable=False),
+    Column("stopped_at", BigInteger),
+    Column("info", Text, nullable=False, server_default="{}"),
+)
+
+ID_SLOTS = 1024

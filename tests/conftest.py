@@ -1,0 +1,71 @@
+"""Shared fixtures: a store URL per backend (SQLite file and a PostgreSQL database of
+this run's own), and the settings that point ax at them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from ax_kombu.config import Settings, from_env
+from ax_kombu.store.engine import make_engine, migrate
+
+from .services import PG_ADMIN_URL, RUN_ID, pg_url_for, reachable, unavailable
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A migrated PostgreSQL database that belongs to this test run only."""
+    why = reachable(PG_ADMIN_URL, 5432)
+    if why:
+        unavailable("PostgreSQL", why)
+    name = f"ax_test_{RUN_ID}"
+    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = pg_url_for(name)
+    engine = make_engine(url)
+    migrate(engine)
+    engine.dispose()
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def _clean_pg(url: str) -> None:
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE ax_task, ax_node"))
+        conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_database: str) -> str:
+    """This run's PostgreSQL database, emptied for the test."""
+    _clean_pg(pg_database)
+    return pg_database
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'ax.sqlite3'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each store test runs twice: on a SQLite file and on PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ax.sqlite3'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+def settings(store_url: str, tmp_path: Path) -> Settings:
+    """Settings on this test's store, ignoring any AX_* variables of the shell."""
+    return from_env({}, database_url=store_url, auto_migrate=True,
+                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")

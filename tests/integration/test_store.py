@@ -1,0 +1,157 @@
+"""The task store on both backends: enqueue, dedup, get, cancel, and the state machine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from ax_kombu import states
+from ax_kombu.api import Client
+from ax_kombu.config import Settings
+from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
+from ax_kombu.states import Status
+from ax_kombu.store.schema import tasks
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[Client]:
+    c = Client(settings)
+    yield c
+    c.close()
+
+
+def count(client: Client) -> int:
+    with client.store.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(tasks)).scalar_one())
+
+
+def test_enqueue_then_get_round_trips_every_field(client: Client) -> None:
+    before = client.store.now_ms()
+    task_id = client.enqueue("coupon.grant", {"user": 1, "ünï": "ok"}, delay=30,
+                             priority="high", max_retry=5, timeout_ms=1500,
+                             biz_key="u1-xmas", trace_id="abc123")
+    view = client.get(task_id)
+    assert task_id.created and view.task_id == task_id
+    assert view.status is Status.CREATED and view.priority == "high"
+    assert view.payload == {"user": 1, "ünï": "ok"}
+    assert (view.max_retry, view.timeout_ms, view.biz_key, view.trace_id) == (5, 1500,
+                                                                              "u1-xmas", "abc123")
+    assert before + 30_000 <= view.trigger_time <= client.store.now_ms() + 30_000
+    assert view.attempt == 0 and view.processor_name == "coupon.grant"
+
+
+def test_run_at_is_stored_to_the_millisecond(client: Client) -> None:
+    at = datetime(2031, 5, 1, 20, 0, 0, 123000, tzinfo=UTC)
+    assert client.get(client.enqueue("t", {}, run_at=at)).trigger_time == \
+        int(at.timestamp() * 1000)
+
+
+def test_biz_key_makes_enqueue_idempotent(client: Client) -> None:
+    first = client.enqueue("order.close", {"v": 1}, biz_key="order-9", delay=60)
+    again = client.enqueue("order.close", {"v": 2}, biz_key="order-9", delay=999)
+    other_type = client.enqueue("order.remind", {"v": 1}, biz_key="order-9", delay=60)
+    assert again == first and again.duplicate
+    assert other_type != first and other_type.created
+    assert count(client) == 2
+
+
+def test_fingerprint_dedup_window(client: Client) -> None:
+    window = client.settings.dedup_window_ms
+    first = client.enqueue("push", {"b": 2, "a": 1}, delay=100)
+    t0 = client.get(first).trigger_time
+    same = client.enqueue("push", {"a": 1, "b": 2}, run_at=_at(t0 + window - 1))
+    apart = client.enqueue("push", {"a": 1, "b": 2}, run_at=_at(t0 + window))
+    other_payload = client.enqueue("push", {"a": 1, "b": 3}, run_at=_at(t0))
+    assert same == first and same.duplicate
+    assert apart.created and other_payload.created
+    assert count(client) == 3
+
+
+def test_cancelled_tasks_do_not_block_a_new_one(client: Client) -> None:
+    first = client.enqueue("push", {"a": 1}, delay=100)
+    client.cancel(first)
+    second = client.enqueue("push", {"a": 1}, delay=100)
+    assert second.created and second != first
+
+
+def test_enqueue_many_dedups_within_the_batch_and_against_the_table(client: Client) -> None:
+    existing = client.enqueue("push", {"n": 0}, delay=50)
+    items = [{"task_type": "push", "payload": {"n": i % 300}, "delay": 50} for i in range(600)]
+    items.append({"task_type": "close", "payload": {}, "biz_key": "k1", "delay": 50})
+    items.append({"task_type": "close", "payload": {"x": 1}, "biz_key": "k1", "delay": 50})
+    out = client.enqueue_many(items)
+    assert out[0] == existing and out[0].duplicate
+    assert [o.created for o in out[1:300]] == [True] * 299
+    assert all(o.duplicate for o in out[300:600])
+    assert out[300 + 7] == out[7]
+    assert out[-1] == out[-2] and out[-1].duplicate
+    assert count(client) == 1 + 299 + 1
+    assert client.get(out[5]).payload == {"n": 5}
+
+
+def test_a_bad_item_writes_nothing_from_the_batch(client: Client) -> None:
+    items = [{"task_type": "ok", "payload": {"i": i}} for i in range(50)]
+    items.append({"task_type": "bad", "payload": {}, "priority": "urgent"})
+    with pytest.raises(ValidationError, match="item|priority"):
+        client.enqueue_many(items)
+    with pytest.raises(ValidationError, match="unknown argument"):
+        client.enqueue_many([{"task_type": "x", "payload": 1, "dealy": 5}])
+    assert count(client) == 0
+
+
+def test_cancel_only_unfinished_tasks(client: Client) -> None:
+    task_id = client.enqueue("t", {}, delay=10)
+    assert client.cancel(task_id).status is Status.CANCELLED
+    with pytest.raises(IllegalTransition, match="CANCELLED"):
+        client.cancel(task_id)
+    with pytest.raises(TaskNotFound):
+        client.cancel(12345)
+    with pytest.raises(TaskNotFound):
+        client.get(12345)
+
+
+def test_illegal_transition_is_refused_and_changes_nothing(client: Client) -> None:
+    task_id = client.enqueue("t", {}, delay=0)
+    with client.store.engine.begin() as conn:
+        assert states.transition(conn, [task_id], [Status.CREATED], Status.READY) == [task_id]
+        with pytest.raises(IllegalTransition):
+            states.transition(conn, [task_id], [Status.READY], Status.SUCCESS)
+        # a legal move from the wrong current state loses the compare-and-set
+        assert states.transition(conn, [task_id], [Status.RUNNING], Status.SUCCESS) == []
+    assert client.get(task_id).status is Status.READY
+
+
+def test_claim_fences_with_the_attempt(client: Client) -> None:
+    task_id = client.enqueue("t", {}, delay=0)
+    now = client.store.now_ms() + 10
+    with client.store.engine.begin() as conn:
+        states.transition(conn, [task_id], [Status.CREATED], Status.READY)
+        (row,) = states.claim(conn, [task_id], "node-a", now)
+        assert row.attempt == 1 and row.task_id == task_id
+        assert states.claim(conn, [task_id], "node-b", now) == []  # already DISPATCHING
+        # ack timeout: back to READY, claimed again with a new attempt
+        states.transition(conn, [task_id], [Status.DISPATCHING], Status.READY)
+        (row,) = states.claim(conn, [task_id], "node-b", now)
+        assert row.attempt == 2
+        # the stale message of attempt 1 cannot start the task; attempt 2 can
+        assert states.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
+                                 attempt=1) == []
+        assert states.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
+                                 attempt=2) == [task_id]
+    view = client.get(task_id)
+    assert (view.status, view.last_run_node, view.attempt) == (Status.RUNNING, "node-b", 2)
+
+
+def test_claim_leaves_tasks_that_are_not_due(client: Client) -> None:
+    task_id = client.enqueue("t", {}, delay=60)
+    with client.store.engine.begin() as conn:
+        states.transition(conn, [task_id], [Status.CREATED], Status.DELAYED)
+        assert states.claim(conn, [task_id], "n", client.store.now_ms()) == []
+    assert client.get(task_id).status is Status.DELAYED
+
+
+def _at(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC) + timedelta(0)

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+
+from ax_kombu.config import from_env, parse_duration_ms, redact_url
+from ax_kombu.exceptions import ConfigurationError
+
+
+def test_precedence_defaults_env_overrides() -> None:
+    assert from_env({}).database_url.startswith("sqlite:///")
+    env = {"AX_DATABASE_URL": "postgresql://h/db", "AX_DEDUP_WINDOW_MS": "2s",
+           "AX_AUTO_MIGRATE": "yes", "AX_RECOVERY_INTERVAL_S": "1.5"}
+    settings = from_env(env)
+    assert settings.database_url == "postgresql://h/db"
+    assert settings.dedup_window_ms == 2000 and settings.auto_migrate is True
+    assert settings.recovery_interval_s == 1.5
+    assert from_env(env, database_url="sqlite:///x.db").database_url == "sqlite:///x.db"
+
+
+@pytest.mark.parametrize("env", [{"AX_CLAIM_BATCH": "many"}, {"AX_AUTO_MIGRATE": "perhaps"},
+                                 {"AX_CLAIM_BATCH": "0"}, {"AX_QUEUE_SLOW": "default"}])
+def test_bad_values_are_clear_errors(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigurationError):
+        from_env(env)
+
+
+def test_unknown_override_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="unknown setting"):
+        from_env({}, databse_url="x")
+
+
+@pytest.mark.parametrize("text,ms", [("250ms", 250), ("5s", 5000), ("2m", 120_000),
+                                     ("1.5h", 5_400_000), ("3", 3000)])
+def test_durations(text: str, ms: int) -> None:
+    assert parse_duration_ms(text) == ms
+
+
+def test_passwords_never_shown() -> None:
+    assert redact_url("amqp://guest:s3cret@host:5672/v") == "amqp://guest:***@host:5672/v"
+    assert redact_url("postgresql://u:p@h/db") == "postgresql://u:***@h/db"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

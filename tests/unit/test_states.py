@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from ax_kombu.exceptions import IllegalTransition
+from ax_kombu.states import ACTIVE, FINAL, TRANSITIONS, Status, check, sources_of
+
+
+def test_every_non_final_state_can_be_cancelled() -> None:
+    for status in ACTIVE:
+        assert Status.CANCELLED in TRANSITIONS[status]
+    assert sources_of(Status.CANCELLED) == tuple(s for s in Status if s in ACTIVE)
+
+
+@pytest.mark.parametrize("source,target", [
+    (Status.SUCCESS, Status.RUNNING), (Status.CANCELLED, Status.READY),
+    (Status.CREATED, Status.RUNNING), (Status.READY, Status.SUCCESS),
+    (Status.DELAYED, Status.RUNNING), (Status.SUCCESS, Status.CANCELLED),
+])
+def test_illegal_transitions_are_refused(source: Status, target: Status) -> None:
+    with pytest.raises(IllegalTransition, match=f"from {source} to {target}"):
+        check([source], target)
+
+
+def test_one_illegal_source_refuses_the_whole_move() -> None:
+    with pytest.raises(IllegalTransition):
+        check([Status.READY, Status.SUCCESS], Status.CANCELLED)
+
+
+def test_final_states_have_no_way_out_but_manual_retry() -> None:
+    assert TRANSITIONS[Status.SUCCESS] == frozenset()
+    assert TRANSITIONS[Status.CANCELLED] == frozenset()
+    assert TRANSITIONS[Status.FAILED] == frozenset({Status.READY})
+    assert FINAL == {Status.SUCCESS, Status.FAILED, Status.CANCELLED}
