@@ -44,6 +44,8 @@ class Settings:
 
     database_url: str = "sqlite:///ax.sqlite3"
     broker_url: str = "ax+sqlite:///ax-broker.sqlite3"
+    #: Redis only: a prefix for every key ax's queues use (isolates deployments).
+    broker_key_prefix: str = ""
     #: run Alembic migrations on first use (always on for SQLite).
     auto_migrate: bool = False
     queue_high: str = "high"
