@@ -3,6 +3,7 @@ this run's own), and the settings that point ax at them."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,10 @@ from sqlalchemy import text
 from ax_kombu.config import Settings, from_env
 from ax_kombu.store.engine import make_engine, migrate
 
-from .services import PG_ADMIN_URL, RUN_ID, pg_url_for, reachable, unavailable
+from .services import (
+    AMQP_URL, PG_ADMIN_URL, REDIS_URL, RUN_ID, create_rabbit_vhost, delete_rabbit_vhost, pg_url_for,
+    reachable, unavailable,
+)
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +73,50 @@ def settings(store_url: str, tmp_path: Path) -> Settings:
     """Settings on this test's store, ignoring any AX_* variables of the shell."""
     return from_env({}, database_url=store_url, auto_migrate=True,
                     broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")
+
+
+@pytest.fixture(scope="session")
+def rabbit_url() -> Iterator[str]:
+    """A RabbitMQ vhost that belongs to this test run only."""
+    why = reachable(AMQP_URL, 5672)
+    if why:
+        unavailable("RabbitMQ", why)
+    name = f"ax_test_{RUN_ID}"
+    url = create_rabbit_vhost(name)
+    yield url
+    delete_rabbit_vhost(name)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    why = reachable(REDIS_URL, 6379)
+    if why:
+        unavailable("Redis", why)
+    return REDIS_URL
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.integration),
+                        pytest.param("amqp", marks=pytest.mark.integration)])
+def broker(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """Broker settings for one test, on Redis and on RabbitMQ: this test's own queues."""
+    n = next(_counter)
+    suffix = f".t{n}"
+    overrides = {"queue_high": "high" + suffix, "queue_default": "default" + suffix,
+                 "queue_slow": "slow" + suffix}
+    if request.param == "redis":
+        overrides["broker_url"] = request.getfixturevalue("redis_url")
+        overrides["broker_key_prefix"] = f"axtest:{RUN_ID}:{n}:"
+    else:
+        overrides["broker_url"] = request.getfixturevalue("rabbit_url")
+    yield overrides
+    if request.param == "redis":
+        import redis
+
+        client = redis.Redis.from_url(overrides["broker_url"])
+        keys = list(client.scan_iter(match=overrides["broker_key_prefix"] + "*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()

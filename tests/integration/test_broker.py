@@ -1,0 +1,74 @@
+"""Publishing through Kombu to the priority queues, read back by a plain Kombu consumer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kombu import Consumer
+
+from ax_kombu.broker import Publisher, TaskMessage, connection, task_queues
+from ax_kombu.config import from_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def message(i: int, priority: str) -> TaskMessage:
+    return TaskMessage(task_id=i, attempt=1 + i % 2, task_type="t", payload={"i": i, "ü": [1]},
+                       trace_id=f"tr{i}", trigger_time=1000 + i, timeout_ms=500,
+                       priority=priority, retry_count=0, max_retry=3, processor="t",
+                       callback_url=None, dispatched_at=2000, node="n1")
+
+
+def drain(settings: Any, expected: int, timeout: float = 20.0) -> list[tuple[str, dict[str, Any],
+                                                                             dict[str, Any]]]:
+    """Everything on the three queues, read by a plain Kombu consumer until ``expected`` came."""
+    import time
+
+    got: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    with connection(settings) as conn:
+        queues = list(task_queues(settings).values())
+
+        def on_message(body: Any, msg: Any) -> None:
+            got.append((msg.delivery_info["routing_key"], body, msg.headers))
+            msg.ack()
+
+        with Consumer(conn, queues=queues, callbacks=[on_message], accept=["json"]):
+            deadline = time.monotonic() + timeout
+            while len(got) < expected and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+    return got
+
+
+def test_batches_arrive_in_their_priority_queue(broker: dict[str, str]) -> None:
+    settings = from_env({}, **broker)
+    publisher = Publisher(settings)
+    messages = [message(i, ("high", "default", "slow")[i % 3]) for i in range(1500)]
+    assert publisher.publish(messages[:1000]) == []
+    assert publisher.publish(messages[1000:]) == []
+    publisher.close()
+    got = drain(settings, 1500)
+    assert len(got) == 1500
+    by_id = {body["task_id"]: (queue, body, headers) for queue, body, headers in got}
+    assert len(by_id) == 1500
+    for m in messages:
+        queue, body, headers = by_id[m.task_id]
+        assert queue == settings.queue_for(m.priority)
+        assert TaskMessage.from_body(body) == m
+        assert headers["trace_id"] == m.trace_id
+
+
+def test_unreachable_broker_reports_every_message_unpublished() -> None:
+    settings = from_env({}, broker_url="redis://127.0.0.1:1/0")
+    messages = [message(i, "high") for i in range(5)]
+    assert Publisher(settings).publish(messages) == messages
+
+
+def test_malformed_bodies_are_refused() -> None:
+    with pytest.raises(ValueError):
+        TaskMessage.from_body({"v": 1, "task_id": 5})
+    with pytest.raises(ValueError):
+        TaskMessage.from_body(["not", "a", "message"])
