@@ -245,7 +245,8 @@ class Client:
             return []
         for row, task_id in zip(rows, self.ids.next_ids(len(rows)), strict=True):
             row["task_id"] = task_id
-        results = insert_tasks(self.store.engine, rows, self.settings.dedup_window_ms)
+        results = insert_tasks(self.store.engine, rows, self.settings.dedup_window_ms,
+                               wake_before_ms=now + self.settings.preload_window_ms)
         return [TaskId(task_id, created) for task_id, created in results]
 
     def _row(self, now: int, index: int, item: Mapping[str, Any]) -> dict[str, Any]:

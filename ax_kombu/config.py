@@ -62,6 +62,12 @@ class Settings:
     preload_window_ms: int = 10_000
     #: scheduler: most rows loaded per preload round.
     preload_batch: int = 20_000
+    #: scheduler: how often the preload runs without a wake-up (SQLite: at most 50 ms).
+    preload_interval_ms: int = 1000
+    #: scheduler: most tasks held in memory at once.
+    max_held: int = 500_000
+    #: scheduler: how long an unpublished task waits before it is tried again.
+    republish_delay_ms: int = 1000
     #: scheduler: most rows claimed and published per round trip.
     claim_batch: int = 1000
     #: scheduler: a task DISPATCHING longer than this goes back to READY.
@@ -97,7 +103,7 @@ class Settings:
         if not self.broker_url:
             raise ConfigurationError("broker_url is empty")
         for name in ("dedup_window_ms", "max_payload_bytes", "node_lease_s", "preload_window_ms",
-                     "preload_batch", "claim_batch", "ack_timeout_ms", "heartbeat_misses"):
+                     "preload_batch", "claim_batch", "preload_interval_ms", "max_held", "ack_timeout_ms", "heartbeat_misses"):
             if getattr(self, name) < 0 or (name != "dedup_window_ms" and getattr(self, name) == 0):
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:

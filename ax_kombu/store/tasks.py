@@ -107,14 +107,18 @@ def _lock(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: int) -
         conn.execute(_LOCK_KEYS, {"keys": sorted(keys)})
 
 
-def insert_tasks(engine: Engine, rows: Sequence[Mapping[str, Any]],
-                 window_ms: int) -> list[tuple[int, bool]]:
+def insert_tasks(engine: Engine, rows: Sequence[Mapping[str, Any]], window_ms: int,
+                 wake_before_ms: int | None = None) -> list[tuple[int, bool]]:
     """Insert ``rows`` (complete task rows) unless they duplicate a task.
 
     A row is a duplicate when a task with the same ``(task_type, biz_key)``
     exists, or a non-cancelled task with the same fingerprint has a trigger
     time less than ``window_ms`` away (``window_ms == 0`` turns that off).
     Rows earlier in the same batch count as existing.
+
+    If a new task is due before ``wake_before_ms``, schedulers are woken
+    (PostgreSQL ``NOTIFY``, delivered when the transaction commits) so a task
+    due inside the window they already loaded still fires on time.
 
     Returns:
         For each row, in order: ``(task_id, created)`` — the new id, or the
@@ -132,7 +136,20 @@ def insert_tasks(engine: Engine, rows: Sequence[Mapping[str, Any]],
                 fresh.append(row)
             results.append((found if found is not None else row["task_id"], found is None))
         _write(conn, fresh)
+        _wake(conn, fresh, wake_before_ms)
     return results
+
+
+WAKE_CHANNEL = "ax_wakeup"
+
+
+def _wake(conn: Connection, rows: Sequence[Mapping[str, Any]], before_ms: int | None) -> None:
+    if before_ms is None or not rows or conn.dialect.name != "postgresql":
+        return
+    first = min(r["trigger_time"] for r in rows)
+    if first < before_ms:
+        conn.execute(text("SELECT pg_notify(:channel, :first)"),
+                     {"channel": WAKE_CHANNEL, "first": str(first)})
 
 
 def _write(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:

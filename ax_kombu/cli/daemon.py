@@ -1,0 +1,76 @@
+"""What the two daemons share: logging, the pidfile, and signal handlers that only set flags."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..exceptions import ConfigurationError
+
+
+class _TraceFormatter(logging.Formatter):
+    """Constant messages, then the structured fields passed in ``extra``."""
+
+    _PLAIN = set(vars(logging.makeLogRecord({})))
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = {k: v for k, v in vars(record).items()
+                  if k not in self._PLAIN and k not in {"message", "asctime"}}
+        if fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in sorted(fields.items()))
+        return line
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(_TraceFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+@contextmanager
+def pidfile(path: str | None) -> Iterator[None]:
+    """Write our pid to ``path`` for the life of the block; refuse if a live process holds it."""
+    if not path:
+        yield
+        return
+    target = Path(path)
+    if target.exists():
+        try:
+            os.kill(int(target.read_text().strip() or 0), 0)
+        except (ValueError, ProcessLookupError):
+            pass  # stale
+        except PermissionError:
+            raise ConfigurationError(f"pidfile {path} belongs to a running process") from None
+        else:
+            raise ConfigurationError(f"pidfile {path} belongs to a running process")
+    target.write_text(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def install_stop_signals(request_stop: Callable[[bool], None]) -> None:
+    """First TERM/INT: warm stop; a second one, or QUIT: cold stop. Handlers only set flags."""
+    count = {"n": 0}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        count["n"] += 1
+        request_stop(signum == signal.SIGQUIT or count["n"] > 1)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, on_signal)
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"ax: error: {message}", file=sys.stderr)
+    sys.exit(code)

@@ -1,0 +1,51 @@
+"""``ax-scheduler``: the scheduling daemon. Every flag is also an ``AX_*`` variable."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from .. import metrics
+from ..config import redact_url
+from ..scheduler import Scheduler
+from .base import Duration, broker_option, db_option, run_guarded
+from .daemon import install_stop_signals, pidfile, setup_logging
+
+log = logging.getLogger("ax_kombu.scheduler")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@db_option
+@broker_option
+@click.option("-n", "--node-id", envvar="AX_NODE_ID", default=None, help="This node's name (default kind@host.pid).")
+@click.option("-l", "--loglevel", envvar="AX_LOGLEVEL", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--pidfile", "pidfile_path", envvar="AX_PIDFILE", default=None, help="Write the pid here.")
+@click.option("--metrics-port", envvar="AX_METRICS_PORT", type=int, default=0, show_default=True,
+              help="Serve Prometheus /metrics on 127.0.0.1:PORT (0: off).")
+@click.option("--preload-window", "preload_window_ms", type=Duration(), default=None,
+              help="How far ahead tasks are loaded (default 10s).")
+@click.option("--claim-batch", type=int, default=None, help="Tasks per claim (default 1000).")
+@click.option("--ack-timeout", "ack_timeout_ms", type=Duration(), default=None,
+              help="Re-dispatch a task no worker started within this (default 30s).")
+@click.option("--recovery-interval", "recovery_interval_s", type=float, default=None,
+              help="Seconds between recovery scans (default 30).")
+def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_port: int,
+         **overrides: object) -> None:
+    """Run one scheduler node: preload, timing wheel, claim, publish, recover.
+
+    Settings not given as flags come from AX_* variables (see ax_kombu.config).
+    """
+    from ..config import from_env
+
+    setup_logging(loglevel)
+    settings = run_guarded(lambda: from_env(**overrides))
+    with pidfile(pidfile_path):
+        scheduler = run_guarded(lambda: Scheduler(settings, node_id))
+        install_stop_signals(lambda cold: scheduler.request_stop(cold))
+        metrics.serve(metrics_port)
+        log.info("ax-scheduler ready", extra={"node": scheduler.node_id,
+                                              "db": redact_url(settings.database_url),
+                                              "broker": redact_url(settings.broker_url)})
+        run_guarded(scheduler.run)

@@ -1,0 +1,121 @@
+"""The scheduler's reads of the task table: the preload window and the recovery scans.
+
+Ownership: a DELAYED or READY row whose ``last_run_node`` names a scheduler
+is *held* by that scheduler (it is in that node's memory and that node will
+claim it when due). ``last_run_node IS NULL`` means nobody holds it, and the
+next preload of any scheduler adopts it. The preload takes CREATED rows and
+unheld rows in one index range each (``(status, trigger_time)``), bounded by
+the window and a row limit, never the whole table. On PostgreSQL the
+candidate rows are locked ``SKIP LOCKED``, so schedulers preloading at the
+same moment take disjoint sets; SQLite serialises writers, which gives the
+same. Every statement here is a compare-and-set: it re-checks the state it
+moves from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Connection, bindparam, text
+
+_LOCK = {"postgresql": "FOR UPDATE SKIP LOCKED"}
+
+_PRELOAD_CREATED = """
+UPDATE ax_task
+   SET status = CASE WHEN trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
+       last_run_node = :node
+ WHERE task_id IN (SELECT task_id FROM ax_task
+                    WHERE status = 'CREATED' AND trigger_time < :horizon
+                    ORDER BY trigger_time LIMIT :n {lock})
+   AND status = 'CREATED'
+RETURNING task_id, trigger_time
+"""
+
+_ADOPT_UNHELD = """
+UPDATE ax_task SET last_run_node = :node
+ WHERE task_id IN (SELECT task_id FROM ax_task
+                    WHERE status IN ('DELAYED', 'READY') AND last_run_node IS NULL
+                      AND trigger_time < :horizon
+                    ORDER BY trigger_time LIMIT :n {lock})
+   AND status IN ('DELAYED', 'READY') AND last_run_node IS NULL
+RETURNING task_id, trigger_time
+"""
+
+
+def _sql(conn: Connection, template: str) -> str:
+    return template.format(lock=_LOCK.get(conn.dialect.name, ""))
+
+
+def preload(conn: Connection, node: str, now_ms: int, horizon_ms: int,
+            limit: int) -> list[tuple[int, int]]:
+    """Take up to ``limit`` tasks due before ``horizon_ms`` for ``node``, oldest first.
+
+    CREATED rows become DELAYED (or READY when already due); unheld
+    DELAYED/READY rows are adopted. Returns ``(task_id, trigger_time)`` pairs.
+    """
+    params = {"node": node, "now": now_ms, "horizon": horizon_ms, "n": limit}
+    rows = [(r[0], r[1]) for r in conn.execute(text(_sql(conn, _PRELOAD_CREATED)), params)]
+    if len(rows) < limit:
+        params["n"] = limit - len(rows)
+        rows += [(r[0], r[1]) for r in conn.execute(text(_sql(conn, _ADOPT_UNHELD)), params)]
+    return rows
+
+
+def release_held(conn: Connection, nodes: Sequence[str]) -> int:
+    """Let go of every DELAYED/READY task the given nodes hold; returns how many."""
+    if not nodes:
+        return 0
+    stmt = text("UPDATE ax_task SET last_run_node = NULL WHERE status IN ('DELAYED', 'READY') "
+                "AND last_run_node IN :nodes").bindparams(bindparam("nodes", expanding=True))
+    return int(conn.execute(stmt, {"nodes": list(nodes)}).rowcount)
+
+
+def requeue_unacked(conn: Connection, dispatched_before_ms: int) -> list[int]:
+    """DISPATCHING tasks no worker started since ``dispatched_before_ms`` → READY, unheld.
+
+    The next claim gives them a new attempt, so the message of the old
+    attempt, if it is ever delivered, is refused by the worker.
+    """
+    stmt = text("UPDATE ax_task SET status = 'READY', last_run_node = NULL "
+                "WHERE status = 'DISPATCHING' AND dispatched_at < :cutoff RETURNING task_id")
+    return [r[0] for r in conn.execute(stmt, {"cutoff": dispatched_before_ms})]
+
+
+_RECOVER_RUNNING = """
+UPDATE ax_task
+   SET status = CASE WHEN retry_count < max_retry THEN 'DELAYED' ELSE 'FAILED' END,
+       retry_count = CASE WHEN retry_count < max_retry THEN retry_count + 1 ELSE retry_count END,
+       trigger_time = CASE WHEN retry_count < max_retry THEN :now ELSE trigger_time END,
+       finished_at = CASE WHEN retry_count < max_retry THEN NULL ELSE :now END,
+       last_error = :error, last_run_node = NULL
+ WHERE status = 'RUNNING' AND last_run_node IN :nodes
+RETURNING task_id, status
+"""
+
+
+def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int) -> list[tuple[int, str]]:
+    """RUNNING tasks of dead workers: retried now if retries remain, else FAILED.
+
+    Returns ``(task_id, new_status)`` pairs.
+    """
+    if not nodes:
+        return []
+    stmt = text(_RECOVER_RUNNING).bindparams(bindparam("nodes", expanding=True))
+    params = {"nodes": list(nodes), "now": now_ms, "error": "worker lost"}
+    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+
+
+def release_orphans(conn: Connection, due_before_ms: int, alive_after_ms: int) -> int:
+    """Let go of due DELAYED/READY tasks held by a node that is not alive; returns how many.
+
+    Catches what the dead-node path cannot: a holder whose node row is gone
+    or was stopped without releasing its tasks.
+    """
+    stmt = text("""
+        UPDATE ax_task SET last_run_node = NULL
+         WHERE status IN ('DELAYED', 'READY') AND trigger_time < :due_before
+           AND last_run_node IS NOT NULL
+           AND last_run_node NOT IN (SELECT node_id FROM ax_node
+                                      WHERE stopped_at IS NULL AND heartbeat_at >= :alive)""")
+    return int(conn.execute(stmt, {"due_before": due_before_ms,
+                                   "alive": alive_after_ms}).rowcount)

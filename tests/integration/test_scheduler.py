@@ -1,0 +1,82 @@
+"""The scheduler against PostgreSQL + Redis and PostgreSQL + RabbitMQ, read by a plain
+Kombu consumer."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from ax_kombu.api import Client
+from ax_kombu.config import Settings, from_env
+from ax_kombu.states import Status
+
+from .harness import collecting, scheduler_running
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def cfg(pg_url: str, broker: dict[str, str]) -> Settings:
+    return from_env({}, database_url=pg_url, heartbeat_interval_s=0.5,
+                    preload_interval_ms=60_000, **broker)
+
+
+@pytest.fixture
+def client(cfg: Settings) -> Iterator[Client]:
+    c = Client(cfg)
+    yield c
+    c.close()
+
+
+def test_tasks_arrive_in_their_priority_queue_once_with_attempt_one(cfg: Settings,
+                                                                     client: Client) -> None:
+    items = [{"task_type": "t", "payload": {"i": i}, "delay": 0.3 + (i % 10) / 10,
+              "priority": ("high", "default", "slow")[i % 3]} for i in range(300)]
+    ids = client.enqueue_many(items)
+    with collecting(cfg) as got, scheduler_running(cfg):
+        assert got.wait_for(lambda: len(got.got) >= 300)
+    assert sorted(got.ids()) == sorted(int(i) for i in ids)
+    for received in got.got:
+        body = received.body
+        assert received.queue == cfg.queue_for(body["priority"])
+        assert body["attempt"] == 1
+        assert received.at_ms >= body["trigger_time"] - 5  # never early (5 ms clock tolerance)
+    statuses = Counter(client.get(i).status for i in ids[:30])
+    assert statuses == {Status.DISPATCHING: 30}
+
+
+def test_a_short_delay_fires_through_the_wake_up_not_the_next_preload(cfg: Settings,
+                                                                       client: Client) -> None:
+    with collecting(cfg) as got, scheduler_running(cfg) as scheduler:
+        assert got.wait_for(lambda: scheduler.dispatcher.broker_ok.is_set())
+        got.wait_for(lambda: False, timeout=0.3)  # let the first preload pass
+        task_id = client.enqueue("push", {"n": 1}, delay=0.05)
+        # the periodic preload is 60 s away: only the wake-up can make this arrive
+        assert got.wait_for(lambda: len(got.got) == 1, timeout=20)
+    trigger = client.get(task_id).trigger_time
+    assert got.got[0].body["task_id"] == task_id
+    assert got.got[0].at_ms >= trigger - 5
+
+
+def test_cancelled_task_is_never_published(cfg: Settings, client: Client) -> None:
+    keep = client.enqueue("t", {"keep": True}, delay=1.5)
+    drop = client.enqueue("t", {"keep": False}, delay=1.0)
+    with collecting(cfg) as got, scheduler_running(cfg):
+        assert got.wait_for(lambda: client.get(drop).status is Status.DELAYED)  # held in memory
+        client.cancel(drop)
+        assert got.wait_for(lambda: keep in got.ids())
+    assert got.ids() == [keep]
+    assert client.get(drop).status is Status.CANCELLED
+
+
+def test_past_due_tasks_go_out_at_once_oldest_first(cfg: Settings, client: Client) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime.now(UTC)
+    ids = [client.enqueue("t", {"i": i}, run_at=now - timedelta(minutes=10 - i))
+           for i in range(10)]
+    with collecting(cfg) as got, scheduler_running(cfg):
+        assert got.wait_for(lambda: len(got.got) == 10)
+    assert got.ids() == [int(i) for i in ids]
