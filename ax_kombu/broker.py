@@ -80,6 +80,7 @@ def connection(settings: Settings) -> Connection:
     if settings.broker_url.startswith(("redis", "rediss")):
         options["global_keyprefix"] = settings.broker_key_prefix
         options["socket_timeout"] = 10
+        options["ack_emulation"] = settings.redis_ack_emulation
     return Connection(settings.broker_url, transport_options=options, connect_timeout=5)
 
 

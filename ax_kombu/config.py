@@ -46,6 +46,10 @@ class Settings:
     broker_url: str = "ax+sqlite:///ax-broker.sqlite3"
     #: Redis only: a prefix for every key ax's queues use (isolates deployments).
     broker_key_prefix: str = ""
+    #: Redis only: Kombu's ack emulation (an unacked-message hash, two extra round trips
+    #: per message). ax does not need it: a message lost between broker and worker leaves
+    #: its task DISPATCHING, and the ack timeout dispatches it again.
+    redis_ack_emulation: bool = False
     #: run Alembic migrations on first use (always on for SQLite).
     auto_migrate: bool = False
     queue_high: str = "high"
@@ -80,6 +84,26 @@ class Settings:
     heartbeat_misses: int = 3
     #: a clock offset to the database above this is reported.
     clock_skew_warn_ms: int = 50
+    #: worker: threads (slots) of the pool serving each queue.
+    pool_high: int = 8
+    pool_default: int = 16
+    pool_slow: int = 8
+    #: worker: broker prefetch per queue = pool slots not in use × this.
+    prefetch_multiplier: int = 1
+    #: worker: retry n waits min(max, base · 2ⁿ), minus up to ``jitter`` of it at random.
+    retry_backoff_base_ms: int = 1000
+    retry_backoff_max_ms: int = 600_000
+    retry_backoff_jitter: float = 0.5
+    #: worker: on a warm shutdown, how long running tasks may take to finish.
+    worker_grace_s: float = 30.0
+    #: worker: state changes are written in batches of at most this many …
+    worker_batch_size: int = 500
+    #: … or after at most this long.
+    worker_batch_ms: int = 2
+    #: worker: comma-separated modules to import; dotted-path processors must be in them.
+    processor_modules: str = ""
+    #: worker: comma-separated hosts (or ``*.domain``) callback_url may name; empty: any.
+    callback_allow_hosts: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def queue_for(self, priority: str) -> str:
@@ -108,6 +132,25 @@ class Settings:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:
             raise ConfigurationError("the high, default and slow queues need distinct names")
+        self._validate_worker()
+
+    def _validate_worker(self) -> None:
+        for name in ("pool_high", "pool_default", "pool_slow", "prefetch_multiplier",
+                     "worker_batch_size", "worker_batch_ms"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.retry_backoff_base_ms <= self.retry_backoff_max_ms:
+            raise ConfigurationError("retry backoff needs 0 <= retry_backoff_base_ms <= "
+                                     "retry_backoff_max_ms")
+        if not 0.0 <= self.retry_backoff_jitter <= 1.0:
+            raise ConfigurationError("retry_backoff_jitter must be within [0, 1]")
+        if self.worker_grace_s < 0:
+            raise ConfigurationError("worker_grace_s must be >= 0")
+
+    def pool_size(self, priority: str) -> int:
+        """The worker pool size for the queue of ``priority``."""
+        return {"high": self.pool_high, "default": self.pool_default,
+                "slow": self.pool_slow}[priority]
 
     @property
     def is_sqlite(self) -> bool:

@@ -53,3 +53,21 @@ class IdExhausted(AxError):
     """No snowflake node id could be leased (all 1024 are held)."""
 
     exit_code = 5
+
+
+class ProcessorNotFound(AxError, LookupError):
+    """No processor of the name a task gives is known to this worker."""
+
+    exit_code = 3
+
+
+class ProcessorRefused(AxError):
+    """A task named a processor or callback host this worker is not allowed to run."""
+
+    exit_code = 2
+
+
+class CallbackFailed(AxError):
+    """A callback_url answered with a non-2xx status, failed, or did not answer in time."""
+
+    exit_code = 1

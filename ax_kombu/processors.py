@@ -1,13 +1,49 @@
-"""The registry of processors: task types mapped to the Python callables that run them."""
+"""What runs a task: registered callables, allow-listed dotted paths, HTTP callbacks.
+
+A task names its processor in one of three ways, resolved in this order:
+
+1. **A registered name** — ``@ax.processor("coupon.grant")`` in a module the
+   worker imported (``ax-worker -A app.tasks``). The default name is the
+   task type.
+2. **A dotted path** ``package.module:function``. A message is untrusted
+   input, so the path is resolved *only* inside the modules the worker was
+   told to load (``-A`` or ``AX_PROCESSOR_MODULES``), by looking the module
+   up among those already imported — never by importing anything — and the
+   function must be defined in that module (a name it merely imported, such
+   as ``subprocess.run``, is refused). ``os:system`` or ``subprocess:run``
+   are refused with :class:`~ax_kombu.exceptions.ProcessorRefused`; nothing
+   is imported or called.
+3. **A callback_url**: an HTTP POST of ``{"payload", "task_id", "attempt",
+   "trace_id"}`` as JSON, with an ``X-Trace-Id`` header. A 2xx answer is
+   success; any other status, a redirect (never followed), an error or no
+   answer within the task's ``timeout_ms`` is a failure. With
+   ``AX_CALLBACK_ALLOW_HOSTS`` set, only those hosts may be called.
+
+Every processor is called as ``func(payload, ctx)`` with a :class:`Context`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import json
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from .exceptions import CallbackFailed, ConfigurationError, ProcessorNotFound, ProcessorRefused
 
 F = TypeVar("F", bound=Callable[..., Any])
+Processor = Callable[[Any, "Context"], Any]
 
 _registry: dict[str, Callable[..., Any]] = {}
+
+#: bytes of a callback's answer that are read (and discarded)
+_MAX_ANSWER = 65536
 
 
 def processor(task_type: str) -> Callable[[F], F]:
@@ -31,3 +67,159 @@ def processor(task_type: str) -> Callable[[F], F]:
 def registered(task_type: str) -> Callable[..., Any] | None:
     """The processor registered for ``task_type``, if any."""
     return _registry.get(task_type)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a processor knows about the run it is doing."""
+
+    task_id: int
+    attempt: int
+    trace_id: str
+    trigger_time: int
+    task_type: str
+    retry_count: int
+    max_retry: int
+    timeout_ms: int
+    #: ``{"index": i, "total": n}`` for one shard of a broadcast task, else None
+    shard: Mapping[str, Any] | None = None
+
+
+def split_names(text: str | Iterable[str]) -> list[str]:
+    """``"a, b,,c"`` (or an iterable of such strings) as ``["a", "b", "c"]``."""
+    parts = [text] if isinstance(text, str) else list(text)
+    return [n.strip() for part in parts for n in part.split(",") if n.strip()]
+
+
+def load_modules(names: Iterable[str]) -> list[str]:
+    """Import the modules that register processors; returns their names.
+
+    Raises:
+        ConfigurationError: a module cannot be imported (the message says why).
+    """
+    loaded = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is a bad -A
+            raise ConfigurationError(f"cannot import processor module {name!r}: "
+                                     f"{type(exc).__name__}: {exc}") from None
+        loaded.append(name)
+    return loaded
+
+
+class Resolver:
+    """Maps a task's processor name or callback_url to the callable that runs it.
+
+    Args:
+        modules: the only modules a dotted path may point into.
+        allow_hosts: callback hosts allowed (``host`` or ``*.domain``); empty: any.
+    """
+
+    def __init__(self, modules: Iterable[str] = (), allow_hosts: Iterable[str] = ()) -> None:
+        self.modules = frozenset(modules)
+        self.allow_hosts = tuple(h.lower() for h in allow_hosts)
+
+    def resolve(self, name: str | None, callback_url: str | None = None) -> Processor:
+        """The callable for a task.
+
+        Raises:
+            ProcessorNotFound: nothing of that name is known here.
+            ProcessorRefused: the name or callback host is not allowed.
+        """
+        if callback_url is not None:
+            check_callback_url(callback_url, self.allow_hosts)
+            return _callback_processor(callback_url)
+        if not name:
+            raise ProcessorNotFound("the task names no processor and no callback_url")
+        func = registered(name)
+        if func is not None:
+            return func
+        if ":" in name:
+            return self._dotted(name)
+        raise ProcessorNotFound(f"no processor {name!r} is registered on this worker "
+                                "(load the module that registers it with -A)")
+
+    def _dotted(self, name: str) -> Processor:
+        module_name, _, attr = name.partition(":")
+        if module_name not in self.modules:
+            raise ProcessorRefused(f"processor {name!r} refused: {module_name!r} is not a "
+                                   "module this worker was told to load (-A)")
+        if not attr.isidentifier() or attr.startswith("_"):
+            raise ProcessorRefused(f"processor {name!r} refused: {attr!r} is not a public "
+                                   "function name")
+        module = sys.modules.get(module_name)
+        func = getattr(module, attr, None) if module is not None else None
+        if func is None:
+            raise ProcessorNotFound(f"processor {name!r}: {module_name} has no {attr!r}")
+        if not callable(func) or getattr(func, "__module__", None) != module_name:
+            raise ProcessorRefused(f"processor {name!r} refused: not a function defined in "
+                                   f"{module_name}")
+        result: Processor = func
+        return result
+
+
+def host_allowed(host: str, allow_hosts: Iterable[str]) -> bool:
+    """True if ``host`` matches an entry: exactly, or ``*.domain`` for its subdomains."""
+    host = host.lower().rstrip(".")
+    for entry in allow_hosts:
+        if entry.startswith("*.") and host.endswith(entry[1:]):
+            return True
+        if host == entry:
+            return True
+    return False
+
+
+def check_callback_url(url: str, allow_hosts: Iterable[str] = ()) -> None:
+    """Raise :class:`ProcessorRefused` unless ``url`` is http(s) to an allowed host."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProcessorRefused(f"callback_url {url!r} refused: not an http(s) URL")
+    hosts = tuple(allow_hosts)
+    if hosts and not host_allowed(parts.hostname, hosts):
+        raise ProcessorRefused(f"callback_url host {parts.hostname!r} refused: not in "
+                               "AX_CALLBACK_ALLOW_HOSTS")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer like any other non-2xx one: a failure, never followed."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirect)
+
+
+def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float) -> int:
+    """POST the task to ``url``; returns the 2xx status.
+
+    Raises:
+        CallbackFailed: a non-2xx status, a connection error or a timeout.
+    """
+    body = json.dumps({"payload": payload, "task_id": ctx.task_id, "attempt": ctx.attempt,
+                       "trace_id": ctx.trace_id}).encode()
+    request = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/json", "X-Trace-Id": ctx.trace_id})
+    try:
+        with _opener.open(request, timeout=timeout_s) as answer:
+            answer.read(_MAX_ANSWER)
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        raise CallbackFailed(f"callback answered HTTP {exc.code}") from None
+    except (TimeoutError, socket.timeout) as exc:
+        raise CallbackFailed(f"callback did not answer within {timeout_s:g}s") from exc
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise CallbackFailed(f"callback did not answer within {timeout_s:g}s") from None
+        raise CallbackFailed(f"callback failed: {exc.reason}") from None
+    except OSError as exc:
+        raise CallbackFailed(f"callback failed: {exc}") from None
+
+
+def _callback_processor(url: str) -> Processor:
+    def call(payload: Any, ctx: Context) -> int:
+        return post_callback(url, payload, ctx, ctx.timeout_ms / 1000.0)
+
+    return call

@@ -22,11 +22,14 @@ at-least-once (a task re-dispatched after a lost worker may run again).
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, text, update
+from sqlalchemy import Connection, Row, TextClause, bindparam, text, update
 
 from .exceptions import IllegalTransition
 from .store.schema import tasks
@@ -148,3 +151,120 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
               "due_before": now_ms if due_before is None else due_before}
     stmt = _CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC
     return list(conn.execute(stmt, params))
+
+
+# -- batched, attempt-fenced moves for workers -----------------------------------------------
+# Each takes many (task_id, attempt) pairs and is ONE statement: an UPDATE joined to the
+# batch (PostgreSQL: unnest of arrays; SQLite: json_each of one JSON parameter).
+
+_PG_TYPES = {"id": "BIGINT", "att": "INTEGER", "st": "TEXT", "at": "BIGINT", "err": "TEXT"}
+
+
+@functools.lru_cache(maxsize=16)
+def _batch_sql(dialect: str, columns: tuple[str, ...], template: str) -> TextClause:
+    if dialect == "postgresql":
+        arrays = ", ".join(f"CAST(:c{i} AS {_PG_TYPES[c]}[])" for i, c in enumerate(columns))
+        source = f"unnest({arrays}) AS v({', '.join(columns)})"
+    else:
+        picks = ", ".join(f"json_extract(value, '$[{i}]') AS {c}" for i, c in enumerate(columns))
+        source = f"(SELECT {picks} FROM json_each(:rows)) AS v"
+        # unary + keeps SQLite from driving the join by the status index (a scan of every
+        # row in that status); it then looks each batch row up by primary key instead.
+        template = template.replace("t.status =", "+t.status =")
+    return text(template.format(source=source))
+
+
+def _run_batch(conn: Connection, columns: tuple[str, ...], template: str,
+               rows: Sequence[Sequence[Any]], **params: Any) -> list[int]:
+    if not rows:
+        return []
+    stmt = _batch_sql(conn.dialect.name, columns, template)
+    if conn.dialect.name == "postgresql":
+        params.update({f"c{i}": [r[i] for r in rows] for i in range(len(columns))})
+    else:
+        params["rows"] = json.dumps([list(r) for r in rows])
+    return [r[0] for r in conn.execute(stmt, params)]
+
+
+_START = """
+    UPDATE ax_task AS t SET status = 'RUNNING', started_at = :now, last_run_node = :node
+      FROM {source}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND t.status = 'DISPATCHING'
+ RETURNING task_id"""
+
+_RELEASE = """
+    UPDATE ax_task AS t SET status = 'READY', last_run_node = NULL
+      FROM {source}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND t.status = 'DISPATCHING'
+ RETURNING task_id"""
+
+_FINISH = """
+    UPDATE ax_task AS t
+       SET status = v.st,
+           finished_at = CASE WHEN v.st = 'DELAYED' THEN t.finished_at ELSE v.at END,
+           trigger_time = CASE WHEN v.st = 'DELAYED' THEN v.at ELSE t.trigger_time END,
+           retry_count = t.retry_count + CASE WHEN v.st = 'DELAYED' THEN 1 ELSE 0 END,
+           last_error = CASE WHEN v.st = 'SUCCESS' THEN t.last_error ELSE v.err END,
+           last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END
+      FROM {source}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND t.status = 'RUNNING'
+ RETURNING task_id"""
+
+
+def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
+               now_ms: int) -> list[int]:
+    """DISPATCHING → RUNNING for each ``(task_id, attempt)`` whose row is at that attempt.
+
+    Sets ``started_at = now_ms`` and ``last_run_node = node`` (the worker).
+    A cancelled task, or a stale message from an earlier attempt, does not move.
+
+    Returns:
+        The ids that moved (each once, even if a pair was given twice).
+    """
+    return _run_batch(conn, ("id", "att"), _START, pairs, now=now_ms, node=node)
+
+
+def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int]:
+    """DISPATCHING → READY for work a worker received but could not start.
+
+    ``last_run_node`` becomes NULL so that a scheduler adopts the task again.
+    Fenced by attempt like :func:`start_many`; returns the ids that moved.
+    """
+    return _run_batch(conn, ("id", "att"), _RELEASE, pairs)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The end of one run: SUCCESS, FAILED, or DELAYED (a retry).
+
+    ``at_ms`` is ``finished_at`` for SUCCESS and FAILED, the new
+    ``trigger_time`` for DELAYED.
+    """
+
+    task_id: int
+    attempt: int
+    status: Status
+    at_ms: int
+    error: str | None = None
+
+
+_FINISH_TARGETS = frozenset({S.SUCCESS, S.FAILED, S.DELAYED})
+
+
+def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
+    """RUNNING → SUCCESS | FAILED | DELAYED for each result whose row is at its attempt.
+
+    Columns set: SUCCESS ``finished_at``; FAILED ``finished_at``,
+    ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1``,
+    ``last_error`` and ``last_run_node = NULL`` (a scheduler adopts it).
+
+    Returns:
+        The ids that moved; a task cancelled or recovered meanwhile does not.
+    Raises:
+        IllegalTransition: a result's status is not one of the three.
+    """
+    for result in results:
+        if result.status not in _FINISH_TARGETS:
+            raise IllegalTransition(f"a run cannot end in {result.status}")
+    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, r.error) for r in results]
+    return _run_batch(conn, ("id", "att", "st", "at", "err"), _FINISH, rows)

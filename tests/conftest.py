@@ -98,25 +98,37 @@ def redis_url() -> str:
 _counter = itertools.count()
 
 
+def _own_queues() -> dict[str, str]:
+    suffix = f".t{next(_counter)}"
+    return {"queue_high": "high" + suffix, "queue_default": "default" + suffix,
+            "queue_slow": "slow" + suffix}
+
+
+@pytest.fixture
+def redis_broker(redis_url: str) -> Iterator[dict[str, str]]:
+    """Redis settings for one test: its own queues under its own key prefix."""
+    overrides = _own_queues()
+    overrides["broker_url"] = redis_url
+    overrides["broker_key_prefix"] = f"axtest:{RUN_ID}:{overrides['queue_high']}:"
+    yield overrides
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=overrides["broker_key_prefix"] + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def amqp_broker(rabbit_url: str) -> dict[str, str]:
+    """RabbitMQ settings for one test: its own queues in this run's vhost."""
+    return {**_own_queues(), "broker_url": rabbit_url}
+
+
 @pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.integration),
                         pytest.param("amqp", marks=pytest.mark.integration)])
-def broker(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
-    """Broker settings for one test, on Redis and on RabbitMQ: this test's own queues."""
-    n = next(_counter)
-    suffix = f".t{n}"
-    overrides = {"queue_high": "high" + suffix, "queue_default": "default" + suffix,
-                 "queue_slow": "slow" + suffix}
-    if request.param == "redis":
-        overrides["broker_url"] = request.getfixturevalue("redis_url")
-        overrides["broker_key_prefix"] = f"axtest:{RUN_ID}:{n}:"
-    else:
-        overrides["broker_url"] = request.getfixturevalue("rabbit_url")
-    yield overrides
-    if request.param == "redis":
-        import redis
-
-        client = redis.Redis.from_url(overrides["broker_url"])
-        keys = list(client.scan_iter(match=overrides["broker_key_prefix"] + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+def broker(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Broker settings for one test, on Redis and on RabbitMQ."""
+    value: dict[str, str] = request.getfixturevalue(f"{request.param}_broker")
+    return value

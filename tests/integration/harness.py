@@ -21,6 +21,8 @@ class Received:
     queue: str
     body: dict[str, Any]
     at_ms: int
+    #: the broker delivered this message before (its ack was lost with the connection)
+    redelivered: bool = False
 
 
 @dataclass
@@ -34,10 +36,19 @@ class Collector:
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
+        """Consume until stopped; reconnect when the broker goes away (restart tests)."""
+        while not self._stop.is_set():
+            try:
+                self._consume()
+            except Exception:  # noqa: BLE001 - broker restarting: try again
+                self._stop.wait(0.2)
+
+    def _consume(self) -> None:
         with connection(self.settings) as conn:
             def handle(body: Any, message: Any) -> None:
                 item = Received(message.delivery_info["routing_key"], body,
-                                time.time_ns() // 1_000_000)
+                                time.time_ns() // 1_000_000,
+                                bool(message.delivery_info.get("redelivered")))
                 if self.on_message is not None:
                     self.on_message(item)
                 self.got.append(item)
@@ -62,6 +73,56 @@ class Collector:
                 return True
             time.sleep(0.02)
         return predicate()
+
+
+class Starter:
+    """Plays the worker's half of the contract for what a Collector receives:
+    DISPATCHING → RUNNING fenced by the message's attempt, written in batches."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pending: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def __call__(self, item: Received) -> None:
+        with self.lock:
+            self.pending.append((item.body["task_id"], item.body["attempt"]))
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.flush()
+        self.flush()
+
+    def flush(self) -> None:
+        from collections import defaultdict
+
+        from ax_kombu.states import Status, transition
+
+        with self.lock:
+            batch, self.pending = self.pending, []
+        by_attempt: dict[int, list[int]] = defaultdict(list)
+        for task_id, attempt in batch:
+            by_attempt[attempt].append(task_id)
+        if by_attempt:
+            with self.engine.begin() as conn:
+                for attempt, ids in by_attempt.items():
+                    transition(conn, ids, [Status.DISPATCHING], Status.RUNNING, attempt=attempt)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+@contextmanager
+def starting(engine: Any) -> Iterator[Starter]:
+    starter = Starter(engine)
+    try:
+        yield starter
+    finally:
+        starter.close()
 
 
 @contextmanager

@@ -1,0 +1,249 @@
+"""Bounded, isolated execution pools: one per queue, a fixed number of threads each.
+
+Guarantees:
+
+* **Bounded.** A pool of size N holds at most N jobs. :meth:`Pool.try_submit`
+  never queues: it returns False when no slot is free, and the caller decides
+  what to do with the work (the worker hands it back to the database). There
+  is no in-memory queue that could grow.
+* **Isolated.** Pools share nothing but the GIL: a pool full of slow jobs
+  does not delay a job submitted to another pool.
+* **One outcome per job.** Each job's ``done`` callback is called exactly
+  once: with its result, or with a timeout, or with an "abandoned" outcome
+  when the pool is given up on at shutdown — whichever comes first.
+* **Timeouts, and why capacity stays true.** A Python thread cannot be
+  killed. When a job overruns its timeout, a watchdog reports it as timed
+  out at once (so its task is recorded and may be retried elsewhere), but
+  its *slot stays occupied until the thread really returns*: the job is
+  counted in :attr:`Pool.stuck` and :attr:`Pool.free` shrinks by one. The
+  worker derives its broker prefetch from :attr:`Pool.free`, so a pool with
+  a stuck thread is handed less work instead of accepting work it cannot
+  start. Whatever the thread returns later is discarded (and logged). A job
+  that never returns keeps its slot for the life of the process — visible as
+  ``stuck`` in the worker's heartbeat and in ``ax status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one job ended (as reported to its ``done`` callback)."""
+
+    ok: bool
+    value: Any = None
+    error: BaseException | None = None
+    #: the job overran its timeout (it may still be running)
+    timed_out: bool = False
+    #: why the job was given up on without waiting for it (e.g. shutdown)
+    abandoned: str | None = None
+    #: seconds from start to this report
+    duration_s: float = 0.0
+
+
+Done = Callable[[Outcome], None]
+
+
+@dataclass(eq=False)
+class _Job:
+    fn: Callable[[], Any]
+    done: Done
+    started: float
+    deadline: float | None
+    labels: Mapping[str, Any] = field(default_factory=dict)
+    reported: bool = False
+
+
+class Pool:
+    """A fixed set of ``size`` threads running at most ``size`` jobs at a time.
+
+    Args:
+        name: for thread names and logs ("high", "default", "slow").
+        size: the number of slots (and threads).
+        clock: monotonic seconds (injected for tests).
+    """
+
+    def __init__(self, name: str, size: int, *, clock: Clock = time.monotonic) -> None:
+        if size < 1:
+            raise ValueError(f"pool {name!r} needs at least one slot, got {size}")
+        self.name = name
+        self.size = size
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._running: set[_Job] = set()
+        self._stuck = 0
+        self._wake_at: float | None = None
+        self._closed = False
+        self.timeouts = 0
+        self.late_returns = 0
+        self._threads = [threading.Thread(target=self._serve, name=f"ax-{name}-{i}", daemon=True)
+                         for i in range(size)]
+        for thread in self._threads:
+            thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name=f"ax-{name}-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
+
+    # -- accounting -----------------------------------------------------------------------
+
+    @property
+    def busy(self) -> int:
+        """Occupied slots, including those held by timed-out threads."""
+        return len(self._running)
+
+    @property
+    def free(self) -> int:
+        """Slots a new job can take now."""
+        return 0 if self._closed else self.size - len(self._running)
+
+    @property
+    def stuck(self) -> int:
+        """Slots held by jobs already reported (timed out or abandoned) that still run."""
+        return self._stuck
+
+    @property
+    def active(self) -> int:
+        """Running jobs whose outcome has not been reported yet."""
+        return len(self._running) - self._stuck
+
+    # -- submitting -----------------------------------------------------------------------
+
+    def try_submit(self, fn: Callable[[], Any], done: Done, *, timeout_s: float | None = None,
+                   labels: Mapping[str, Any] | None = None) -> bool:
+        """Start ``fn`` in a free slot; False (and nothing done) when none is free.
+
+        Args:
+            done: called once with the :class:`Outcome`, from a pool thread.
+            timeout_s: report the job as timed out after this long.
+            labels: structured log fields for this job (task_id, trace_id).
+        """
+        now = self._clock()
+        job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s,
+                   dict(labels or {}))
+        with self._cond:
+            if self._closed or len(self._running) >= self.size:
+                return False
+            self._running.add(job)
+            if job.deadline is not None and (self._wake_at is None
+                                             or job.deadline < self._wake_at):
+                self._cond.notify_all()
+        self._inbox.put(job)
+        return True
+
+    # -- running --------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while (job := self._inbox.get()) is not None:
+            try:
+                outcome = Outcome(True, value=job.fn(), duration_s=self._clock() - job.started)
+            except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
+                outcome = Outcome(False, error=exc, duration_s=self._clock() - job.started)
+            self._finish(job, outcome)
+
+    def _finish(self, job: _Job, outcome: Outcome) -> None:
+        with self._cond:
+            first = not job.reported
+            job.reported = True
+        if first:
+            self._report(job, outcome)
+        else:
+            log.warning("a timed-out job returned; its slot is free again",
+                        extra={"pool": self.name, "ran_s": round(outcome.duration_s, 3),
+                               **job.labels})
+        with self._cond:
+            self._running.discard(job)
+            if not first:
+                self._stuck -= 1
+                self.late_returns += 1
+            self._cond.notify_all()
+
+    def _report(self, job: _Job, outcome: Outcome) -> None:
+        try:
+            job.done(outcome)
+        except Exception:  # noqa: BLE001 - a broken callback must not kill the pool thread
+            log.exception("outcome callback failed", extra={"pool": self.name, **job.labels})
+
+    # -- timeouts -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed and not self._running:
+                    return
+                expired = self._expired(self._clock())
+                if not expired:
+                    self._cond.wait(self._wait_s())
+                    continue
+            for job in expired:
+                self._report(job, Outcome(False, timed_out=True,
+                                          duration_s=self._clock() - job.started))
+
+    def _expired(self, now: float) -> list[_Job]:
+        """Jobs past their deadline, marked reported and stuck (caller holds the lock)."""
+        expired = [j for j in self._running
+                   if not j.reported and j.deadline is not None and j.deadline <= now]
+        for job in expired:
+            job.reported = True
+            self._stuck += 1
+            self.timeouts += 1
+            log.warning("job timed out; its thread keeps the slot until it returns",
+                        extra={"pool": self.name, **job.labels})
+        return expired
+
+    def _wait_s(self) -> float:
+        pending = [j.deadline for j in self._running if not j.reported and j.deadline is not None]
+        self._wake_at = min(pending) if pending else None
+        if self._wake_at is None:
+            return 1.0
+        return max(0.0, min(1.0, self._wake_at - self._clock()))
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait until no job is :attr:`active`; False if some still are after ``timeout_s``."""
+        stop = time.monotonic() + timeout_s
+        with self._cond:
+            while self.active:
+                left = stop - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def abandon(self, reason: str) -> int:
+        """Report every active job as abandoned now; returns how many.
+
+        Their threads keep running (and keep their slots) until they return.
+        """
+        with self._cond:
+            jobs = [j for j in self._running if not j.reported]
+            for job in jobs:
+                job.reported = True
+                self._stuck += 1
+        for job in jobs:
+            self._report(job, Outcome(False, abandoned=reason,
+                                      duration_s=self._clock() - job.started))
+        return len(jobs)
+
+    def close(self) -> None:
+        """Refuse new jobs and let idle threads exit (running ones finish first)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        for _ in self._threads:
+            self._inbox.put(None)

@@ -1,0 +1,198 @@
+"""The batched result writer: run outcomes become SUCCESS, FAILED or DELAYED rows.
+
+Pool threads hand every outcome to :meth:`ResultWriter.put` (a lock-free
+queue append). One writer thread turns them into state changes and writes
+them with :func:`ax_kombu.states.finish_many` — one statement per batch of at
+most ``worker_batch_size`` results, at least every ``worker_batch_ms`` —
+instead of one transaction per task.
+
+Decisions, for a run of attempt *a* of a task:
+
+* success → SUCCESS, ``finished_at``;
+* failure, timeout, or abandoned at shutdown, with ``retry_count <
+  max_retry`` → DELAYED with ``trigger_time = now + backoff(retry_count)``,
+  ``retry_count + 1``, ``last_error``, ``last_run_node = NULL`` (a scheduler
+  adopts it like any delayed task);
+* otherwise, or a processor refused as not allowed (retrying cannot help)
+  → FAILED with ``finished_at`` and ``last_error``.
+
+Every write is fenced by attempt and status RUNNING: a task cancelled or
+recovered by a scheduler meanwhile is left alone (counted as ``stale``).
+
+Guarantees: :meth:`ResultWriter.stop` writes everything put before it
+returns, so a clean stop loses no state change. A database outage is
+retried (results wait in memory; there is at most one per running task).
+If the process dies before a result is written, the task stays RUNNING
+with this worker as ``last_run_node``, and the scheduler's recovery of a
+dead worker's tasks retries it: execution is at-least-once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from . import states
+from .backoff import Uniform, backoff_ms, default_rng
+from .broker import TaskMessage
+from .config import Settings
+from .exceptions import ProcessorRefused
+from .pools import Outcome
+from .states import Finish, Status
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+#: longest last_error stored
+MAX_ERROR = 2000
+
+
+class Counters:
+    """Thread-safe event counters of one worker (until Prometheus metrics replace them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._counts[name]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One outcome, with the task it belongs to and when it ended (DB clock)."""
+
+    task: TaskMessage
+    outcome: Outcome
+    ended_ms: int
+
+
+def describe(result: RunResult) -> str:
+    """The text stored in ``last_error`` for a run that did not succeed."""
+    outcome, task = result.outcome, result.task
+    if outcome.timed_out:
+        text = f"timed out after {task.timeout_ms} ms"
+    elif outcome.abandoned is not None:
+        text = f"abandoned: {outcome.abandoned}"
+    elif outcome.error is not None:
+        text = f"{type(outcome.error).__name__}: {outcome.error}"
+    else:
+        text = "failed"
+    return text[:MAX_ERROR]
+
+
+def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
+    """The state change a run's outcome leads to (see the module docstring)."""
+    task, outcome = result.task, result.outcome
+    if outcome.ok:
+        return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms)
+    error = describe(result)
+    final = isinstance(outcome.error, ProcessorRefused) or task.retry_count >= task.max_retry
+    if final:
+        return Finish(task.task_id, task.attempt, Status.FAILED, result.ended_ms, error)
+    delay = backoff_ms(task.retry_count, settings.retry_backoff_base_ms,
+                       settings.retry_backoff_max_ms, rng, settings.retry_backoff_jitter)
+    return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error)
+
+
+class ResultWriter:
+    """Collects outcomes from any thread; one thread writes them in batches."""
+
+    def __init__(self, store: Store, settings: Settings, stats: Counters, *,
+                 rng: Uniform | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.stats = stats
+        self.rng = rng or default_rng()
+        self._inbox: queue.SimpleQueue[RunResult] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._abort = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ax-results", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, task: TaskMessage, outcome: Outcome) -> None:
+        """Queue the outcome of one run for writing (thread-safe, never blocks)."""
+        self._inbox.put(RunResult(task, outcome, self.store.now_ms()))
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Write everything put so far, then stop; False if that took over ``timeout_s``."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._abort.set()
+            self._thread.join(1.0)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            batch = self._collect()
+            if batch:
+                self._write(batch)
+            elif self._stopping.is_set() and self._inbox.empty():
+                return
+
+    def _collect(self) -> list[RunResult]:
+        try:
+            batch = [self._inbox.get(timeout=0.05)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + self.settings.worker_batch_ms / 1000.0
+        while len(batch) < self.settings.worker_batch_size:
+            left = deadline - time.monotonic()
+            try:
+                batch.append(self._inbox.get(timeout=left) if left > 0
+                             else self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _write(self, batch: list[RunResult]) -> None:
+        finishes = [decide(r, self.settings, self.rng) for r in batch]
+        pause = 0.05
+        while True:
+            try:
+                with self.store.engine.begin() as conn:
+                    moved = set(states.finish_many(conn, finishes))
+                break
+            except Exception:  # noqa: BLE001 - a database outage: keep the results, retry
+                if self._abort.is_set():
+                    log.error("results not written; the scheduler recovers these tasks",
+                              extra={"count": len(batch)})
+                    return
+                log.warning("could not write results; retrying", exc_info=True,
+                            extra={"count": len(batch)})
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+        self._account(batch, finishes, moved)
+
+    def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
+        for result, finish in zip(batch, finishes, strict=True):
+            extra = {"task_id": finish.task_id, "trace_id": result.task.trace_id,
+                     "attempt": finish.attempt, "status": str(finish.status)}
+            if result.outcome.timed_out:
+                self.stats.add("timed_out")
+            if finish.task_id not in moved:
+                self.stats.add("stale_results")
+                log.info("result not recorded: the task was cancelled or recovered meanwhile",
+                         extra=extra)
+                continue
+            self.stats.add({Status.SUCCESS: "succeeded", Status.FAILED: "failed",
+                            Status.DELAYED: "retried"}[finish.status])
+            if finish.status is not Status.SUCCESS:
+                log.warning("task run failed", extra={**extra, "error": finish.error})
