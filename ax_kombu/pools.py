@@ -73,14 +73,17 @@ class Pool:
         name: for thread names and logs ("high", "default", "slow").
         size: the number of slots (and threads).
         clock: monotonic seconds (injected for tests).
+        on_release: called (from the pool thread) each time a slot frees up.
     """
 
-    def __init__(self, name: str, size: int, *, clock: Clock = time.monotonic) -> None:
+    def __init__(self, name: str, size: int, *, clock: Clock = time.monotonic,
+                 on_release: Callable[[], None] | None = None) -> None:
         if size < 1:
             raise ValueError(f"pool {name!r} needs at least one slot, got {size}")
         self.name = name
         self.size = size
         self._clock = clock
+        self._on_release = on_release
         self._cond = threading.Condition()
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._running: set[_Job] = set()
@@ -169,6 +172,8 @@ class Pool:
                 self._stuck -= 1
                 self.late_returns += 1
             self._cond.notify_all()
+        if self._on_release is not None:
+            self._on_release()
 
     def _report(self, job: _Job, outcome: Outcome) -> None:
         try:

@@ -34,7 +34,12 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import states
 from .backoff import Uniform, backoff_ms, default_rng
@@ -49,6 +54,39 @@ log = logging.getLogger(__name__)
 
 #: longest last_error stored
 MAX_ERROR = 2000
+
+
+class HeldConnection:
+    """One database connection kept by one thread between batches.
+
+    A batch then costs its statement and commit only, not a pool checkout and
+    its liveness ping. After an error the connection is dropped and the next
+    :meth:`begin` opens a new one.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._conn: Connection | None = None
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A transaction on the held connection, committed when the block exits."""
+        if self._conn is None or self._conn.closed or self._conn.invalidated:
+            self._conn = self.engine.connect()
+        try:
+            with self._conn.begin():
+                yield self._conn
+        except SQLAlchemyError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except SQLAlchemyError:
+                pass
 
 
 class Counters:
@@ -120,6 +158,7 @@ class ResultWriter:
         self._inbox: queue.SimpleQueue[RunResult] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._abort = threading.Event()
+        self._db = HeldConnection(store.engine)
         self._thread = threading.Thread(target=self._run, name="ax-results", daemon=True)
 
     def start(self) -> None:
@@ -145,6 +184,7 @@ class ResultWriter:
             if batch:
                 self._write(batch)
             elif self._stopping.is_set() and self._inbox.empty():
+                self._db.close()
                 return
 
     def _collect(self) -> list[RunResult]:
@@ -167,7 +207,7 @@ class ResultWriter:
         pause = 0.05
         while True:
             try:
-                with self.store.engine.begin() as conn:
+                with self._db.begin() as conn:
                     moved = set(states.finish_many(conn, finishes))
                 break
             except Exception:  # noqa: BLE001 - a database outage: keep the results, retry

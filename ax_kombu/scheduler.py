@@ -61,7 +61,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import metrics, nodes
-from .broker import Publisher, TaskMessage
+from .broker import Publisher, RawJson, TaskMessage
 from .config import Settings
 from .states import Status, claim, transition
 from .store import Store
@@ -79,10 +79,8 @@ POLL_WITHOUT_WAKEUPS_MS = 50
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
     """The message for one claimed row."""
-    import json
-
     return TaskMessage(task_id=row.task_id, attempt=row.attempt, task_type=row.task_type,
-                       payload=json.loads(row.payload), trace_id=row.trace_id,
+                       payload=RawJson(row.payload), trace_id=row.trace_id,
                        trigger_time=row.trigger_time, timeout_ms=row.timeout_ms,
                        priority=row.priority, retry_count=row.retry_count,
                        max_retry=row.max_retry, processor=row.processor_name,
@@ -97,8 +95,10 @@ class Dispatcher(threading.Thread):
     """
 
     def __init__(self, settings: Settings, store: Store, node: str,
-                 on_returned: Callable[[list[int]], None]) -> None:
+                 on_returned: Callable[[list[int]], None],
+                 on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
         super().__init__(name="ax-dispatcher", daemon=True)
+        self._on_published = on_published
         self.store = store
         self.node = node
         self.publisher = Publisher(settings)
@@ -129,9 +129,11 @@ class Dispatcher(threading.Thread):
         failed = self.publisher.publish(messages)
         done = self.store.now_ms()
         failed_ids = {m.task_id for m in failed}
-        for m in messages:
-            if m.task_id not in failed_ids:
-                metrics.schedule_delay.observe(max(0, done - m.trigger_time) / 1000.0)
+        sent = [m for m in messages if m.task_id not in failed_ids]
+        for m in sent:
+            metrics.schedule_delay.observe(max(0, done - m.trigger_time) / 1000.0)
+        if self._on_published is not None:
+            self._on_published(sent, done)
         self.published += len(messages) - len(failed)
         metrics.dispatch_total.labels("ok").inc(len(messages) - len(failed))
         metrics.dispatch_latency.observe(time.monotonic() - started)
@@ -154,7 +156,9 @@ class Dispatcher(threading.Thread):
 class Scheduler:
     """One scheduler node. ``run()`` until :meth:`request_stop`."""
 
-    def __init__(self, settings: Settings, node_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, node_id: str | None = None, *,
+                 on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
+        """``on_published(messages, at_ms)`` is told of every batch that reached the broker."""
         self.settings = settings
         self.store = Store(settings)
         self.node_id = node_id or nodes.default_node_id("scheduler")
@@ -166,7 +170,8 @@ class Scheduler:
         self._wake_pending = True
         self._stop: str | None = None
         self.heartbeat = nodes.Heartbeat(self.store, self.node_id, "scheduler")
-        self.dispatcher = Dispatcher(settings, self.store, self.node_id, self._returned.append)
+        self.dispatcher = Dispatcher(settings, self.store, self.node_id, self._returned.append,
+                                     on_published)
         self.listener: WakeListener | None = None
         self._poll_ms = settings.preload_interval_ms
         if self.store.engine.dialect.name == "postgresql":

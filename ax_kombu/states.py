@@ -156,6 +156,9 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
 # -- batched, attempt-fenced moves for workers -----------------------------------------------
 # Each takes many (task_id, attempt) pairs and is ONE statement: an UPDATE joined to the
 # batch (PostgreSQL: unnest of arrays; SQLite: json_each of one JSON parameter).
+# The status test is written COALESCE(t.status, '') = … so that no planner drives the join
+# by the (status, trigger_time) index — a walk over every DISPATCHING or RUNNING row,
+# possibly 100,000s — instead of one primary-key lookup per batch row.
 
 _PG_TYPES = {"id": "BIGINT", "att": "INTEGER", "st": "TEXT", "at": "BIGINT", "err": "TEXT"}
 
@@ -168,9 +171,6 @@ def _batch_sql(dialect: str, columns: tuple[str, ...], template: str) -> TextCla
     else:
         picks = ", ".join(f"json_extract(value, '$[{i}]') AS {c}" for i, c in enumerate(columns))
         source = f"(SELECT {picks} FROM json_each(:rows)) AS v"
-        # unary + keeps SQLite from driving the join by the status index (a scan of every
-        # row in that status); it then looks each batch row up by primary key instead.
-        template = template.replace("t.status =", "+t.status =")
     return text(template.format(source=source))
 
 
@@ -189,13 +189,13 @@ def _run_batch(conn: Connection, columns: tuple[str, ...], template: str,
 _START = """
     UPDATE ax_task AS t SET status = 'RUNNING', started_at = :now, last_run_node = :node
       FROM {source}
-     WHERE t.task_id = v.id AND t.attempt = v.att AND t.status = 'DISPATCHING'
+     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
  RETURNING task_id"""
 
 _RELEASE = """
     UPDATE ax_task AS t SET status = 'READY', last_run_node = NULL
       FROM {source}
-     WHERE t.task_id = v.id AND t.attempt = v.att AND t.status = 'DISPATCHING'
+     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
  RETURNING task_id"""
 
 _FINISH = """
@@ -207,7 +207,7 @@ _FINISH = """
            last_error = CASE WHEN v.st = 'SUCCESS' THEN t.last_error ELSE v.err END,
            last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END
       FROM {source}
-     WHERE t.task_id = v.id AND t.attempt = v.att AND t.status = 'RUNNING'
+     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
  RETURNING task_id"""
 
 

@@ -56,12 +56,13 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kombu import Connection, Consumer, Queue
+from kombu import messaging
+from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
@@ -69,19 +70,24 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import states
 from .broker import TaskMessage, connection, task_queues
 from .config import PRIORITIES, Settings, redact_url
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, StoreError
 from .nodes import Heartbeat, default_node_id
 from .pools import Outcome, Pool
 from .processors import Context, Resolver, split_names
-from .results import Counters, ResultWriter
+from .results import Counters, HeldConnection, ResultWriter
 from .states import Status
 from .store import Store
 from .store.schema import tasks
 
 log = logging.getLogger(__name__)
 
+#: kombu is untyped: its consumer and connection are handled as Any
+_Consumer: Any = messaging.Consumer
+
 #: longest the consuming thread blocks on the broker before checking flags and credit
 TICK_S = 0.01
+#: while a queue is paused (its pool full), how long to wait for a slot before polling others
+PAUSED_TICK_S = 0.002
 
 
 class _BrokerLost(Exception):
@@ -110,14 +116,15 @@ class Delivery:
 class Lane:
     """One queue: its pool, its consumer (own channel), its backlog and its credit."""
 
-    def __init__(self, priority: str, queue: Queue, size: int, multiplier: int) -> None:
+    def __init__(self, priority: str, queue: Queue, size: int, multiplier: int,
+                 on_release: Callable[[], None]) -> None:
         self.priority = priority
         self.queue = queue
-        self.pool = Pool(priority, size)
+        self.pool = Pool(priority, size, on_release=on_release)
         self.window = size * multiplier
         self.backlog_max = size * (multiplier - 1)
         self.backlog: deque[Delivery] = deque()
-        self.consumer: Consumer | None = None
+        self.consumer: Any = None
         self.prefetch = 0
         self.consuming = False
 
@@ -127,7 +134,7 @@ class Lane:
 
     def apply_credit(self, credit: int, global_qos: bool) -> None:
         """Set the consumer's prefetch to ``credit``, cancelling it at 0."""
-        consumer = self.consumer
+        consumer: Any = self.consumer
         if consumer is None:
             return
         if credit <= 0:
@@ -185,15 +192,18 @@ class Worker:
         self.stats = Counters()
         self.results = ResultWriter(self.store, settings, self.stats)
         self.heartbeat = Heartbeat(self.store, self.node_id, "worker")
+        self._slot_freed = threading.Event()
         broker_queues = task_queues(settings)
         self.lanes = [Lane(p, broker_queues[p], settings.pool_size(p),
-                           settings.prefetch_multiplier) for p in parse_queues(queues, settings)]
+                           settings.prefetch_multiplier, self._slot_freed.set)
+                      for p in parse_queues(queues, settings)]
         self.ready = threading.Event()
         self.stopping = False
         self.cold = False
         self._pending: list[Delivery] = []
         self._global_qos = False
         self._heart_stop = threading.Event()
+        self._db = HeldConnection(self.store.engine)
 
     # -- control (safe from signal handlers: they only set flags) ------------------------------
 
@@ -216,8 +226,16 @@ class Worker:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Consume until stopped; returns the exit code (0 warm, 1 cold)."""
-        self.heartbeat.register(self.info())
+        """Consume until stopped; returns the exit code (0 warm, 1 cold).
+
+        Raises:
+            StoreError: the store cannot be reached at start.
+        """
+        try:
+            self.heartbeat.register(self.info())
+        except SQLAlchemyError as exc:
+            raise StoreError(f"cannot reach the store {redact_url(self.settings.database_url)}: "
+                             f"{getattr(exc, 'orig', exc)}") from None
         self.results.start()
         beat = threading.Thread(target=self._beat, name="ax-heartbeat", daemon=True)
         beat.start()
@@ -246,7 +264,11 @@ class Worker:
                 pause = min(pause * 2, 10.0)
 
     def _consume(self) -> None:
-        conn = connection(self.settings)
+        conn: Any = connection(self.settings)
+        if conn.transport.driver_type == "redis":
+            # acked within ms of receipt; a message lost in between is still DISPATCHING
+            # in the store and dispatched again after the ack timeout.
+            conn.transport_options["ack_emulation"] = False
         errors = (OSError, OperationalError, *conn.connection_errors, *conn.channel_errors)
         try:
             conn.ensure_connection(max_retries=1)
@@ -269,9 +291,9 @@ class Worker:
             except Exception:  # noqa: BLE001 - closing a broken connection
                 log.debug("error closing the broker connection", exc_info=True)
 
-    def _open(self, conn: Connection) -> None:
+    def _open(self, conn: Any) -> None:
         for lane in self.lanes:
-            lane.consumer = Consumer(conn.channel(), queues=[lane.queue], accept=["json"],
+            lane.consumer = _Consumer(conn.channel(), queues=[lane.queue], accept=["json"],
                                      callbacks=[partial(self._on_message, lane)],
                                      on_decode_error=self._on_decode_error)
             lane.consuming = False
@@ -311,13 +333,23 @@ class Worker:
             "content_type": getattr(message, "content_type", None), "error": str(exc)})
         message.reject()
 
-    def _receive(self, conn: Connection) -> None:
-        """Drain what arrives within one batch window, starting from a short wait."""
+    def _receive(self, conn: Any) -> None:
+        """Drain what arrives within one batch window, starting from a short wait.
+
+        While some queue is paused (its pool full) the wait is for a slot to free
+        up, so that queue resumes at once; the other queues are polled between.
+        """
+        paused = any(not lane.consuming for lane in self.lanes)
+        if paused:
+            woke = self._slot_freed.wait(TICK_S if self._all_paused() else PAUSED_TICK_S)
+            self._slot_freed.clear()
+            if woke or self._all_paused():
+                return
         room = sum(max(0, lane.prefetch - len(lane.backlog))
                    for lane in self.lanes if lane.consuming)
         limit = min(self.settings.worker_batch_size, room)
         try:
-            conn.drain_events(timeout=TICK_S)
+            conn.drain_events(timeout=TICK_S / 100 if paused else TICK_S)
         except socket.timeout:
             return
         deadline = time.monotonic() + self.settings.worker_batch_ms / 1000.0
@@ -329,6 +361,9 @@ class Worker:
                 conn.drain_events(timeout=left)
             except socket.timeout:
                 break
+
+    def _all_paused(self) -> bool:
+        return not any(lane.consuming for lane in self.lanes)
 
     # -- handling a batch ----------------------------------------------------------------------
 
@@ -357,10 +392,13 @@ class Worker:
         dupes: list[Delivery] = []
         for d in [d for lane in self.lanes for d in lane.backlog] + fresh:
             kept = newest.get(d.task.task_id)
-            if kept is not None:  # the same task twice: only the newest attempt can be live
-                dupes.append(min(kept, d, key=lambda x: x.task.attempt))
-            if kept is None or d.task.attempt > kept.task.attempt:
+            if kept is None:
                 newest[d.task.task_id] = d
+            elif d.task.attempt > kept.task.attempt:  # only the newest attempt can be live
+                dupes.append(kept)
+                newest[d.task.task_id] = d
+            else:
+                dupes.append(d)
         start: list[Delivery] = []
         release: list[Delivery] = []
         for lane in self.lanes:
@@ -382,7 +420,7 @@ class Worker:
         pause = 0.05
         while True:
             try:
-                with self.store.engine.begin() as conn:
+                with self._db.begin() as conn:
                     started = states.start_many(conn, [d.pair for d in start], self.node_id,
                                                 self.store.now_ms())
                     states.release_many(conn, [d.pair for d in release])
@@ -457,7 +495,7 @@ class Worker:
         if not unstarted:
             return
         try:
-            with self.store.engine.begin() as conn:
+            with self._db.begin() as conn:
                 states.release_many(conn, [d.pair for d in unstarted])
         except SQLAlchemyError:
             log.warning("could not hand work back to READY; returning it to the broker",
@@ -485,6 +523,7 @@ class Worker:
             log.warning("could not mark the heartbeat stopped", exc_info=True)
         for lane in self.lanes:
             lane.pool.close()
+        self._db.close()
         self.store.close()
         log.info("worker stopped", extra={"node": self.node_id, "cold": self.cold,
                                           "counts": self.stats.snapshot()})
