@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv (once) and run the whole test suite. Extra arguments go to pytest.
+# Start the local servers if they are stopped, set up .venv (once) and run the whole
+# test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/services.sh start || echo "test.sh: a server is missing; its tests will be skipped" >&2
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 exec .venv/bin/python -m pytest "$@"
