@@ -271,7 +271,7 @@ class Client:
             row = fetch_task(conn, int(task_id))
         if row is None:
             raise TaskNotFound(f"no task {task_id}")
-        return TaskView.from_row(row._mapping)
+        return TaskView.from_row(dict(row._mapping))
 
     def cancel(self, task_id: int) -> TaskView:
         """Cancel a task that has not finished.

@@ -173,7 +173,7 @@ def _coerce(name: str, kind: Any, raw: str) -> Any:
     return raw
 
 
-def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+def from_env(environ: Mapping[str, str] | None = None, /, **overrides: Any) -> Settings:
     """Defaults, then ``AX_*`` variables from ``environ``, then ``overrides``."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}

@@ -50,7 +50,7 @@ def settings_from(ctx: click.Context, **overrides: Any) -> Settings:
     return from_env(**merged)
 
 
-class Duration(click.ParamType):
+class Duration(click.ParamType):  # type: ignore[type-arg]
     """``500ms``, ``5s``, ``2m``, ``1h`` or bare seconds, as milliseconds."""
 
     name = "duration"
@@ -64,7 +64,7 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-class JsonValue(click.ParamType):
+class JsonValue(click.ParamType):  # type: ignore[type-arg]
     """A JSON document given on the command line."""
 
     name = "json"

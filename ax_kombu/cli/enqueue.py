@@ -26,7 +26,7 @@ from .base import Duration, JsonValue, settings_from
 @click.option("--processor", default=None, help="Registered name or package.module:function.")
 @click.option("--callback-url", default=None, help="POST the payload to this URL instead.")
 @click.pass_context
-def enqueue(ctx: click.Context, task_type: str, payload: Any, delay: int | None,
+def enqueue(ctx: click.Context, /, task_type: str, payload: Any, delay: int | None,
             run_at: str | None, **options: Any) -> None:
     """Schedule one task and print its id."""
     when = None

@@ -262,10 +262,10 @@ def _unpack(row: tuple[Any, ...]) -> dict[str, Any]:
     return payload
 
 
-class Channel(virtual.Channel):
+class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
     """One SQLite connection, opened on first use."""
 
-    from_transport_options = (  # type: ignore[assignment]  # kombu: 2-tuple
+    from_transport_options = (
         *virtual.Channel.from_transport_options,
         'visibility_timeout', 'busy_timeout', 'synchronous',
     )
@@ -441,7 +441,7 @@ class Channel(virtual.Channel):
 _ABANDONED: list[sqlite3.Connection] = []
 
 
-class Transport(virtual.Transport):
+class Transport(virtual.Transport):  # type: ignore[misc]  # kombu is untyped
     """Kombu transport storing queues in a SQLite file (``ax+sqlite://``)."""
 
     Channel = Channel
@@ -451,7 +451,7 @@ class Transport(virtual.Transport):
     can_parse_url = True
     driver_type = 'sqlite'
     driver_name = 'sqlite3'
-    connection_errors = (  # type: ignore[assignment]  # kombu: 1-tuple
+    connection_errors = (
         *virtual.Transport.connection_errors, sqlite3.OperationalError,
     )
 

@@ -1,0 +1,144 @@
+"""A worker's lane: one queue, its consumer, its bounded pool, and the credit between them.
+
+Flow control is the broker's own prefetch. A message stays unacked while
+its task waits or runs, and is acked once the run's outcome is known, so
+the broker's count of unacked messages on the lane's channel *is* the
+lane's occupied capacity, and a prefetch of ``pool × multiplier`` means the
+broker never hands the lane more than it can start.
+
+Two kinds of runs hold a slot without holding a message, and lower the
+prefetch by one each while they do (:meth:`Lane.target`):
+
+* a *stuck* run — timed out and reported, but its thread has not returned
+  (threads cannot be killed; see :mod:`ax_kombu.pools`);
+* a run whose message was acked early: a task allowed more than
+  :data:`ACK_AT_START_MS` (RabbitMQ closes a channel holding a message
+  unacked longer than its ``consumer_timeout``, 30 min by default), or one
+  received on a connection since lost.
+
+When the target reaches 0 the consumer is cancelled (a prefetch of 0 would
+mean "unlimited") and resumed when a slot frees up. On RabbitMQ the QoS is
+set per channel (``global``), the only kind RabbitMQ changes on a live
+consumer; every lane has its own channel. Kombu channels are not
+thread-safe: only the worker's consuming thread touches a lane's consumer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kombu.entity import Queue
+
+from .broker import TaskMessage
+from .config import PRIORITIES, Settings
+from .exceptions import ConfigurationError
+from .pools import Pool
+from .processors import split_names
+
+#: a task allowed longer than this has its message acked when it starts
+ACK_AT_START_MS = 10 * 60 * 1000
+
+
+@dataclass(eq=False)
+class Delivery:
+    """A received task message and what has been done with it."""
+
+    lane: Lane
+    task: TaskMessage
+    message: Any
+    #: which broker connection it came on (acks are only valid there)
+    generation: int
+    shard: Mapping[str, Any] | None = None
+    acked: bool = False
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return self.task.task_id, self.task.attempt
+
+    @property
+    def labels(self) -> dict[str, Any]:
+        return {"task_id": self.task.task_id, "trace_id": self.task.trace_id,
+                "attempt": self.task.attempt}
+
+
+class Lane:
+    """One queue with its pool, consumer, backlog and credit; see the module docstring."""
+
+    def __init__(self, priority: str, queue: Queue, size: int, multiplier: int,
+                 on_release: Callable[[], None]) -> None:
+        self.priority = priority
+        self.queue = queue
+        self.pool = Pool(priority, size, on_release=on_release)
+        self.window = size * multiplier
+        #: received tasks waiting for a slot (only with a multiplier above 1)
+        self.backlog: deque[Delivery] = deque()
+        self.backlog_max = size * (multiplier - 1)
+        self.consumer: Any = None
+        self.prefetch = 0
+        self.consuming = False
+        #: messages received on the current connection and not acked yet
+        self.held = 0
+        #: runs whose message was acked (or lost with a connection) while they go on
+        self.acked_running = 0
+
+    def target(self) -> int:
+        """The prefetch this lane should have now."""
+        return self.window - self.pool.stuck - self.acked_running
+
+    def saturated(self) -> bool:
+        """True when the broker may not hand this lane anything more now."""
+        return not self.consuming or self.held >= self.prefetch
+
+    def room(self) -> int:
+        """How many more messages the broker may hand this lane now."""
+        return max(0, self.prefetch - self.held) if self.consuming else 0
+
+    def apply(self, global_qos: bool) -> None:
+        """Bring the consumer's prefetch to :meth:`target`, cancelling it at 0."""
+        target, consumer = self.target(), self.consumer
+        if consumer is None:
+            return
+        if target <= 0:
+            if self.consuming:
+                consumer.cancel()
+                self.consuming = False
+            return
+        if target != self.prefetch:
+            consumer.qos(prefetch_count=target, apply_global=global_qos)
+            self.prefetch = target
+        if not self.consuming:
+            consumer.consume()
+            self.consuming = True
+
+    def attach(self, consumer: Any, global_qos: bool) -> None:
+        """Use ``consumer`` (on a new connection) from now on."""
+        self.consumer = consumer
+        self.consuming = False
+        self.prefetch = 0
+        self.held = 0
+        self.apply(global_qos)
+
+    def info(self) -> dict[str, int]:
+        return {"size": self.pool.size, "free": self.pool.free, "stuck": self.pool.stuck,
+                "backlog": len(self.backlog), "running": self.pool.active}
+
+
+def parse_queues(text: str | Iterable[str], settings: Settings) -> list[str]:
+    """``"high,slow"`` (priorities or their queue names) as priorities, in order.
+
+    Raises:
+        ConfigurationError: an unknown queue, or none.
+    """
+    by_name = {settings.queue_for(p): p for p in PRIORITIES} | {p: p for p in PRIORITIES}
+    chosen: list[str] = []
+    for name in split_names(text):
+        if name not in by_name:
+            raise ConfigurationError(f"unknown queue {name!r}; use {', '.join(PRIORITIES)}")
+        if by_name[name] not in chosen:
+            chosen.append(by_name[name])
+    if not chosen:
+        raise ConfigurationError("no queue to consume (-Q high,default,slow)")
+    return chosen
