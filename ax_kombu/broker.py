@@ -97,6 +97,14 @@ class TaskMessage:
             raise ValueError(f"malformed ax task message: {exc}") from None
 
 
+def redis_envelope(m: TaskMessage, queue: str) -> str:
+    """The message as Kombu's Redis transport stores it (what ``Producer.publish`` would put)."""
+    return (f'{{"body":{_encode_string(m.to_json())},"content-encoding":"utf-8",'
+            f'"content-type":"application/json","headers":{{"trace_id":{_js(m.trace_id)}}},'
+            f'"properties":{{"delivery_mode":2,"priority":0,"delivery_info":{{"exchange":"",'
+            f'"routing_key":{_js(queue)}}},"delivery_tag":"{m.task_id}.{m.attempt}"}}}}')
+
+
 def connection(settings: Settings) -> Connection:
     """A (lazy) Kombu connection to the configured broker."""
     register_transports()
@@ -226,25 +234,25 @@ class Publisher:
                 self._send(message)
 
     def _publish_redis(self, messages: Sequence[TaskMessage]) -> None:
-        """One pipelined round trip of LPUSHes in Kombu's own Redis message format.
+        """One round trip: per queue, one multi-value LPUSH in Kombu's Redis message format.
 
         Equivalent to ``Producer.publish`` to the default exchange at priority 0
         (Kombu's channel names the list key and applies the key prefix), so any
-        Kombu consumer reads these messages; building the envelope here skips
-        Kombu's per-message serialise → base64 → serialise work.
+        Kombu consumer reads these messages, in the order given (LPUSH of
+        several values pushes them left in turn; Kombu pops from the right).
+        Building the envelope here skips Kombu's per-message
+        serialise → base64 → serialise work.
         """
         assert self._producer is not None
         channel: Any = self._producer.channel
+        by_queue: dict[str, list[str]] = {}
+        for m in messages:
+            queue = self._queues[m.priority]
+            by_queue.setdefault(queue, []).append(redis_envelope(m, queue))
         with channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
-            for m in messages:
-                queue = self._queues[m.priority]
-                pipe.lpush(channel._q_for_pri(queue, 0), json.dumps({
-                    "body": m.to_json(), "content-encoding": "utf-8",
-                    "content-type": "application/json", "headers": {"trace_id": m.trace_id},
-                    "properties": {"delivery_mode": 2, "priority": 0,
-                                   "delivery_info": {"exchange": "", "routing_key": queue},
-                                   "delivery_tag": f"{m.task_id}.{m.attempt}"}}))
+            for queue, values in by_queue.items():
+                pipe.lpush(channel._q_for_pri(queue, 0), *values)
             pipe.execute()
 
     def _publish_confirmed(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:

@@ -1,36 +1,32 @@
-"""The ax-worker consumer: receive → RUNNING → ack → run → record.
+"""The ax-worker consumer: receive → RUNNING → run → record → ack.
 
 One thread (the one calling :meth:`Worker.run`) owns the broker connection:
 a Kombu consumer per queue (``high``, ``default``, ``slow``), each on its own
-channel, each feeding its own bounded :class:`~ax_kombu.pools.Pool`.
+channel and feeding its own bounded pool — a :class:`~ax_kombu.lanes.Lane`.
+Only this thread touches Kombu (channels are not thread-safe).
 
 Receipt, in batches. Messages that arrive within ``worker_batch_ms`` (or
 until ``worker_batch_size``) are handled together:
 
-1. each is planned into a free slot of its queue's pool; what cannot start
-   waits in a small per-queue backlog (only with ``prefetch_multiplier`` >
-   1, at most ``pool × (multiplier − 1)``), else is handed back;
+1. each is planned into a free slot of its lane's pool; what cannot start
+   waits in the lane's backlog (only with ``prefetch_multiplier`` > 1, at
+   most ``pool × (multiplier − 1)``), else is handed back;
 2. ONE statement moves the startable ones DISPATCHING → RUNNING where the
    row's attempt equals the message's (the fencing token), setting
    ``started_at`` (database clock) and ``last_run_node`` = this worker; the
    handed-back ones go DISPATCHING → READY with ``last_run_node`` NULL;
-3. only then are the messages acked; a message whose move failed (task
-   cancelled, or a stale message from an earlier attempt) is logged with
-   the reason, counted, acked and not run;
-4. the started tasks are submitted to their pools. Their outcomes are
-   written in batches by :class:`~ax_kombu.results.ResultWriter`.
+3. a message whose move failed (task cancelled, or a stale message from an
+   earlier attempt) is logged with the reason, counted, acked, not run;
+4. the started tasks go to their pools. Each outcome is written in a batch
+   by :class:`~ax_kombu.results.ResultWriter`, and the message is acked.
 
-Prefetch follows free capacity. The broker is never allowed more unacked
-messages on a queue's channel than ``pool × multiplier − busy slots``: the
-consumer's QoS is lowered *before* a batch is acked, raised as slots free
-up, and the consumer is cancelled while the figure is 0 (a prefetch of 0
-would mean "unlimited"). On RabbitMQ the QoS is per channel (``global``),
-the only kind RabbitMQ changes on a live consumer. So a worker receives
-only work it can start, and nothing waits in an unbounded queue. A slot
-held by a timed-out thread counts as busy (see :mod:`ax_kombu.pools`), so
-a hung task shrinks its queue's prefetch instead of letting work in that
-cannot start. Kombu channels are not thread-safe: every ack, QoS change and
-cancel happens on the consuming thread.
+A message is acked only after its RUNNING move committed, and normally
+stays unacked while its task runs: the broker's prefetch (``pool ×
+multiplier``) then bounds exactly what a lane holds, so a worker is only
+handed work it can start and nothing waits in an unbounded queue. See
+:mod:`ax_kombu.lanes` for the runs that hold a slot without a message
+(timed-out threads, tasks longer than ten minutes) and how the prefetch
+shrinks for them.
 
 Guarantees:
 
@@ -38,9 +34,10 @@ Guarantees:
   committed, and only for the attempt in its message.
 * ``kill -9``: started tasks stay RUNNING with this worker as
   ``last_run_node``; once its heartbeat stops, a scheduler recovers them
-  (retry, or FAILED "worker lost"). Received but not yet started messages
-  are still DISPATCHING: the broker redelivers them, or the scheduler's ack
-  timeout dispatches them again.
+  (retry, or FAILED "worker lost"). Received but unstarted messages are
+  still DISPATCHING: the broker redelivers them (RabbitMQ), or the
+  scheduler's ack timeout dispatches them again. Redis's ack emulation is
+  turned off for the same reason: the database already covers that window.
 * Warm shutdown (first SIGTERM/SIGINT, :meth:`Worker.request_stop`): stop
   consuming; hand received-but-unstarted work back to READY; let running
   tasks finish within ``worker_grace_s``; record the rest as abandoned (a
@@ -52,17 +49,15 @@ Guarantees:
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 from kombu import messaging
-from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
@@ -70,9 +65,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import states
 from .broker import TaskMessage, connection, task_queues
 from .config import PRIORITIES, Settings, redact_url
-from .exceptions import ConfigurationError, StoreError
+from .exceptions import StoreError
+from .lanes import ACK_AT_START_MS, Delivery, Lane, parse_queues
 from .nodes import Heartbeat, default_node_id
-from .pools import Outcome, Pool
+from .pools import Outcome
 from .processors import Context, Resolver, split_names
 from .results import Counters, HeldConnection, ResultWriter
 from .states import Status
@@ -84,92 +80,14 @@ log = logging.getLogger(__name__)
 #: kombu is untyped: its consumer and connection are handled as Any
 _Consumer: Any = messaging.Consumer
 
-#: longest the consuming thread blocks on the broker before checking flags and credit
+#: longest the consuming thread blocks on the broker before checking flags
 TICK_S = 0.01
-#: while a queue is paused (its pool full), how long to wait for a slot before polling others
-PAUSED_TICK_S = 0.002
+#: while a lane is saturated, how long to wait for a run to end before polling the others
+SATURATED_TICK_S = 0.002
 
 
 class _BrokerLost(Exception):
     """The broker connection failed; the worker reconnects."""
-
-
-@dataclass(eq=False)
-class Delivery:
-    """A received message, not yet acked."""
-
-    lane: Lane
-    task: TaskMessage
-    message: Any
-    shard: Mapping[str, Any] | None = None
-
-    @property
-    def pair(self) -> tuple[int, int]:
-        return self.task.task_id, self.task.attempt
-
-    @property
-    def labels(self) -> dict[str, Any]:
-        return {"task_id": self.task.task_id, "trace_id": self.task.trace_id,
-                "attempt": self.task.attempt}
-
-
-class Lane:
-    """One queue: its pool, its consumer (own channel), its backlog and its credit."""
-
-    def __init__(self, priority: str, queue: Queue, size: int, multiplier: int,
-                 on_release: Callable[[], None]) -> None:
-        self.priority = priority
-        self.queue = queue
-        self.pool = Pool(priority, size, on_release=on_release)
-        self.window = size * multiplier
-        self.backlog_max = size * (multiplier - 1)
-        self.backlog: deque[Delivery] = deque()
-        self.consumer: Any = None
-        self.prefetch = 0
-        self.consuming = False
-
-    def credit(self, starting: int = 0) -> int:
-        """Unacked messages the broker may hand this lane now."""
-        return self.window - self.pool.busy - starting
-
-    def apply_credit(self, credit: int, global_qos: bool) -> None:
-        """Set the consumer's prefetch to ``credit``, cancelling it at 0."""
-        consumer: Any = self.consumer
-        if consumer is None:
-            return
-        if credit <= 0:
-            if self.consuming:
-                consumer.cancel()
-                self.consuming = False
-            return
-        if credit != self.prefetch:
-            consumer.qos(prefetch_count=credit, apply_global=global_qos)
-            self.prefetch = credit
-        if not self.consuming:
-            consumer.consume()
-            self.consuming = True
-
-    def info(self) -> dict[str, int]:
-        return {"size": self.pool.size, "free": self.pool.free, "stuck": self.pool.stuck,
-                "backlog": len(self.backlog)}
-
-
-def parse_queues(text: str | Iterable[str], settings: Settings) -> list[str]:
-    """``"high,slow"`` (priorities or their queue names) as priorities, in order.
-
-    Raises:
-        ConfigurationError: an unknown queue, or none.
-    """
-    by_name = {settings.queue_for(p): p for p in PRIORITIES} | {p: p for p in PRIORITIES}
-    chosen: list[str] = []
-    for name in split_names(text):
-        if name not in by_name:
-            raise ConfigurationError(f"unknown queue {name!r}; use {', '.join(PRIORITIES)}")
-        if by_name[name] not in chosen:
-            chosen.append(by_name[name])
-    if not chosen:
-        raise ConfigurationError("no queue to consume (-Q high,default,slow)")
-    return chosen
 
 
 class Worker:
@@ -192,15 +110,19 @@ class Worker:
         self.stats = Counters()
         self.results = ResultWriter(self.store, settings, self.stats)
         self.heartbeat = Heartbeat(self.store, self.node_id, "worker")
-        self._slot_freed = threading.Event()
+        self._wakeup = threading.Event()
         broker_queues = task_queues(settings)
         self.lanes = [Lane(p, broker_queues[p], settings.pool_size(p),
-                           settings.prefetch_multiplier, self._slot_freed.set)
+                           settings.prefetch_multiplier, self._wakeup.set)
                       for p in parse_queues(queues, settings)]
+        #: set while consuming (tests wait for it)
         self.ready = threading.Event()
         self.stopping = False
         self.cold = False
         self._pending: list[Delivery] = []
+        self._running: set[Delivery] = set()
+        self._completed: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self._generation = 0
         self._global_qos = False
         self._heart_stop = threading.Event()
         self._db = HeldConnection(self.store.engine)
@@ -215,12 +137,13 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         """What the heartbeat publishes about this worker."""
+        lanes = {lane.priority: lane.info() for lane in self.lanes}
         return {"queues": [lane.queue.name for lane in self.lanes],
-                "pools": {lane.priority: lane.pool.size for lane in self.lanes},
-                "free": {lane.priority: lane.pool.free for lane in self.lanes},
-                "backlog": {lane.priority: len(lane.backlog) for lane in self.lanes},
-                "stuck": {lane.priority: lane.pool.stuck for lane in self.lanes},
-                "running": sum(lane.pool.active for lane in self.lanes),
+                "pools": {p: i["size"] for p, i in lanes.items()},
+                "free": {p: i["free"] for p, i in lanes.items()},
+                "backlog": {p: i["backlog"] for p, i in lanes.items()},
+                "stuck": {p: i["stuck"] for p, i in lanes.items()},
+                "running": sum(i["running"] for i in lanes.values()),
                 "counts": self.stats.snapshot()}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -254,10 +177,7 @@ class Worker:
             try:
                 self._consume()
             except _BrokerLost as exc:
-                self.ready.clear()
-                self._pending.clear()
-                for lane in self.lanes:
-                    lane.backlog.clear()  # unacked: the broker or the ack timeout returns them
+                self._orphan()
                 log.warning("broker connection lost; reconnecting", extra={
                     "error": repr(exc.__cause__), "retry_in_s": pause})
                 self._sleep(pause)
@@ -266,24 +186,23 @@ class Worker:
     def _consume(self) -> None:
         conn: Any = connection(self.settings)
         if conn.transport.driver_type == "redis":
-            # acked within ms of receipt; a message lost in between is still DISPATCHING
-            # in the store and dispatched again after the ack timeout.
-            conn.transport_options["ack_emulation"] = False
+            conn.transport_options["ack_emulation"] = False  # see the module docstring
         errors = (OSError, OperationalError, *conn.connection_errors, *conn.channel_errors)
         try:
             conn.ensure_connection(max_retries=1)
-            self._global_qos = conn.transport.driver_type == "amqp"
-            self._open(conn)
+            self._attach(conn)
             self.ready.set()
             while not self.stopping:
+                self._wakeup.clear()
+                self._settle()
                 self._receive(conn)
                 self._handle()
-                for lane in self.lanes:
-                    lane.apply_credit(lane.credit(), self._global_qos)
             self._stop_consuming()
+            self._finish_running(connected=True)
         except errors as exc:
             raise _BrokerLost() from exc
         finally:
+            self.ready.clear()
             for lane in self.lanes:
                 lane.consumer = None
             try:
@@ -291,14 +210,24 @@ class Worker:
             except Exception:  # noqa: BLE001 - closing a broken connection
                 log.debug("error closing the broker connection", exc_info=True)
 
-    def _open(self, conn: Any) -> None:
+    def _attach(self, conn: Any) -> None:
+        self._generation += 1
+        self._global_qos = conn.transport.driver_type == "amqp"
         for lane in self.lanes:
-            lane.consumer = _Consumer(conn.channel(), queues=[lane.queue], accept=["json"],
-                                     callbacks=[partial(self._on_message, lane)],
-                                     on_decode_error=self._on_decode_error)
-            lane.consuming = False
-            lane.prefetch = 0
-            lane.apply_credit(lane.credit(), self._global_qos)
+            consumer = _Consumer(conn.channel(), queues=[lane.queue], accept=["json"],
+                                 callbacks=[partial(self._on_message, lane, self._generation)],
+                                 on_decode_error=self._on_decode_error)
+            lane.attach(consumer, self._global_qos)
+
+    def _orphan(self) -> None:
+        """After a lost connection: unacked messages are the broker's again."""
+        self._pending.clear()
+        for lane in self.lanes:
+            lane.backlog.clear()
+        for delivery in self._running:
+            if not delivery.acked:
+                delivery.acked = True  # its run goes on, holding a slot without a message
+                delivery.lane.acked_running += 1
 
     def _beat(self) -> None:
         while not self._heart_stop.wait(self.settings.heartbeat_interval_s):
@@ -314,7 +243,8 @@ class Worker:
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def _on_message(self, lane: Lane, body: Any, message: Any) -> None:
+    def _on_message(self, lane: Lane, generation: int, body: Any, message: Any) -> None:
+        lane.held += 1
         try:
             task = TaskMessage.from_body(body)
         except ValueError as exc:
@@ -322,34 +252,33 @@ class Worker:
             log.warning("malformed message dropped", extra={"queue": lane.queue.name,
                                                             "error": str(exc)})
             message.ack()
+            lane.held -= 1
             return
         shard = body.get("shard")
-        self._pending.append(Delivery(lane, task, message,
+        self._pending.append(Delivery(lane, task, message, generation,
                                       shard if isinstance(shard, Mapping) else None))
 
     def _on_decode_error(self, message: Any, exc: Exception) -> None:
         self.stats.add("malformed")
         log.warning("undecodable message dropped (JSON only)", extra={
             "content_type": getattr(message, "content_type", None), "error": str(exc)})
-        message.reject()
+        message.reject()  # never delivered to _on_message, so never counted as held
 
     def _receive(self, conn: Any) -> None:
         """Drain what arrives within one batch window, starting from a short wait.
 
-        While some queue is paused (its pool full) the wait is for a slot to free
-        up, so that queue resumes at once; the other queues are polled between.
+        While a lane is saturated, the wait is first for one of its runs to end
+        (so its message is acked and the broker can send more at once).
         """
-        paused = any(not lane.consuming for lane in self.lanes)
-        if paused:
-            woke = self._slot_freed.wait(TICK_S if self._all_paused() else PAUSED_TICK_S)
-            self._slot_freed.clear()
-            if woke or self._all_paused():
-                return
-        room = sum(max(0, lane.prefetch - len(lane.backlog))
-                   for lane in self.lanes if lane.consuming)
-        limit = min(self.settings.worker_batch_size, room)
+        saturated = [lane.saturated() for lane in self.lanes]
+        if all(saturated):
+            self._wakeup.wait(TICK_S)
+            return
+        if any(saturated) and self._wakeup.wait(SATURATED_TICK_S):
+            return
+        limit = min(self.settings.worker_batch_size, sum(lane.room() for lane in self.lanes))
         try:
-            conn.drain_events(timeout=TICK_S / 100 if paused else TICK_S)
+            conn.drain_events(timeout=TICK_S / 10 if any(saturated) else TICK_S)
         except socket.timeout:
             return
         deadline = time.monotonic() + self.settings.worker_batch_ms / 1000.0
@@ -362,9 +291,6 @@ class Worker:
             except socket.timeout:
                 break
 
-    def _all_paused(self) -> bool:
-        return not any(lane.consuming for lane in self.lanes)
-
     # -- handling a batch ----------------------------------------------------------------------
 
     def _handle(self) -> None:
@@ -375,15 +301,14 @@ class Worker:
         started = self._record_receipt(start, release)
         if started is None:
             return
-        for lane in self.lanes:  # lower the prefetch before the acks open the window
-            n = sum(1 for d in start if d.lane is lane and d.task.task_id in started)
-            lane.apply_credit(lane.credit(n), self._global_qos)
-        try:
-            self._ack(start, release, dupes, started)
-        finally:
-            for delivery in start:
-                if delivery.task.task_id in started:
-                    self._submit(delivery)
+        refused = [d for d in start if d.task.task_id not in started]
+        for delivery in release + dupes + refused:
+            self._ack(delivery)
+        self._account(start, release, dupes, refused)
+        running = [d for d in start if d.task.task_id in started]
+        self._ack_long(running)
+        for delivery in running:
+            self._submit(delivery)
 
     def _plan(self, fresh: list[Delivery]) -> tuple[list[Delivery], list[Delivery],
                                                     list[Delivery]]:
@@ -433,13 +358,10 @@ class Worker:
                 self._sleep(pause)
                 pause = min(pause * 2, 2.0)
 
-    def _ack(self, start: list[Delivery], release: list[Delivery], dupes: list[Delivery],
-             started: set[int]) -> None:
-        refused = [d for d in start if d.task.task_id not in started]
+    def _account(self, start: list[Delivery], release: list[Delivery], dupes: list[Delivery],
+                 refused: list[Delivery]) -> None:
         self.stats.add("received", len(start) + len(release) + len(dupes))
         self.stats.add("started", len(start) - len(refused))
-        for delivery in start + release + dupes:
-            delivery.message.ack()
         for delivery in release:
             self.stats.add("handed_back")
             log.info("pool full: task handed back to the scheduler as READY",
@@ -454,7 +376,7 @@ class Worker:
         """Log and count why each RUNNING move failed (one read for the batch)."""
         ids = [d.task.task_id for d in refused]
         try:
-            with self.store.engine.connect() as conn:
+            with self._db.begin() as conn:
                 rows = {r.task_id: r for r in conn.execute(
                     select(tasks.c.task_id, tasks.c.status, tasks.c.attempt)
                     .where(tasks.c.task_id.in_(ids)))}
@@ -465,12 +387,25 @@ class Worker:
             self.stats.add(f"refused_{reason}")
             log.info("message refused, not run", extra={**delivery.labels, "reason": why})
 
+    # -- running and settling ------------------------------------------------------------------
+
+    def _ack_long(self, running: list[Delivery]) -> None:
+        """Ack at start the messages of tasks allowed over ACK_AT_START_MS (lanes.py)."""
+        long_runs = [d for d in running if d.task.timeout_ms > ACK_AT_START_MS]
+        for delivery in long_runs:
+            delivery.lane.acked_running += 1
+        for lane in {d.lane for d in long_runs}:
+            lane.apply(self._global_qos)  # the prefetch shrinks before the acks land
+        for delivery in long_runs:
+            self._ack(delivery)
+
     def _submit(self, delivery: Delivery) -> None:
         task = delivery.task
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
                       delivery.shard)
-        done = partial(self.results.put, task)
+        done = partial(self._done, delivery)
+        self._running.add(delivery)
         if not delivery.lane.pool.try_submit(partial(self._execute, task, ctx), done,
                                              timeout_s=task.timeout_ms / 1000.0,
                                              labels=delivery.labels):
@@ -479,6 +414,37 @@ class Worker:
     def _execute(self, task: TaskMessage, ctx: Context) -> Any:
         func = self.resolver.resolve(task.processor, task.callback_url)
         return func(task.payload, ctx)
+
+    def _done(self, delivery: Delivery, outcome: Outcome) -> None:
+        """A run's outcome (pool thread): to the result writer, and back to us for the ack."""
+        self.results.put(delivery.task, outcome)
+        self._completed.put(delivery)
+        self._wakeup.set()
+
+    def _settle(self) -> None:
+        """Ack the messages of ended runs; bring every lane's prefetch up to date."""
+        ended: list[Delivery] = []
+        while True:
+            try:
+                ended.append(self._completed.get_nowait())
+            except queue.Empty:
+                break
+        for delivery in ended:
+            self._running.discard(delivery)
+            if delivery.acked:
+                delivery.lane.acked_running -= 1
+        if not self.stopping:
+            for lane in self.lanes:  # before the acks: a stuck slot lowers the prefetch
+                lane.apply(self._global_qos)
+        for delivery in ended:
+            self._ack(delivery)
+
+    def _ack(self, delivery: Delivery) -> None:
+        if delivery.acked or delivery.generation != self._generation:
+            return
+        delivery.acked = True
+        delivery.lane.held -= 1
+        delivery.message.ack()
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -504,15 +470,28 @@ class Worker:
                 delivery.message.reject(requeue=True)
             return
         for delivery in unstarted:
-            delivery.message.ack()
+            self._ack(delivery)
         self.stats.add("handed_back", len(unstarted))
         log.info("unstarted work handed back to READY", extra={"count": len(unstarted)})
 
+    def _finish_running(self, connected: bool) -> None:
+        """Let running tasks end within the grace period (not if cold); abandon the rest."""
+        stop = time.monotonic() + self.settings.worker_grace_s
+        while (not self.cold and time.monotonic() < stop
+               and any(lane.pool.active for lane in self.lanes)):
+            self._wakeup.clear()
+            if connected:
+                self._settle()
+            self._wakeup.wait(TICK_S * 5)
+        abandoned = sum(lane.pool.abandon("worker shut down before the task finished")
+                        for lane in self.lanes)
+        if abandoned:
+            log.warning("running tasks abandoned at shutdown", extra={"count": abandoned})
+        if connected:
+            self._settle()
+
     def _shutdown(self, beat: threading.Thread) -> None:
-        self.ready.clear()
-        self._wait_for_running()
-        for lane in self.lanes:
-            lane.pool.abandon("worker shut down before the task finished")
+        self._finish_running(connected=False)
         if not self.results.stop(self.settings.worker_grace_s + 5.0):
             log.error("not every result could be written before exit")
         self._heart_stop.set()
@@ -527,12 +506,6 @@ class Worker:
         self.store.close()
         log.info("worker stopped", extra={"node": self.node_id, "cold": self.cold,
                                           "counts": self.stats.snapshot()})
-
-    def _wait_for_running(self) -> None:
-        stop = time.monotonic() + self.settings.worker_grace_s
-        while not self.cold and time.monotonic() < stop:
-            if all(lane.pool.join(TICK_S * 5) for lane in self.lanes):
-                return
 
 
 def _refusal(task: TaskMessage, row: Any) -> tuple[str, str]:

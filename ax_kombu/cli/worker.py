@@ -23,7 +23,8 @@ import click
 from ..config import PRIORITIES, from_env
 from ..exceptions import ConfigurationError
 from ..processors import Resolver, load_modules, split_names
-from ..worker import Worker, parse_queues
+from ..lanes import parse_queues
+from ..worker import Worker
 from .base import broker_option, db_option, run_guarded
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}

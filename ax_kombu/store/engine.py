@@ -42,7 +42,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             return _sqlite_engine(url, **kwargs)
         if url.startswith("postgres"):
             url = re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
-            return create_engine(url, pool_pre_ping=True, pool_size=kwargs.pop("pool_size", 5),
+            return create_engine(url, pool_size=kwargs.pop("pool_size", 5),
                                  max_overflow=10, **kwargs)
     except ArgumentError as exc:
         raise ConfigurationError(f"bad database URL {redact_url(url)}: {exc}") from None

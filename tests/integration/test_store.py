@@ -155,3 +155,16 @@ def test_claim_leaves_tasks_that_are_not_due(client: Client) -> None:
 
 def _at(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC) + timedelta(0)
+
+
+def test_bulk_path_keeps_awkward_payloads_intact(client: Client) -> None:
+    awkward = ['quote " and \\\\ backslash', "comma, new\nline\ttab", "emoji 🎄 and 中文",
+               "", "\\N", '","', "NULL"]
+    items = [{"task_type": "awkward", "payload": {"s": s, "i": i}, "delay": 60,
+              "biz_key": f'k,"{i}"'} for i, s in enumerate(awkward * 5)]
+    ids = client.enqueue_many(items)
+    assert all(i.created for i in ids)
+    for task_id, item in zip(ids, items, strict=True):
+        view = client.get(task_id)
+        assert view.payload == item["payload"]
+        assert view.biz_key == item["biz_key"]
