@@ -162,7 +162,7 @@ class Scheduler:
         self.settings = settings
         self.store = Store(settings)
         self.node_id = node_id or nodes.default_node_id("scheduler")
-        now = self.store.now_ms()
+        now = int(time.time() * 1000)  # replaced by database time in start()
         self.timer: TriggerTimer[int] = TriggerTimer(now, level_sizes=WHEEL_LEVELS)
         self.due: deque[int] = deque()
         self._returned: deque[list[int]] = deque()
@@ -198,20 +198,39 @@ class Scheduler:
         return self._stop
 
     def run(self) -> None:
-        self.start()
+        if not self.start():
+            self.store.close()
+            return
         try:
             while self._stop is None:
                 self.run_once()
         finally:
             self.shutdown()
 
-    def start(self) -> None:
-        self.heartbeat.register(self._info())
+    def start(self) -> bool:
+        """Wait for the database (logging, backing off), register, start the threads.
+
+        Returns False if a stop was requested before the database answered.
+        """
+        delay = 0.5
+        while self._stop is None:
+            try:
+                self.timer = TriggerTimer(self.store.now_ms(), level_sizes=WHEEL_LEVELS)
+                self.heartbeat.register(self._info())
+                break
+            except SQLAlchemyError as exc:
+                log.warning("database unreachable; retrying",
+                            extra={"error": str(getattr(exc, "orig", exc)), "retry_in_s": delay})
+                self._wake.wait(delay)
+                delay = min(delay * 2, 10.0)
+        if self._stop is not None:
+            return False
         self.dispatcher.probe()
         self.dispatcher.start()
         if self.listener is not None:
             self.listener.start()
         log.info("scheduler started", extra={"node": self.node_id})
+        return True
 
     # -- the loop ------------------------------------------------------------------------
 

@@ -9,12 +9,15 @@ error of one reading is at most half the winning round trip.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 #: (local ms before the query, database ms, local ms after the query)
 Sample = tuple[float, int, float]
+
+log = logging.getLogger(__name__)
 
 
 def estimate_offset(samples: Sequence[Sample]) -> tuple[float, float]:
@@ -58,9 +61,28 @@ class DbClock:
         return self.offset_ms
 
     def now_ms(self) -> int:
-        """The database time now, in epoch milliseconds."""
+        """The database time now, in epoch milliseconds.
+
+        If a re-measurement fails after a first success, the last offset is
+        kept and the measurement retried a few seconds later (the database may
+        be restarting); the first measurement's failure propagates.
+        """
         if time.monotonic() >= self._next_sync:
             with self._lock:
                 if time.monotonic() >= self._next_sync:
-                    self.sync()
+                    self._resync()
         return int(self._wall_ms() + self.offset_ms)
+
+    def _resync(self) -> None:
+        try:
+            self.sync()
+        except Exception:
+            if not self.synced:
+                raise
+            log.warning("could not re-measure the database clock; keeping the last offset",
+                        exc_info=True)
+            self._next_sync = time.monotonic() + 5.0
+
+    @property
+    def synced(self) -> bool:
+        return self._next_sync > 0

@@ -3,6 +3,8 @@ Kombu consumer."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -80,3 +82,22 @@ def test_past_due_tasks_go_out_at_once_oldest_first(cfg: Settings, client: Clien
     with collecting(cfg) as got, scheduler_running(cfg):
         assert got.wait_for(lambda: len(got.got) == 10)
     assert got.ids() == [int(i) for i in ids]
+
+
+def test_database_down_at_start_is_waited_for_not_a_crash(broker: dict[str, str],
+                                                           caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    from ax_kombu.scheduler import Scheduler
+
+    cfg = from_env({}, database_url="postgresql://postgres@127.0.0.1:1/nowhere", **broker)
+    scheduler = Scheduler(cfg)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while "database unreachable" not in caplog.text:
+        assert time.monotonic() < deadline, "no retry was logged"
+        thread.join(0.05)
+    assert thread.is_alive()  # still waiting, not crashed
+    scheduler.request_stop()
+    thread.join(20)
+    assert not thread.is_alive()
