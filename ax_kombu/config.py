@@ -96,9 +96,9 @@ class Settings:
     retry_backoff_jitter: float = 0.5
     #: worker: on a warm shutdown, how long running tasks may take to finish.
     worker_grace_s: float = 30.0
-    #: worker: state changes are written in batches of at most this many …
+    #: worker: most state changes written by one statement.
     worker_batch_size: int = 500
-    #: … or after at most this long.
+    #: worker: longest a finished run's result waits to be written with others.
     worker_batch_ms: int = 2
     #: worker: comma-separated modules to import; dotted-path processors must be in them.
     processor_modules: str = ""

@@ -178,7 +178,7 @@ class Pool:
     def _report(self, job: _Job, outcome: Outcome) -> None:
         try:
             job.done(outcome)
-        except Exception:  # noqa: BLE001 - a broken callback must not kill the pool thread
+        except Exception:  # a broken callback must not kill the pool thread
             log.exception("outcome callback failed", extra={"pool": self.name, **job.labels})
 
     # -- timeouts -------------------------------------------------------------------------

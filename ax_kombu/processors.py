@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -208,7 +207,7 @@ def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float) -> int
     except urllib.error.HTTPError as exc:
         exc.close()
         raise CallbackFailed(f"callback answered HTTP {exc.code}") from None
-    except (TimeoutError, socket.timeout) as exc:
+    except TimeoutError as exc:
         raise CallbackFailed(f"callback did not answer within {timeout_s:g}s") from exc
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import states
+from . import metrics, states
 from .backoff import Uniform, backoff_ms, default_rng
 from .broker import TaskMessage
 from .config import Settings
@@ -146,6 +146,16 @@ def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
     return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error)
 
 
+def _observe(result: RunResult, finish: Finish) -> None:
+    outcome, queue_name = result.outcome, result.task.priority
+    kind = ("success" if outcome.ok else "timeout" if outcome.timed_out
+            else "abandoned" if outcome.abandoned is not None else "error")
+    metrics.execute_total.labels(queue=queue_name, result=kind).inc()
+    metrics.execute_duration.labels(queue=queue_name).observe(outcome.duration_s)
+    if finish.status is not Status.DELAYED:
+        metrics.retry_count.observe(result.task.retry_count)
+
+
 class ResultWriter:
     """Collects outcomes from any thread; one thread writes them in batches."""
 
@@ -210,7 +220,7 @@ class ResultWriter:
                 with self._db.begin() as conn:
                     moved = set(states.finish_many(conn, finishes))
                 break
-            except Exception:  # noqa: BLE001 - a database outage: keep the results, retry
+            except Exception:  # a database outage: keep the results, retry
                 if self._abort.is_set():
                     log.error("results not written; the scheduler recovers these tasks",
                               extra={"count": len(batch)})
@@ -225,6 +235,7 @@ class ResultWriter:
         for result, finish in zip(batch, finishes, strict=True):
             extra = {"task_id": finish.task_id, "trace_id": result.task.trace_id,
                      "attempt": finish.attempt, "status": str(finish.status)}
+            _observe(result, finish)
             if result.outcome.timed_out:
                 self.stats.add("timed_out")
             if finish.task_id not in moved:

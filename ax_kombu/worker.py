@@ -5,27 +5,30 @@ a Kombu consumer per queue (``high``, ``default``, ``slow``), each on its own
 channel and feeding its own bounded pool — a :class:`~ax_kombu.lanes.Lane`.
 Only this thread touches Kombu (channels are not thread-safe).
 
-Receipt, in batches. Messages that arrive within ``worker_batch_ms`` (or
-until ``worker_batch_size``) are handled together:
+Receipt, in batches. The consuming thread drains the broker and plans what
+arrived:
 
-1. each is planned into a free slot of its lane's pool; what cannot start
-   waits in the lane's backlog (only with ``prefetch_multiplier`` > 1, at
-   most ``pool × (multiplier − 1)``), else is handed back;
-2. ONE statement moves the startable ones DISPATCHING → RUNNING where the
+1. each message is planned into a free slot of its lane's pool; what cannot
+   start waits in the lane's backlog (only with ``prefetch_multiplier`` > 1,
+   at most ``pool × (multiplier − 1)``), else is handed back;
+2. the receipt stage (:mod:`ax_kombu.receipts`, its own thread) moves the
+   startable tasks DISPATCHING → RUNNING in ONE statement, only where the
    row's attempt equals the message's (the fencing token), setting
    ``started_at`` (database clock) and ``last_run_node`` = this worker; the
-   handed-back ones go DISPATCHING → READY with ``last_run_node`` NULL;
+   handed-back ones go DISPATCHING → READY with ``last_run_node`` NULL.
+   Meanwhile the consuming thread keeps draining, so the next batch is what
+   arrived during this one's round trip (at most ``worker_batch_size``);
 3. a message whose move failed (task cancelled, or a stale message from an
    earlier attempt) is logged with the reason, counted, acked, not run;
-4. the started tasks go to their pools. Each outcome is written in a batch
-   by :class:`~ax_kombu.results.ResultWriter`, and the message is acked.
+4. the started tasks go to their pools; each outcome is written in a batch
+   by :class:`~ax_kombu.results.ResultWriter`, and its message is acked.
 
 A message is acked only after its RUNNING move committed, and normally
 stays unacked while its task runs: the broker's prefetch (``pool ×
 multiplier``) then bounds exactly what a lane holds, so a worker is only
 handed work it can start and nothing waits in an unbounded queue. See
 :mod:`ax_kombu.lanes` for the runs that hold a slot without a message
-(timed-out threads, tasks longer than ten minutes) and how the prefetch
+(timed-out threads, tasks allowed over ten minutes) and how the prefetch
 shrinks for them.
 
 Guarantees:
@@ -34,10 +37,11 @@ Guarantees:
   committed, and only for the attempt in its message.
 * ``kill -9``: started tasks stay RUNNING with this worker as
   ``last_run_node``; once its heartbeat stops, a scheduler recovers them
-  (retry, or FAILED "worker lost"). Received but unstarted messages are
-  still DISPATCHING: the broker redelivers them (RabbitMQ), or the
-  scheduler's ack timeout dispatches them again. Redis's ack emulation is
-  turned off for the same reason: the database already covers that window.
+  (retry, or FAILED "worker lost"); RabbitMQ hands their unacked messages
+  to another worker, which refuses them (the task is not DISPATCHING).
+  Received but unstarted tasks are still DISPATCHING: RabbitMQ redelivers
+  them, or the scheduler's ack timeout dispatches them again. That is why
+  Redis's ack emulation is turned off here: the database covers its window.
 * Warm shutdown (first SIGTERM/SIGINT, :meth:`Worker.request_stop`): stop
   consuming; hand received-but-unstarted work back to READY; let running
   tasks finish within ``worker_grace_s``; record the rest as abandoned (a
@@ -50,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -59,10 +62,9 @@ from typing import Any
 
 from kombu import messaging
 from kombu.exceptions import OperationalError
-from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import states
+from . import metrics, states
 from .broker import TaskMessage, connection, task_queues
 from .config import PRIORITIES, Settings, redact_url
 from .exceptions import StoreError
@@ -70,10 +72,9 @@ from .lanes import ACK_AT_START_MS, Delivery, Lane, parse_queues
 from .nodes import Heartbeat, default_node_id
 from .pools import Outcome
 from .processors import Context, Resolver, split_names
+from .receipts import Batch, ReceiptWriter
 from .results import Counters, HeldConnection, ResultWriter
-from .states import Status
 from .store import Store
-from .store.schema import tasks
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ _Consumer: Any = messaging.Consumer
 TICK_S = 0.01
 #: while a lane is saturated, how long to wait for a run to end before polling the others
 SATURATED_TICK_S = 0.002
+#: how long a poll waits for one more message before the batch is cut
+POLL_S = 0.0005
 
 
 class _BrokerLost(Exception):
@@ -126,6 +129,8 @@ class Worker:
         self._global_qos = False
         self._heart_stop = threading.Event()
         self._db = HeldConnection(self.store.engine)
+        self.receipts = ReceiptWriter(self.store, self.node_id, self._wakeup.set,
+                                      lambda: self.stopping)
 
     # -- control (safe from signal handlers: they only set flags) ------------------------------
 
@@ -196,7 +201,7 @@ class Worker:
                 self._wakeup.clear()
                 self._settle()
                 self._receive(conn)
-                self._handle()
+                self._dispatch()
             self._stop_consuming()
             self._finish_running(connected=True)
         except errors as exc:
@@ -207,7 +212,7 @@ class Worker:
                 lane.consumer = None
             try:
                 conn.release()
-            except Exception:  # noqa: BLE001 - closing a broken connection
+            except Exception:  # closing a broken connection
                 log.debug("error closing the broker connection", exc_info=True)
 
     def _attach(self, conn: Any) -> None:
@@ -221,6 +226,10 @@ class Worker:
 
     def _orphan(self) -> None:
         """After a lost connection: unacked messages are the broker's again."""
+        self._generation += 1  # acks for the lost connection's messages are void from now on
+        batch = self.receipts.take(timeout_s=60.0)
+        if batch is not None:
+            self._receipted(batch)
         self._pending.clear()
         for lane in self.lanes:
             lane.backlog.clear()
@@ -233,7 +242,7 @@ class Worker:
         while not self._heart_stop.wait(self.settings.heartbeat_interval_s):
             try:
                 self.heartbeat.beat(self.info())
-            except Exception:  # noqa: BLE001 - a missed beat is retried next interval
+            except Exception:  # a missed beat is retried next interval
                 log.warning("heartbeat failed", exc_info=True, extra={"node": self.node_id})
 
     def _sleep(self, seconds: float) -> None:
@@ -265,50 +274,40 @@ class Worker:
         message.reject()  # never delivered to _on_message, so never counted as held
 
     def _receive(self, conn: Any) -> None:
-        """Drain what arrives within one batch window, starting from a short wait.
+        """Drain the broker until nothing more is ready, a batch is full, or we are needed.
 
-        While a lane is saturated, the wait is first for one of its runs to end
-        (so its message is acked and the broker can send more at once).
+        Idle, it blocks up to TICK_S for a first message. While a receipt is in
+        flight or a lane is saturated it only polls, and returns as soon as there
+        is something to settle (a written batch, an ended run whose ack frees room).
         """
-        saturated = [lane.saturated() for lane in self.lanes]
-        if all(saturated):
+        saturated = any(lane.saturated() for lane in self.lanes)
+        if all(lane.saturated() for lane in self.lanes):
             self._wakeup.wait(TICK_S)
             return
-        if any(saturated) and self._wakeup.wait(SATURATED_TICK_S):
+        if saturated and not self.receipts.busy and self._wakeup.wait(SATURATED_TICK_S):
             return
+        urgent = saturated or self.receipts.busy
         limit = min(self.settings.worker_batch_size, sum(lane.room() for lane in self.lanes))
-        try:
-            conn.drain_events(timeout=TICK_S / 10 if any(saturated) else TICK_S)
-        except socket.timeout:
-            return
-        deadline = time.monotonic() + self.settings.worker_batch_ms / 1000.0
-        while len(self._pending) < limit:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        timeout = POLL_S if urgent else TICK_S
+        while len(self._pending) < limit and not (urgent and self._wakeup.is_set()):
             try:
-                conn.drain_events(timeout=left)
-            except socket.timeout:
-                break
+                conn.drain_events(timeout=timeout)
+            except TimeoutError:
+                return
+            timeout = POLL_S
 
-    # -- handling a batch ----------------------------------------------------------------------
+    # -- handing batches to the receipt stage --------------------------------------------------
 
-    def _handle(self) -> None:
+    def _dispatch(self) -> None:
+        """Plan what arrived and send it to the receipt stage, if that is free."""
+        if self.receipts.busy:
+            return
         fresh, self._pending = self._pending, []
         if not fresh and not any(lane.backlog and lane.pool.free for lane in self.lanes):
             return
         start, release, dupes = self._plan(fresh)
-        started = self._record_receipt(start, release)
-        if started is None:
-            return
-        refused = [d for d in start if d.task.task_id not in started]
-        for delivery in release + dupes + refused:
-            self._ack(delivery)
-        self._account(start, release, dupes, refused)
-        running = [d for d in start if d.task.task_id in started]
-        self._ack_long(running)
-        for delivery in running:
-            self._submit(delivery)
+        if start or release or dupes:
+            self.receipts.send(Batch(start, release, dupes))
 
     def _plan(self, fresh: list[Delivery]) -> tuple[list[Delivery], list[Delivery],
                                                     list[Delivery]]:
@@ -335,55 +334,33 @@ class Worker:
                 (lane.backlog if len(lane.backlog) < lane.backlog_max else release).append(d)
         return start, release, dupes
 
-    def _record_receipt(self, start: list[Delivery],
-                        release: list[Delivery]) -> set[int] | None:
-        """The RUNNING move (and the hand-back), retried through a database outage.
+    def _receipted(self, batch: Batch) -> None:
+        """A batch's RUNNING move committed: ack what will not run, start the rest."""
+        if batch.started is None:
+            return  # given up while stopping: unacked, the broker gets them back
+        started = batch.started
+        refused = [d for d in batch.start if d.task.task_id not in started]
+        for delivery in batch.release + batch.dupes + refused:
+            self._ack(delivery)
+        self._account(batch, refused)
+        running = [d for d in batch.start if d.task.task_id in started]
+        self._ack_long(running)
+        for delivery in running:
+            self._submit(delivery)
 
-        Returns the ids now RUNNING, or None if stopping while the database is down
-        (the messages stay unacked; the broker gets them back when we disconnect).
-        """
-        pause = 0.05
-        while True:
-            try:
-                with self._db.begin() as conn:
-                    started = states.start_many(conn, [d.pair for d in start], self.node_id,
-                                                self.store.now_ms())
-                    states.release_many(conn, [d.pair for d in release])
-                return set(started)
-            except SQLAlchemyError:
-                log.warning("could not record received tasks; retrying", exc_info=True,
-                            extra={"count": len(start) + len(release)})
-                if self.stopping:
-                    return None
-                self._sleep(pause)
-                pause = min(pause * 2, 2.0)
-
-    def _account(self, start: list[Delivery], release: list[Delivery], dupes: list[Delivery],
-                 refused: list[Delivery]) -> None:
-        self.stats.add("received", len(start) + len(release) + len(dupes))
-        self.stats.add("started", len(start) - len(refused))
-        for delivery in release:
+    def _account(self, batch: Batch, refused: list[Delivery]) -> None:
+        self.stats.add("received", len(batch.start) + len(batch.release) + len(batch.dupes))
+        self.stats.add("started", len(batch.start) - len(refused))
+        for delivery in batch.release:
             self.stats.add("handed_back")
             log.info("pool full: task handed back to the scheduler as READY",
                      extra={**delivery.labels, "queue": delivery.lane.queue.name})
-        for delivery in dupes:
+        metrics.stale_messages_total.inc(len(batch.dupes) + len(refused))
+        for delivery in batch.dupes:
             self.stats.add("refused_duplicate")
             log.info("duplicate delivery dropped", extra=delivery.labels)
-        if refused:
-            self._explain(refused)
-
-    def _explain(self, refused: list[Delivery]) -> None:
-        """Log and count why each RUNNING move failed (one read for the batch)."""
-        ids = [d.task.task_id for d in refused]
-        try:
-            with self._db.begin() as conn:
-                rows = {r.task_id: r for r in conn.execute(
-                    select(tasks.c.task_id, tasks.c.status, tasks.c.attempt)
-                    .where(tasks.c.task_id.in_(ids)))}
-        except SQLAlchemyError:
-            rows = {}
         for delivery in refused:
-            reason, why = _refusal(delivery.task, rows.get(delivery.task.task_id))
+            reason, why = batch.refusals.get(delivery.task.task_id, ("unknown", "unknown"))
             self.stats.add(f"refused_{reason}")
             log.info("message refused, not run", extra={**delivery.labels, "reason": why})
 
@@ -422,7 +399,10 @@ class Worker:
         self._wakeup.set()
 
     def _settle(self) -> None:
-        """Ack the messages of ended runs; bring every lane's prefetch up to date."""
+        """Start a written batch; ack ended runs; bring every lane's prefetch up to date."""
+        batch = self.receipts.take()
+        if batch is not None:
+            self._receipted(batch)
         ended: list[Delivery] = []
         while True:
             try:
@@ -454,6 +434,10 @@ class Worker:
             if lane.consumer is not None and lane.consuming:
                 lane.consumer.cancel()
                 lane.consuming = False
+        while self.receipts.busy:  # a batch in flight starts (or is given up) first
+            batch = self.receipts.take(timeout_s=TICK_S)
+            if batch is not None:
+                self._receipted(batch)
         unstarted = self._pending + [d for lane in self.lanes for d in lane.backlog]
         self._pending = []
         for lane in self.lanes:
@@ -502,18 +486,9 @@ class Worker:
             log.warning("could not mark the heartbeat stopped", exc_info=True)
         for lane in self.lanes:
             lane.pool.close()
+        self.receipts.close()
         self._db.close()
         self.store.close()
         log.info("worker stopped", extra={"node": self.node_id, "cold": self.cold,
                                           "counts": self.stats.snapshot()})
 
-
-def _refusal(task: TaskMessage, row: Any) -> tuple[str, str]:
-    """(counter suffix, log text) for a message whose RUNNING move failed."""
-    if row is None:
-        return "missing", "no such task"
-    if row.attempt != task.attempt:
-        return "stale", f"stale message: attempt {task.attempt}, the task is at {row.attempt}"
-    if row.status == Status.CANCELLED:
-        return "cancelled", "the task was cancelled"
-    return "state", f"the task is {row.status}, not DISPATCHING"

@@ -13,6 +13,7 @@ from .cancel import cancel
 from .db import db
 from .enqueue import enqueue
 from .inspect import inspect
+from .status import status
 
 
 @click.group(cls=AxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,5 +32,5 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     ctx.obj = obj
 
 
-for command in (enqueue, inspect, cancel, db):
+for command in (enqueue, inspect, cancel, db, status):
     main.add_command(command)

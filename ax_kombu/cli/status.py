@@ -1,0 +1,128 @@
+"""``ax status`` — live nodes, queue depths, and tasks by status.
+
+A node is live when it heartbeated within ``heartbeat_misses ×
+heartbeat_interval_s`` and did not stop. Passwords in any URL shown (store,
+broker, or inside a node's heartbeat info) are replaced by ``***``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from ..broker import connection, task_queues
+from ..config import PRIORITIES, Settings, redact_url
+from ..exceptions import StoreError
+from ..nodes import live_nodes
+from ..states import Status
+from ..store import Store
+from ..store.engine import db_now_ms
+from ..store.schema import tasks
+from .base import broker_option, settings_from
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` with every string that looks like a URL redacted, recursively."""
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def _store_view(settings: Settings) -> dict[str, Any]:
+    store = Store(settings)
+    try:
+        with store.engine.connect() as conn:
+            now = db_now_ms(conn)
+            silence = int(settings.heartbeat_interval_s * settings.heartbeat_misses * 1000)
+            rows = live_nodes(conn, silence)
+            counts: dict[str, int] = dict(conn.execute(select(tasks.c.status, func.count())
+                                                       .group_by(tasks.c.status)).all())
+    except SQLAlchemyError as exc:
+        raise StoreError(f"cannot read the store {redact_url(settings.database_url)}: "
+                         f"{type(exc).__name__}") from None
+    finally:
+        store.close()
+    found = [{"node_id": r.node_id, "kind": r.kind, "host": r.host, "pid": r.pid,
+              "heartbeat_age_s": round((now - r.heartbeat_at) / 1000, 1),
+              "info": _redacted(json.loads(r.info or "{}"))} for r in rows]
+    return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status}}
+
+
+def _queue_depths(settings: Settings) -> dict[str, Any]:
+    """Messages waiting in each queue, or why the broker could not be asked."""
+    try:
+        with connection(settings) as conn:
+            conn.ensure_connection(max_retries=1)
+            channel = conn.default_channel
+            return {p: int(q(channel).queue_declare().message_count)
+                    for p, q in task_queues(settings).items()}
+    except Exception as exc:  # noqa: BLE001 - status must still show the rest
+        return {"error": f"broker unreachable: {type(exc).__name__}"}
+
+
+def _pools(info: dict[str, Any]) -> str:
+    pools, free, backlog = info.get("pools", {}), info.get("free", {}), info.get("backlog", {})
+    stuck = info.get("stuck", {})
+    parts = []
+    for name in pools:
+        part = f"{name} {free.get(name, '?')}/{pools[name]} free"
+        if backlog.get(name):
+            part += f", {backlog[name]} waiting"
+        if stuck.get(name):
+            part += f", {stuck[name]} stuck"
+        parts.append(part)
+    return "; ".join(parts)
+
+
+def _describe(node: dict[str, Any]) -> str:
+    info = node["info"]
+    if node["kind"] == "worker":
+        return (f"queues {','.join(info.get('queues', []))}  pools {_pools(info)}  "
+                f"running {info.get('running', 0)}")
+    shown = {k: v for k, v in info.items() if not isinstance(v, (dict, list))}
+    return "  ".join(f"{k} {v}" for k, v in shown.items())
+
+
+def _print(view: dict[str, Any]) -> None:
+    click.echo(f"store   {view['store']}")
+    click.echo(f"broker  {view['broker']}")
+    click.echo("")
+    if not view["nodes"]:
+        click.echo("no live nodes")
+    for node in view["nodes"]:
+        click.echo(f"{node['kind']:<9} {node['node_id']}  host {node['host']}  pid {node['pid']}  "
+                   f"beat {node['heartbeat_age_s']}s ago")
+        detail = _describe(node)
+        if detail:
+            click.echo(f"          {detail}")
+    click.echo("")
+    queues = view["queues"]
+    click.echo("queues  " + (queues["error"] if "error" in queues else
+                             "  ".join(f"{p} {queues[p]}" for p in PRIORITIES)))
+    click.echo("tasks   " + "  ".join(f"{s} {n}" for s, n in view["tasks"].items()))
+
+
+@click.command()
+@broker_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--no-broker", is_flag=True, help="Do not ask the broker for queue depths.")
+@click.pass_context
+def status(ctx: click.Context, broker_url: str | None, as_json: bool, no_broker: bool) -> None:
+    """Live schedulers and workers, queue depths, and tasks by status."""
+    settings = settings_from(ctx, broker_url=broker_url)
+    view = {"store": redact_url(settings.database_url),
+            "broker": redact_url(settings.broker_url), **_store_view(settings),
+            "queues": {"error": "not asked (--no-broker)"} if no_broker
+            else _queue_depths(settings)}
+    if as_json:
+        click.echo(json.dumps(view, indent=2))
+    else:
+        _print(view)

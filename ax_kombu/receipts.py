@@ -1,0 +1,147 @@
+"""The receipt stage: received messages become RUNNING tasks, one statement per batch.
+
+The worker's consuming thread plans a batch (which messages start, which go
+back, which are duplicates) and hands it here; one thread then moves the
+startable tasks DISPATCHING → RUNNING with :func:`ax_kombu.states.start_many`
+(fenced by attempt, ``started_at`` and ``last_run_node`` set), the others
+DISPATCHING → READY with :func:`~ax_kombu.states.release_many`, in one
+transaction, and finds out why any move was refused. The consuming thread
+keeps draining the broker meanwhile, so the next batch is whatever arrived
+during this one's round trip: batches grow with load (like a group commit)
+and a lone message waits for nobody. Only one batch is in flight at a time,
+and nothing is acked before its batch has committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import metrics, states
+from .broker import TaskMessage
+from .lanes import Delivery
+from .results import HeldConnection
+from .states import Status
+from .store import Store
+from .store.schema import tasks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Batch:
+    """One round of receipts, and (once written) what came of it."""
+
+    start: list[Delivery]
+    release: list[Delivery]
+    dupes: list[Delivery]
+    #: ids now RUNNING; None if the write was given up (the messages stay unacked)
+    started: set[int] | None = None
+    #: task id → (counter suffix, log text) for each refused start
+    refusals: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+
+class ReceiptWriter:
+    """One thread writing one :class:`Batch` at a time for the consuming thread.
+
+    Args:
+        on_done: called (from this thread) when a batch is written.
+        give_up: while the database is down, True means stop retrying.
+    """
+
+    def __init__(self, store: Store, node_id: str, on_done: Callable[[], None],
+                 give_up: Callable[[], bool]) -> None:
+        self.store = store
+        self.node_id = node_id
+        self._on_done = on_done
+        self._give_up = give_up
+        self._db = HeldConnection(store.engine)
+        self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Batch] = queue.SimpleQueue()
+        #: a batch is in flight (touched by the consuming thread only)
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, name="ax-receipts", daemon=True)
+        self._thread.start()
+
+    def send(self, batch: Batch) -> None:
+        """Start writing ``batch`` (only when not :attr:`busy`)."""
+        if self.busy:
+            raise RuntimeError("a receipt batch is already in flight")
+        self.busy = True
+        self._inbox.put(batch)
+
+    def take(self, timeout_s: float | None = None) -> Batch | None:
+        """The written batch, if it is done (waiting up to ``timeout_s``)."""
+        if not self.busy:
+            return None
+        try:
+            batch = self._outbox.get(timeout=timeout_s) if timeout_s else self._outbox.get_nowait()
+        except queue.Empty:
+            return None
+        self.busy = False
+        return batch
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(5.0)
+        self._db.close()
+
+    def _run(self) -> None:
+        while (batch := self._inbox.get()) is not None:
+            try:
+                self._write(batch)
+            finally:
+                self._outbox.put(batch)
+                self._on_done()
+
+    def _write(self, batch: Batch) -> None:
+        pause = 0.05
+        while True:
+            try:
+                now = self.store.now_ms()
+                with self._db.begin() as conn:
+                    batch.started = set(states.start_many(
+                        conn, [d.pair for d in batch.start], self.node_id, now))
+                    states.release_many(conn, [d.pair for d in batch.release])
+                    refused = [d for d in batch.start if d.task.task_id not in batch.started]
+                    batch.refusals = _explain(conn, refused)
+                for delivery in batch.start:
+                    if delivery.task.task_id in batch.started:
+                        metrics.start_delay.observe(max(0, now - delivery.task.trigger_time) / 1e3)
+                return
+            except SQLAlchemyError:
+                log.warning("could not record received tasks; retrying", exc_info=True,
+                            extra={"count": len(batch.start) + len(batch.release)})
+                if self._give_up():
+                    return
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+
+def _explain(conn: Connection, refused: list[Delivery]) -> dict[int, tuple[str, str]]:
+    """Why each RUNNING move failed (one read for the batch)."""
+    if not refused:
+        return {}
+    rows = {r.task_id: r for r in conn.execute(
+        select(tasks.c.task_id, tasks.c.status, tasks.c.attempt)
+        .where(tasks.c.task_id.in_([d.task.task_id for d in refused])))}
+    return {d.task.task_id: refusal(d.task, rows.get(d.task.task_id)) for d in refused}
+
+
+def refusal(task: TaskMessage, row: Any) -> tuple[str, str]:
+    """(counter suffix, log text) for a message whose RUNNING move failed."""
+    if row is None:
+        return "missing", "no such task"
+    if row.attempt != task.attempt:
+        return "stale", f"stale message: attempt {task.attempt}, the task is at {row.attempt}"
+    if row.status == Status.CANCELLED:
+        return "cancelled", "the task was cancelled"
+    return "state", f"the task is {row.status}, not DISPATCHING"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv (once) and run the main job on the embedded default: examples/demo.py
+# starts ax-scheduler and ax-worker with no configuration (SQLite + SQLite transport).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+exec .venv/bin/python examples/demo.py

@@ -1,0 +1,435 @@
+"""The worker on real servers: PostgreSQL + Redis and PostgreSQL + RabbitMQ.
+
+Tasks take the real dispatch path without the scheduler loop: enqueued with
+the producer API, claimed with ``states.claim`` and published with
+``broker.Publisher``. The worker runs in-process in a thread (or, for the
+signal test, as the ``ax-worker`` command).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from kombu import Producer
+from sqlalchemy import select
+
+from ax_kombu import states
+from ax_kombu.api import Client, TaskView
+from ax_kombu.broker import Publisher, TaskMessage, connection, declare_queues, task_queues
+from ax_kombu.config import Settings, from_env
+from ax_kombu.lanes import ACK_AT_START_MS
+from ax_kombu.processors import Resolver
+from ax_kombu.states import Status
+from ax_kombu.store.schema import nodes
+from ax_kombu.worker import Worker
+
+from .. import procs_worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``check`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.02)
+
+
+class Dispatch:
+    """The scheduler's side, by hand: enqueue, claim, publish."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.client = Client(settings)
+        self.publisher = Publisher(settings)
+
+    def enqueue(self, task_type: str, payload: Any = None, **options: Any) -> int:
+        task_id = int(self.client.enqueue(task_type, payload, **options))
+        with self.client.store.engine.begin() as conn:
+            states.transition(conn, [task_id], [Status.CREATED], Status.READY)
+        return task_id
+
+    def claim(self, task_ids: list[int]) -> list[TaskMessage]:
+        now = self.client.store.now_ms()
+        with self.client.store.engine.begin() as conn:
+            rows = states.claim(conn, task_ids, "scheduler@test", now, due_before=2**62)
+        return [TaskMessage(task_id=r.task_id, attempt=r.attempt, task_type=r.task_type,
+                            payload=json.loads(r.payload), trace_id=r.trace_id,
+                            trigger_time=r.trigger_time, timeout_ms=r.timeout_ms,
+                            priority=r.priority, retry_count=r.retry_count,
+                            max_retry=r.max_retry, processor=r.processor_name,
+                            callback_url=r.callback_url, dispatched_at=now,
+                            node="scheduler@test") for r in rows]
+
+    def publish(self, messages: list[TaskMessage]) -> None:
+        assert self.publisher.publish(messages) == []
+
+    def dispatch(self, task_ids: list[int]) -> list[TaskMessage]:
+        messages = self.claim(task_ids)
+        assert len(messages) == len(task_ids)
+        self.publish(messages)
+        return messages
+
+    def view(self, task_id: int) -> TaskView:
+        return self.client.get(task_id)
+
+    def status(self, task_id: int) -> Status:
+        return self.view(task_id).status
+
+    def queue_depth(self, priority: str) -> int:
+        with connection(self.settings) as conn:
+            channel = conn.default_channel
+            queue = task_queues(self.settings)[priority](channel)
+            if conn.transport.driver_type == "redis":  # its passive declare ignores the prefix
+                return int(channel._size(queue.name))
+            return int(queue.queue_declare(passive=True).message_count)
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.client.close()
+
+
+@pytest.fixture
+def settings(pg_url: str, broker: dict[str, str]) -> Settings:
+    return from_env({}, database_url=pg_url, retry_backoff_base_ms=300,
+                    retry_backoff_max_ms=5000, retry_backoff_jitter=0.5,
+                    heartbeat_interval_s=0.2, worker_grace_s=10, **broker)
+
+
+@pytest.fixture
+def dispatch(settings: Settings) -> Iterator[Dispatch]:
+    with connection(settings) as conn:
+        declare_queues(conn, settings)
+    d = Dispatch(settings)
+    yield d
+    d.close()
+
+
+@pytest.fixture(autouse=True)
+def _release_hung_processors() -> Iterator[None]:
+    procs_worker.release.clear()
+    yield
+    procs_worker.release.set()
+
+
+@contextmanager
+def running(settings: Settings, **kwargs: Any) -> Iterator[Worker]:
+    """A worker consuming in a background thread; stopped warmly on exit."""
+    kwargs.setdefault("resolver", Resolver(modules=["tests.procs_worker"]))
+    worker = Worker(settings, **kwargs)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
+    thread.start()
+    eventually(worker.ready.is_set, what="worker consuming")
+    try:
+        yield worker
+    finally:
+        procs_worker.release.set()
+        worker.request_stop()
+        thread.join(30)
+    assert not thread.is_alive() and codes == [0]
+
+
+def test_success_is_recorded_with_the_run_columns(settings: Settings,
+                                                  dispatch: Dispatch) -> None:
+    ids = [dispatch.enqueue("t.noop", {"i": i}, priority=("high", "default", "slow")[i % 3])
+           for i in range(12)]
+    with running(settings) as worker:
+        messages = dispatch.dispatch(ids)
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
+        assert worker.stats["succeeded"] == 12 and worker.stats["started"] == 12
+    for message in messages:
+        view = dispatch.view(message.task_id)
+        assert view.attempt == 1 and view.retry_count == 0 and view.last_error is None
+        assert view.last_run_node == worker.node_id
+        assert view.dispatched_at is not None and view.started_at is not None
+        assert view.finished_at is not None
+        assert view.dispatched_at <= view.started_at <= view.finished_at
+        ctx = procs_worker.contexts[message.task_id]
+        assert (ctx.attempt, ctx.trace_id, ctx.trigger_time, ctx.task_type) == (
+            1, message.trace_id, message.trigger_time, "t.noop")
+        assert procs_worker.calls[message.task_id] == 1
+    with dispatch.client.store.engine.connect() as conn:
+        node = conn.execute(select(nodes).where(nodes.c.node_id == worker.node_id)).one()
+    info = json.loads(node.info)
+    assert node.kind == "worker" and node.stopped_at is not None
+    assert info["pools"] == {"high": 8, "default": 16, "slow": 8}
+    assert info["queues"] == [settings.queue_high, settings.queue_default, settings.queue_slow]
+
+
+def _retried(dispatch: Dispatch, task_id: int, count: int) -> bool:
+    return dispatch.view(task_id).retry_count == count
+
+
+def _due(dispatch: Dispatch, trigger_time: int) -> bool:
+    return dispatch.client.store.now_ms() >= trigger_time
+
+
+def test_failing_twice_then_succeeding_retries_with_backoff(settings: Settings,
+                                                            dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.flaky", {"x": 1}, max_retry=3)
+    delays = []
+    with running(settings):
+        for retry in range(2):
+            dispatch.dispatch([task_id])
+            eventually(partial(_retried, dispatch, task_id, retry + 1))
+            view = dispatch.view(task_id)
+            assert view.status is Status.DELAYED and view.last_run_node is None
+            assert view.last_error == f"RuntimeError: flaky failure #{retry + 1}"
+            assert view.started_at is not None
+            delays.append(view.trigger_time - view.started_at)
+            # the scheduler's part: wait until it is due, then claim and publish it again
+            eventually(partial(_due, dispatch, view.trigger_time))
+        dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
+    view = dispatch.view(task_id)
+    assert (view.retry_count, view.attempt) == (2, 3)
+    assert procs_worker.calls[task_id] == 3
+    # base 300 ms, jitter 0.5: retry n waits 300·2ⁿ·[0.5, 1] after the failure
+    assert 150 <= delays[0] <= 300 + 100
+    assert 300 <= delays[1] <= 600 + 100
+
+
+def test_a_stale_attempt_is_refused_acked_and_not_run(settings: Settings,
+                                                      dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.noop")
+    [first] = dispatch.claim([task_id])
+    with dispatch.client.store.engine.begin() as conn:  # ack timeout: back to READY …
+        states.transition(conn, [task_id], [Status.DISPATCHING], Status.READY)
+    [second] = dispatch.claim([task_id])               # … and dispatched again
+    assert (first.attempt, second.attempt) == (1, 2)
+    with running(settings) as worker:
+        dispatch.publish([first])
+        eventually(lambda: worker.stats["refused_stale"] == 1)
+        assert dispatch.status(task_id) is Status.DISPATCHING
+        assert task_id not in procs_worker.calls
+        dispatch.publish([second])
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
+    assert procs_worker.calls[task_id] == 1
+    assert dispatch.queue_depth("default") == 0  # acked: nothing came back on disconnect
+
+
+def test_a_cancelled_task_is_not_run(settings: Settings, dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.noop")
+    messages = dispatch.claim([task_id])
+    dispatch.client.cancel(task_id)
+    with running(settings) as worker:
+        dispatch.publish(messages)
+        eventually(lambda: worker.stats["refused_cancelled"] == 1)
+    assert dispatch.status(task_id) is Status.CANCELLED
+    assert task_id not in procs_worker.calls
+    assert dispatch.queue_depth("default") == 0
+
+
+def test_a_timeout_is_recorded_and_the_slot_stays_held_until_the_thread_returns(
+        settings: Settings, dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.hang", timeout_ms=300, max_retry=0, priority="slow")
+    with running(settings) as worker:
+        lane = next(lane for lane in worker.lanes if lane.priority == "slow")
+        dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.FAILED)
+        view = dispatch.view(task_id)
+        assert view.last_error == "timed out after 300 ms"
+        assert view.finished_at is not None and view.started_at is not None
+        assert view.finished_at - view.started_at >= 300
+        assert worker.stats["timed_out"] == 1
+        assert lane.pool.stuck == 1 and lane.pool.free == lane.pool.size - 1
+        eventually(lambda: lane.prefetch == lane.window - 1, what="prefetch lowered")
+        procs_worker.release.set()
+        eventually(lambda: lane.pool.stuck == 0 and lane.prefetch == lane.window,
+                   what="slot and prefetch back")
+    assert dispatch.status(task_id) is Status.FAILED  # the late return changed nothing
+
+
+def test_a_long_task_is_acked_at_start_and_its_slot_lowers_the_prefetch(
+        settings: Settings, dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.hang", timeout_ms=ACK_AT_START_MS + 1, priority="slow")
+    with running(settings) as worker:
+        lane = next(lane for lane in worker.lanes if lane.priority == "slow")
+        dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.RUNNING and lane.pool.active == 1)
+        # no message held for it (RabbitMQ would close a channel holding one for 30 min) …
+        assert lane.held == 0 and lane.acked_running == 1
+        # … so its slot is taken out of the prefetch instead
+        eventually(lambda: lane.prefetch == lane.window - 1, what="prefetch lowered")
+        procs_worker.release.set()
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
+        eventually(lambda: lane.prefetch == lane.window and lane.acked_running == 0,
+                   what="prefetch back")
+
+
+def test_a_saturated_slow_pool_does_not_delay_high_priority_tasks(
+        settings: Settings, dispatch: Dispatch) -> None:
+    settings = settings.replace(pool_slow=2, pool_high=4)
+    slow_s = 1.0
+    slow = [dispatch.enqueue("t.sleep", {"s": slow_s, "i": i}, priority="slow")
+            for i in range(4)]
+    high = [dispatch.enqueue("t.noop", {"i": i}, priority="high") for i in range(8)]
+    with running(settings):
+        dispatch.dispatch(slow)
+        eventually(lambda: sum(dispatch.status(i) is Status.RUNNING for i in slow) == 2)
+        high_messages = dispatch.dispatch(high)
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in high))
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in slow), timeout=30)
+    for message in high_messages:
+        view = dispatch.view(message.task_id)
+        assert view.started_at is not None
+        # started long before a slow slot could have freed up
+        assert view.started_at - message.dispatched_at < slow_s * 1000 / 4
+    views = sorted((dispatch.view(i) for i in slow), key=lambda v: v.started_at or 0)
+    first_done = min(v.finished_at or 0 for v in views[:2])
+    assert all((v.started_at or 0) >= first_done - 5 for v in views[2:])  # bounded: 2 at a time
+
+
+def test_a_task_that_cannot_start_goes_back_to_ready(settings: Settings,
+                                                     dispatch: Dispatch) -> None:
+    settings = settings.replace(pool_default=2)
+    gate = threading.Event()
+    ids = [dispatch.enqueue("t.sleep", {"s": 1.0, "i": i}) for i in range(2)]
+    try:
+        with running(settings) as worker:
+            lane = next(lane for lane in worker.lanes if lane.priority == "default")
+            # a slot taken behind the broker's back: the prefetch (2) exceeds what can start
+            assert lane.pool.try_submit(lambda: gate.wait(10), lambda outcome: None)
+            dispatch.dispatch(ids)
+            eventually(lambda: worker.stats["handed_back"] == 1)
+            gate.set()
+            eventually(lambda: sorted(dispatch.status(i) for i in ids) ==
+                       [Status.READY, Status.SUCCESS])
+    finally:
+        gate.set()
+    back = next(dispatch.view(i) for i in ids if dispatch.status(i) is Status.READY)
+    assert back.last_run_node is None and back.started_at is None and back.attempt == 1
+    assert dispatch.queue_depth("default") == 0
+
+
+def test_a_refused_dotted_path_is_recorded_and_nothing_is_called(
+        settings: Settings, dispatch: Dispatch, tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+    refused = dispatch.enqueue("evil", f"touch {canary}", processor="os:system", max_retry=3)
+    unknown = dispatch.enqueue("t.unknown", None, max_retry=0)
+    allowed = dispatch.enqueue("calc", {"n": 21}, processor="tests.procs_worker:double")
+    with running(settings):
+        dispatch.dispatch([refused, unknown, allowed])
+        eventually(lambda: {dispatch.status(i) for i in (refused, unknown, allowed)} ==
+                   {Status.FAILED, Status.SUCCESS})
+    view = dispatch.view(refused)
+    assert view.status is Status.FAILED and view.retry_count == 0  # refusal is final
+    assert "'os:system' refused" in (view.last_error or "")
+    assert not canary.exists()
+    assert "no processor 't.unknown'" in (dispatch.view(unknown).last_error or "")
+    assert dispatch.status(allowed) is Status.SUCCESS
+
+
+def test_a_non_json_message_is_dropped_and_the_worker_goes_on(settings: Settings,
+                                                              dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.noop")
+    with running(settings) as worker:
+        with connection(settings) as conn:
+            Producer(conn.default_channel).publish(
+                {"v": 1, "task_id": task_id}, routing_key=settings.queue_default, exchange="",
+                serializer="pickle")
+        eventually(lambda: worker.stats["malformed"] == 1)
+        dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
+
+
+def _worker_command(settings: Settings, pg_url: str) -> tuple[list[str], dict[str, str]]:
+    env = {**os.environ, "AX_QUEUE_HIGH": settings.queue_high,
+           "AX_QUEUE_DEFAULT": settings.queue_default, "AX_QUEUE_SLOW": settings.queue_slow,
+           "AX_BROKER_KEY_PREFIX": settings.broker_key_prefix, "AX_HEARTBEAT_INTERVAL_S": "0.1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "ax_kombu.cli.worker", "-Q", "slow", "-A",
+               "tests.procs_worker", "-c", "slow=2", "--prefetch-multiplier", "2",
+               "--db", pg_url, "--broker", settings.broker_url, "-l", "INFO"]
+    return command, env
+
+
+def _node_info(dispatch: Dispatch) -> dict[str, Any]:
+    with dispatch.client.store.engine.connect() as conn:
+        row = conn.execute(select(nodes.c.info).where(nodes.c.kind == "worker")).first()
+    return {} if row is None else dict(json.loads(row.info))
+
+
+@pytest.mark.timeout(120)
+def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Dispatch,
+                                               pg_url: str) -> None:
+    ids = [dispatch.enqueue("t.sleep", {"s": 0.8, "i": i}, priority="slow") for i in range(6)]
+    command, env = _worker_command(settings, pg_url)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        eventually(lambda: bool(_node_info(dispatch)), what="worker heartbeat")
+        dispatch.dispatch(ids)
+        # 2 running, 2 received into the backlog (multiplier 2), 2 left on the broker
+        eventually(lambda: _node_info(dispatch).get("backlog", {}).get("slow") == 2
+                   and _node_info(dispatch).get("running") == 2, what="pool and backlog full")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    statuses = sorted(dispatch.status(i) for i in ids)
+    assert statuses == [Status.DISPATCHING] * 2 + [Status.READY] * 2 + [Status.SUCCESS] * 2
+    assert dispatch.queue_depth("slow") == 2  # the undelivered two are still on the broker
+    for task_id in ids:
+        if dispatch.status(task_id) is Status.READY:
+            assert dispatch.view(task_id).last_run_node is None
+    assert "worker stopped" in output
+    with dispatch.client.store.engine.connect() as conn:
+        assert conn.execute(select(nodes.c.stopped_at)).scalar_one() is not None
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.received.append({"body": body, "trace": self.headers.get("X-Trace-Id")})
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_embedded_default_runs_processors_and_callbacks(tmp_path: Path) -> None:
+    """SQLite store + ax's SQLite transport: no server at all (bar the callback's)."""
+    settings = from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.db'}",
+                        broker_url=f"ax+sqlite:///{tmp_path / 'broker.db'}")
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    _Hook.received = []
+    dispatch = Dispatch(settings)
+    try:
+        plain = [dispatch.enqueue("t.noop", {"i": i}) for i in range(20)]
+        hooked = dispatch.enqueue("coupon.grant", {"user": 7},
+                                  callback_url=f"http://127.0.0.1:{hook.server_address[1]}/h")
+        with running(settings):
+            dispatch.dispatch([*plain, hooked])
+            eventually(lambda: all(dispatch.status(i) is Status.SUCCESS
+                                   for i in [*plain, hooked]))
+        view = dispatch.view(hooked)
+        assert _Hook.received == [{"body": {"payload": {"user": 7}, "task_id": hooked,
+                                            "attempt": 1, "trace_id": view.trace_id},
+                                   "trace": view.trace_id}]
+    finally:
+        hook.shutdown()
+        hook.server_close()
+        dispatch.close()

@@ -1,0 +1,164 @@
+"""Bounded pools: refusal when full, one outcome per job, timeouts that keep their slot."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ax_kombu.pools import Outcome, Pool
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``check`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+class Outcomes:
+    """Collects every outcome reported, with the job it belongs to."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: list[tuple[str, Outcome]] = []
+
+    def done(self, name: str) -> Callable[[Outcome], None]:
+        def record(outcome: Outcome) -> None:
+            with self.lock:
+                self.items.append((name, outcome))
+        return record
+
+    def of(self, name: str) -> list[Outcome]:
+        with self.lock:
+            return [o for n, o in self.items if n == name]
+
+
+@pytest.fixture
+def gate() -> Iterator[threading.Event]:
+    event = threading.Event()
+    yield event
+    event.set()  # never leave a pool thread blocked after a test
+
+
+def blocker(gate: threading.Event, result: Any = "ok") -> Callable[[], Any]:
+    def job() -> Any:
+        gate.wait(10)
+        return result
+    return job
+
+
+def test_submit_beyond_capacity_is_refused_and_free_slots_are_counted(
+        gate: threading.Event) -> None:
+    pool, seen = Pool("t", 2), Outcomes()
+    assert pool.free == 2
+    assert pool.try_submit(blocker(gate, 1), seen.done("a"))
+    assert pool.try_submit(blocker(gate, 2), seen.done("b"))
+    assert pool.free == 0 and pool.busy == 2
+    assert not pool.try_submit(blocker(gate), seen.done("c"))
+    gate.set()
+    eventually(lambda: pool.free == 2)
+    assert [o.value for o in seen.of("a")] == [1] and [o.value for o in seen.of("b")] == [2]
+    assert seen.of("c") == []
+    pool.close()
+
+
+def test_an_exception_is_the_jobs_outcome_and_the_thread_survives() -> None:
+    pool, seen = Pool("t", 1), Outcomes()
+
+    def boom() -> None:
+        raise KeyError("missing")
+
+    assert pool.try_submit(boom, seen.done("boom"))
+    eventually(lambda: len(seen.of("boom")) == 1 and pool.free == 1)
+    outcome = seen.of("boom")[0]
+    assert not outcome.ok and isinstance(outcome.error, KeyError)
+    assert pool.try_submit(lambda: 5, seen.done("next"))
+    eventually(lambda: [o.value for o in seen.of("next")] == [5])
+    pool.close()
+
+
+def test_a_timed_out_job_is_reported_at_once_but_holds_its_slot_until_it_returns(
+        gate: threading.Event) -> None:
+    pool, seen = Pool("t", 2), Outcomes()
+    started = time.monotonic()
+    assert pool.try_submit(blocker(gate), seen.done("slow"), timeout_s=0.1)
+    eventually(lambda: len(seen.of("slow")) == 1)
+    outcome = seen.of("slow")[0]
+    assert outcome.timed_out and not outcome.ok
+    assert 0.1 <= time.monotonic() - started < 2.0
+    # still running: one slot stays occupied, and is counted as stuck
+    assert pool.busy == 1 and pool.free == 1 and pool.stuck == 1 and pool.active == 0
+    assert pool.timeouts == 1
+    assert pool.try_submit(blocker(gate), seen.done("other"))
+    assert not pool.try_submit(lambda: None, seen.done("refused"))  # full: 1 stuck + 1 running
+    gate.set()
+    eventually(lambda: pool.free == 2)
+    assert pool.stuck == 0 and pool.late_returns == 1
+    assert len(seen.of("slow")) == 1  # the late return is not reported a second time
+    pool.close()
+
+
+def test_a_job_that_ends_in_time_is_not_reported_as_timed_out() -> None:
+    pool, seen = Pool("t", 1), Outcomes()
+    assert pool.try_submit(lambda: "quick", seen.done("q"), timeout_s=5.0)
+    eventually(lambda: len(seen.of("q")) == 1 and pool.free == 1)
+    assert seen.of("q")[0].ok and not seen.of("q")[0].timed_out and pool.timeouts == 0
+    pool.close()
+
+
+def test_abandon_reports_running_jobs_once_and_join_no_longer_waits_for_them(
+        gate: threading.Event) -> None:
+    pool, seen = Pool("t", 2), Outcomes()
+    assert pool.try_submit(blocker(gate), seen.done("a"))
+    assert not pool.join(0.05)
+    assert pool.abandon("shutdown") == 1
+    assert seen.of("a")[0].abandoned == "shutdown"
+    assert pool.join(0.05)
+    assert pool.busy == 1  # the thread still runs and keeps its slot
+    gate.set()
+    eventually(lambda: pool.busy == 0)
+    assert len(seen.of("a")) == 1
+    pool.close()
+
+
+def test_pools_are_isolated(gate: threading.Event) -> None:
+    slow, fast, seen = Pool("slow", 1), Pool("fast", 1), Outcomes()
+    assert slow.try_submit(blocker(gate), seen.done("slow"))
+    assert not slow.try_submit(lambda: None, seen.done("refused"))
+    assert fast.try_submit(lambda: "fast", seen.done("fast"))
+    eventually(lambda: len(seen.of("fast")) == 1, timeout=2.0)
+    assert seen.of("slow") == []
+    gate.set()
+    eventually(lambda: slow.free == 1)
+    slow.close()
+    fast.close()
+
+
+def test_release_hook_runs_each_time_a_slot_frees() -> None:
+    freed: list[int] = []
+    pool, seen = Pool("t", 2, on_release=lambda: freed.append(1)), Outcomes()
+    for i in range(3):
+        assert pool.try_submit(lambda: None, seen.done(str(i)))
+        eventually(lambda: pool.free == 2)
+    assert len(freed) == 3
+    pool.close()
+
+
+def test_a_closed_pool_refuses_work() -> None:
+    pool, seen = Pool("t", 1), Outcomes()
+    pool.close()
+    assert pool.free == 0
+    assert not pool.try_submit(lambda: None, seen.done("x"))
+
+
+def test_a_pool_needs_a_slot() -> None:
+    with pytest.raises(ValueError):
+        Pool("t", 0)

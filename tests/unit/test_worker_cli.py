@@ -1,0 +1,85 @@
+"""ax-worker's argument parsing (one-line errors, flags, AX_* variables) and ``ax status``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ax_kombu.cli import main as cli_main
+from ax_kombu.cli.worker import main, node_name, parse_concurrency
+from ax_kombu.config import from_env
+from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.lanes import parse_queues
+from ax_kombu.nodes import Heartbeat
+from ax_kombu.store import Store
+
+
+def test_concurrency_forms() -> None:
+    assert parse_concurrency("high=2, slow=1") == {"pool_high": 2, "pool_slow": 1}
+    assert parse_concurrency("4") == {"pool_high": 4, "pool_default": 4, "pool_slow": 4}
+    assert parse_concurrency(None) == {}
+    for bad in ("fast=2", "high=two", "high"):
+        with pytest.raises(ConfigurationError, match="bad -c item"):
+            parse_concurrency(bad)
+
+
+def test_queues_by_priority_or_configured_name() -> None:
+    settings = from_env({}, queue_slow="batch")
+    assert parse_queues("slow,high,high", settings) == ["slow", "high"]
+    assert parse_queues("batch", settings) == ["slow"]
+    with pytest.raises(ConfigurationError, match="unknown queue 'urgent'"):
+        parse_queues("urgent", settings)
+    with pytest.raises(ConfigurationError, match="no queue"):
+        parse_queues(" , ", settings)
+
+
+def test_node_name_placeholders() -> None:
+    assert node_name("w1@%h.%p") == f"w1@{os.uname().nodename}.{os.getpid()}"
+    assert node_name(None) is None
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["-Q", "urgent"], {}, "ax: error: unknown queue 'urgent'"),
+    (["-c", "high=0"], {}, "ax: error: pool_high must be positive"),
+    ([], {"AX_WORKER_CONCURRENCY": "slow=x"}, "ax: error: bad -c item 'slow=x'"),
+    (["-A", "no.such.module"], {}, "ax: error: cannot import processor module 'no.such.module'"),
+    (["--prefetch-multiplier", "0"], {}, "ax: error: prefetch_multiplier must be positive"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], env: dict[str, str],
+                                                  message: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, args, env={"AX_DATABASE_URL": f"sqlite:///{tmp_path}/x.db",
+                                                 **env})
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith(message), result.output
+
+
+def test_status_shows_live_nodes_tasks_and_no_password(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ax.db'}"
+    store = Store(from_env({}, database_url=url))
+    Heartbeat(store, "worker@h.1.abcd", "worker").register({
+        "queues": ["high", "slow"], "pools": {"high": 8, "slow": 2},
+        "free": {"high": 7, "slow": 0}, "backlog": {"high": 0, "slow": 3},
+        "stuck": {"high": 0, "slow": 1}, "running": 2})
+    Heartbeat(store, "scheduler@h.2.ef01", "scheduler").register(
+        {"broker": "amqp://guest:s3cret@rabbit:5672/ax", "held": 12})
+    Heartbeat(store, "worker@gone", "worker").register({})
+    Heartbeat(store, "worker@gone", "worker").stop()
+    store.close()
+    result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker",
+                                           "--broker", "redis://:hunter2@r:6379/0"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "worker@h.1.abcd" in out and "scheduler@h.2.ef01" in out
+    assert "worker@gone" not in out
+    assert "high 7/8 free; slow 0/2 free, 3 waiting, 1 stuck" in out and "running 2" in out
+    assert "CREATED 0" in out and "RUNNING 0" in out
+    assert "s3cret" not in out and "hunter2" not in out and "***" in out
+    data = json.loads(CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker",
+                                                    "--json"]).output)
+    assert [n["kind"] for n in data["nodes"]] == ["scheduler", "worker"]
+    assert data["tasks"]["SUCCESS"] == 0
