@@ -4,5 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+log=$(mktemp)
+.venv/bin/python -m pip install -q --disable-pip-version-check -e . >"$log" 2>&1 \
+  || { cat "$log"; exit 1; }
+rm -f "$log"
 exec .venv/bin/python examples/demo.py
