@@ -355,11 +355,14 @@ class Scheduler:
             unacked = scan.requeue_unacked(conn, now - self.settings.ack_timeout_ms)
             orphans = scan.release_orphans(conn, now - self._silence_ms(),
                                            now - self._silence_ms())
-        if unacked or orphans:
+            running = scan.recover_orphan_running(conn, now, now - self._silence_ms())
+        if unacked or orphans or running:
             log.warning("recovery found tasks to dispatch again",
-                        extra={"ack_timeouts": len(unacked), "orphans": orphans})
+                        extra={"ack_timeouts": len(unacked), "orphans": orphans,
+                               "running": len(running)})
             metrics.ack_timeout_total.inc(len(unacked))
             metrics.recovered_total.labels("orphan").inc(orphans)
+            metrics.recovered_total.labels("running").inc(len(running))
             self.wake()
 
     def _check_skew(self) -> None:

@@ -88,9 +88,12 @@ UPDATE ax_task
        trigger_time = CASE WHEN retry_count < max_retry THEN :now ELSE trigger_time END,
        finished_at = CASE WHEN retry_count < max_retry THEN NULL ELSE :now END,
        last_error = :error, last_run_node = NULL
- WHERE status = 'RUNNING' AND last_run_node IN :nodes
+ WHERE status = 'RUNNING' AND {which}
 RETURNING task_id, status
 """
+
+_NOT_ALIVE = ("last_run_node NOT IN (SELECT node_id FROM ax_node WHERE stopped_at IS NULL "
+              "AND heartbeat_at >= :alive)")
 
 
 def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int) -> list[tuple[int, str]]:
@@ -100,8 +103,21 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int) -> list
     """
     if not nodes:
         return []
-    stmt = text(_RECOVER_RUNNING).bindparams(bindparam("nodes", expanding=True))
+    stmt = text(_RECOVER_RUNNING.format(which="last_run_node IN :nodes")).bindparams(
+        bindparam("nodes", expanding=True))
     params = {"nodes": list(nodes), "now": now_ms, "error": "worker lost"}
+    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+
+
+def recover_orphan_running(conn: Connection, now_ms: int,
+                           alive_after_ms: int) -> list[tuple[int, str]]:
+    """RUNNING tasks whose worker is not alive, whatever the reason (killed, or stopped
+    while the database was down so it could not record the results): retried or FAILED.
+
+    A worker that is slow but heartbeating keeps its tasks: this never looks at age.
+    """
+    stmt = text(_RECOVER_RUNNING.format(which=_NOT_ALIVE))
+    params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms}
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 

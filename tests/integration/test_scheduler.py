@@ -101,3 +101,32 @@ def test_database_down_at_start_is_waited_for_not_a_crash(broker: dict[str, str]
     scheduler.request_stop()
     thread.join(20)
     assert not thread.is_alive()
+
+
+def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings,
+                                                                   client: Client) -> None:
+    from ax_kombu import nodes, states
+    from ax_kombu.store import scan
+
+    retry, last = client.enqueue("t", {"a": 1}, max_retry=2), client.enqueue("t", {"b": 1},
+                                                                              max_retry=0)
+    alive = client.enqueue("t", {"c": 1})
+    with client.store.engine.begin() as conn:
+        states.transition(conn, [retry, last, alive], [Status.CREATED], Status.READY)
+        rows = states.claim(conn, [retry, last, alive], "s", client.store.now_ms())
+        assert len(rows) == 3
+    live = nodes.Heartbeat(client.store, "worker-live", "worker")
+    live.register({})
+    gone = nodes.Heartbeat(client.store, "worker-gone", "worker")
+    gone.register({})
+    gone.stop()  # stopped without recording its results (say the database was down)
+    with client.store.engine.begin() as conn:
+        assert sorted(states.start_many(conn, [(retry, 1), (last, 1)], "worker-gone",
+                                        client.store.now_ms())) == sorted([retry, last])
+        states.start_many(conn, [(alive, 1)], "worker-live", client.store.now_ms())
+        now = client.store.now_ms()
+        recovered = dict(scan.recover_orphan_running(conn, now, now - 10_000))
+    assert recovered == {retry: "DELAYED", last: "FAILED"}
+    assert client.get(retry).retry_count == 1 and client.get(retry).last_run_node is None
+    assert client.get(last).last_error == "worker lost"
+    assert client.get(alive).status is Status.RUNNING  # alive: never rescued by age
