@@ -21,9 +21,8 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from json.encoder import encode_basestring as _encode_string
-from typing import Any
+from typing import Any, NamedTuple
 
 from kombu import Connection, Producer, Queue
 
@@ -46,9 +45,9 @@ def _js(value: str | None) -> str:
     return "null" if value is None else _encode_string(value)
 
 
-@dataclass(frozen=True)
-class TaskMessage:
-    """What a worker receives for one attempt of one task."""
+class TaskMessage(NamedTuple):
+    """What a worker receives for one attempt of one task (a NamedTuple: the scheduler
+    builds tens of thousands a second, and a tuple is several times cheaper to make)."""
 
     task_id: int
     attempt: int
@@ -92,7 +91,7 @@ class TaskMessage:
         if not isinstance(body, dict) or body.get("v") != MESSAGE_VERSION:
             raise ValueError("not an ax task message")
         try:
-            return cls(**{k: body[k] for k in cls.__dataclass_fields__})
+            return cls(**{k: body[k] for k in cls._fields})
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ax task message: {exc}") from None
 

@@ -78,13 +78,9 @@ POLL_WITHOUT_WAKEUPS_MS = 50
 
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
-    """The message for one claimed row."""
-    return TaskMessage(task_id=row.task_id, attempt=row.attempt, task_type=row.task_type,
-                       payload=RawJson(row.payload), trace_id=row.trace_id,
-                       trigger_time=row.trigger_time, timeout_ms=row.timeout_ms,
-                       priority=row.priority, retry_count=row.retry_count,
-                       max_retry=row.max_retry, processor=row.processor_name,
-                       callback_url=row.callback_url, dispatched_at=now_ms, node=node)
+    """The message for one claimed row (columns in TaskMessage order, see states.claim)."""
+    return TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6], row[7],
+                       row[8], row[9], row[10], row[11], now_ms, node)
 
 
 class Dispatcher(threading.Thread):

@@ -109,8 +109,9 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
     return [r[0] for r in conn.execute(stmt)]
 
 
-_CLAIM_COLUMNS = ("task_id, task_type, trigger_time, priority, attempt, retry_count, max_retry, "
-                  "timeout_ms, processor_name, callback_url, payload, trace_id")
+#: in the order of :class:`ax_kombu.broker.TaskMessage`'s first fields (see scheduler.to_message)
+_CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
+                  "priority, retry_count, max_retry, processor_name, callback_url")
 
 _CLAIM_PG = text(f"""
     UPDATE ax_task AS t

@@ -191,12 +191,14 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--backlog", type=int, default=1_000_000)
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--claim-batch", type=int, default=1000)
     parser.add_argument("--baseline", action="store_true",
                         help="burst: run the table-polling baseline instead of ax")
     args = parser.parse_args()
     with scratch_database(f"ax_bench_{args.scenario}") as url:
         settings = from_env({}, database_url=url, broker_url=args.broker,
-                            broker_key_prefix=f"axbench{os.getpid()}:")
+                            broker_key_prefix=f"axbench{os.getpid()}:",
+                            claim_batch=args.claim_batch)
         if args.scenario == "burst":
             result = burst(settings, args.n, args.lead, args.baseline)
         else:

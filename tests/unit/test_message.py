@@ -1,0 +1,29 @@
+"""The claim's columns line up with the message fields to_message fills by position."""
+
+from __future__ import annotations
+
+import json
+
+from ax_kombu.broker import RawJson, TaskMessage, redis_envelope
+from ax_kombu.scheduler import to_message
+from ax_kombu.states import _CLAIM_COLUMNS
+
+
+def test_claim_columns_are_in_message_order() -> None:
+    columns = [c.strip() for c in _CLAIM_COLUMNS.split(",")]
+    fields = list(TaskMessage._fields[:12])
+    renamed = {"processor_name": "processor"}
+    assert [renamed.get(c, c) for c in columns] == fields
+
+
+def test_to_message_and_json_round_trip() -> None:
+    row = (5, 2, "t", '{"a":[1,"x"]}', "tr", 100, 500, "high", 1, 3, None, "http://127.0.0.1/x")
+    message = to_message(row, "node-1", 123)
+    assert isinstance(message.payload, RawJson)
+    body = json.loads(message.to_json())
+    assert body["payload"] == {"a": [1, "x"]} and body["callback_url"] == "http://127.0.0.1/x"
+    assert TaskMessage.from_body(body) == message._replace(payload={"a": [1, "x"]})
+    envelope = json.loads(redis_envelope(message, "q"))
+    assert json.loads(envelope["body"]) == body
+    assert envelope["properties"]["delivery_info"]["routing_key"] == "q"
+    assert envelope["properties"]["delivery_tag"] == "5.2"
