@@ -49,6 +49,7 @@ from .exceptions import ProcessorRefused
 from .pools import Outcome
 from .states import Finish, Status
 from .store import Store
+from .store.tasks import wake_schedulers
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,10 @@ class ResultWriter:
             try:
                 with self._db.begin() as conn:
                     moved = set(states.finish_many(conn, finishes))
+                    retries = [f.at_ms for f in finishes
+                               if f.status is states.Status.DELAYED and f.task_id in moved]
+                    if retries:  # due soon: schedulers load it now, not at the next preload
+                        wake_schedulers(conn, min(retries))
                 break
             except Exception:  # a database outage: keep the results, retry
                 if self._abort.is_set():

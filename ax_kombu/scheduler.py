@@ -282,7 +282,8 @@ class Scheduler:
                                                            self.settings.claim_batch))]
             try:
                 with self.store.engine.begin() as conn:
-                    rows = claim(conn, batch, self.node_id, now)
+                    # a fresh reading: the loop may have waited on the dispatcher since `now`
+                    rows = claim(conn, batch, self.node_id, self.store.now_ms())
                     if len(rows) < len(batch):
                         self._keep_unclaimed(conn, batch, rows, now)
             except SQLAlchemyError:

@@ -152,12 +152,21 @@ WAKE_CHANNEL = "ax_wakeup"
 
 
 def _wake(conn: Connection, rows: Sequence[Mapping[str, Any]], before_ms: int | None) -> None:
-    if before_ms is None or not rows or conn.dialect.name != "postgresql":
+    if before_ms is None or not rows:
         return
     first = min(r["trigger_time"] for r in rows)
     if first < before_ms:
+        wake_schedulers(conn, first)
+
+
+def wake_schedulers(conn: Connection, first_due_ms: int) -> None:
+    """Tell schedulers (on commit) that a task due at ``first_due_ms`` waits to be loaded.
+
+    PostgreSQL only; on SQLite the schedulers poll every 50 ms instead.
+    """
+    if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_notify(:channel, :first)"),
-                     {"channel": WAKE_CHANNEL, "first": str(first)})
+                     {"channel": WAKE_CHANNEL, "first": str(first_due_ms)})
 
 
 def _write(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
