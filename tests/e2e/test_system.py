@@ -81,10 +81,10 @@ def test_many_tasks_run_once_each_and_never_early(system: System, tmp_path: Path
 BASE_MS, JITTER = 400, 0.5
 BACKOFF = {"retry_backoff_base_ms": BASE_MS, "retry_backoff_max_ms": 10_000,
            "retry_backoff_jitter": JITTER}
-#: how late a retry may start after its new trigger time. A worker writes the retry as an
-#: unheld DELAYED row without waking the schedulers (no NOTIFY, unlike enqueue), so it is
-#: adopted at the next periodic preload: up to preload_interval_ms (1 s by default) later.
-RETRY_PICKUP_MS = 1000 + 250
+#: how late a retry may start after its new trigger time: the worker's retry write wakes the
+#: schedulers (NOTIFY; SQLite polls every 50 ms), so it is adopted at once, not at the next
+#: periodic preload (1 s later)
+RETRY_PICKUP_MS = 250
 #: from a run's start to its result being timed (the run itself raises at once)
 RUN_MS = 100
 
