@@ -113,14 +113,16 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
                   "priority, retry_count, max_retry, processor_name, callback_url")
 
+# a MATERIALIZED CTE: the locking subquery runs once, whatever the planner thinks
 _CLAIM_PG = text(f"""
+    WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
+                             WHERE task_id = ANY(:ids) AND status IN ('DELAYED', 'READY')
+                               AND trigger_time <= :due_before
+                             FOR UPDATE SKIP LOCKED)
     UPDATE ax_task AS t
        SET status = 'DISPATCHING', attempt = t.attempt + 1,
            last_run_node = :node, dispatched_at = :now
-      FROM (SELECT task_id FROM ax_task
-             WHERE task_id = ANY(:ids) AND status IN ('DELAYED', 'READY')
-               AND trigger_time <= :due_before
-             FOR UPDATE SKIP LOCKED) AS c
+      FROM c
      WHERE t.task_id = c.task_id
  RETURNING {', '.join('t.' + c.strip() for c in _CLAIM_COLUMNS.split(','))}
 """)

@@ -18,32 +18,54 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection, bindparam, text
 
-_LOCK = {"postgresql": "FOR UPDATE SKIP LOCKED"}
-
-_PRELOAD_CREATED = """
+# PostgreSQL: the candidates are locked in a MATERIALIZED CTE, evaluated once, and joined
+# back by primary key only (rows it locked cannot change state meanwhile, so no recheck).
+# Written as ``WHERE task_id IN (subquery) AND status = …`` the planner, with stale
+# statistics on a young table, re-ran the locking subquery (or a join filter) for every
+# outer row: 3.6 s instead of a few ms for 4,000 rows.
+_PRELOAD_CREATED = {
+    "postgresql": """
+WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
+                         WHERE status = 'CREATED' AND trigger_time < :horizon
+                         ORDER BY trigger_time LIMIT :n FOR UPDATE SKIP LOCKED)
+UPDATE ax_task AS t
+   SET status = CASE WHEN t.trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
+       last_run_node = :node
+  FROM c WHERE t.task_id = c.task_id
+RETURNING t.task_id, t.trigger_time""",
+    "sqlite": """
 UPDATE ax_task
    SET status = CASE WHEN trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
        last_run_node = :node
  WHERE task_id IN (SELECT task_id FROM ax_task
                     WHERE status = 'CREATED' AND trigger_time < :horizon
-                    ORDER BY trigger_time LIMIT :n {lock})
+                    ORDER BY trigger_time LIMIT :n)
    AND status = 'CREATED'
-RETURNING task_id, trigger_time
-"""
+RETURNING task_id, trigger_time""",
+}
 
-_ADOPT_UNHELD = """
+_ADOPT_UNHELD = {
+    "postgresql": """
+WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
+                         WHERE status IN ('DELAYED', 'READY') AND last_run_node IS NULL
+                           AND trigger_time < :horizon
+                         ORDER BY trigger_time LIMIT :n FOR UPDATE SKIP LOCKED)
+UPDATE ax_task AS t SET last_run_node = :node
+  FROM c WHERE t.task_id = c.task_id
+RETURNING t.task_id, t.trigger_time""",
+    "sqlite": """
 UPDATE ax_task SET last_run_node = :node
  WHERE task_id IN (SELECT task_id FROM ax_task
                     WHERE status IN ('DELAYED', 'READY') AND last_run_node IS NULL
                       AND trigger_time < :horizon
-                    ORDER BY trigger_time LIMIT :n {lock})
+                    ORDER BY trigger_time LIMIT :n)
    AND status IN ('DELAYED', 'READY') AND last_run_node IS NULL
-RETURNING task_id, trigger_time
-"""
+RETURNING task_id, trigger_time""",
+}
 
 
-def _sql(conn: Connection, template: str) -> str:
-    return template.format(lock=_LOCK.get(conn.dialect.name, ""))
+def _sql(conn: Connection, forms: dict[str, str]) -> str:
+    return forms["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
 
 
 def preload(conn: Connection, node: str, now_ms: int, horizon_ms: int,
