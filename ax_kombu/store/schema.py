@@ -13,6 +13,9 @@ Indexes, each with its reason:
   reading every old row).
 * ``(task_type, status)`` — per-type admin views and concurrency limits.
 * ``(fingerprint, trigger_time)`` — the duplicate check at enqueue.
+* ``(trigger_time)`` where unheld (``last_run_node IS NULL``, DELAYED/READY)
+  — the scheduler's adoption scan runs on every wake-up; without it, it
+  would read every task held in the window each time.
 * unique ``(task_type, biz_key)`` — idempotent enqueue by business key
   (NULL biz_keys never conflict, on both databases).
 """
@@ -21,10 +24,12 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger, CheckConstraint, Column, Index, Integer, MetaData, String, Table, Text,
-    UniqueConstraint,
+    UniqueConstraint, text,
 )
 
 metadata = MetaData()
+
+_UNHELD = "last_run_node IS NULL AND status IN ('DELAYED', 'READY')"
 
 tasks = Table(
     "ax_task", metadata,
@@ -56,6 +61,8 @@ tasks = Table(
     Index("ix_ax_task_status_trigger", "status", "trigger_time"),
     Index("ix_ax_task_type_status", "task_type", "status"),
     Index("ix_ax_task_fingerprint", "fingerprint", "trigger_time"),
+    Index("ix_ax_task_unheld", "trigger_time",
+          postgresql_where=text(_UNHELD), sqlite_where=text(_UNHELD)),
 )
 
 #: 1024 rows, one per snowflake node id; a process leases one (see ids.py).
