@@ -28,9 +28,23 @@ from .exceptions import AxError, IllegalTransition, TaskNotFound, ValidationErro
 from .processors import processor
 from .states import Status
 
-__all__ = ["enqueue", "enqueue_many", "get", "cancel", "processor", "configure", "client",
-           "Settings", "Status", "TaskId", "TaskView", "AxError", "ValidationError",
-           "TaskNotFound", "IllegalTransition"]
+__all__ = [
+    "AxError",
+    "IllegalTransition",
+    "Settings",
+    "Status",
+    "TaskId",
+    "TaskNotFound",
+    "TaskView",
+    "ValidationError",
+    "cancel",
+    "client",
+    "configure",
+    "enqueue",
+    "enqueue_many",
+    "get",
+    "processor",
+]
 __version__ = "0.1.0"
 
 _lock = threading.Lock()

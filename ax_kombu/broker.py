@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from json.encoder import encode_basestring as _encode_string
@@ -30,9 +29,6 @@ from .config import PRIORITIES, Settings, redact_url
 from .transport import register as register_transports
 
 log = logging.getLogger(__name__)
-
-#: errors that mean "the broker is not there right now"
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (OSError, socket.error, ConnectionError)
 
 MESSAGE_VERSION = 1
 
@@ -191,7 +187,7 @@ class Publisher:
         if self._conn is not None:
             try:
                 self._conn.release()
-            except Exception:  # noqa: BLE001 - closing a broken connection
+            except Exception:
                 log.debug("error closing broker connection", exc_info=True)
         self._conn = self._producer = self._confirms = None
 
@@ -209,7 +205,7 @@ class Publisher:
                 return self._publish_confirmed(messages)
             self._publish_plain(messages)
             return []
-        except Exception as exc:  # noqa: BLE001 - every broker failure means "not published"
+        except Exception as exc:
             log.debug("publish error", exc_info=True)
             log.warning("publish failed; tasks go back to READY",
                         extra={"count": len(messages), "error": repr(exc)})

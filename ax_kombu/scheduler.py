@@ -64,8 +64,7 @@ from . import metrics, nodes
 from .broker import Publisher, RawJson, TaskMessage
 from .config import Settings
 from .states import Status, claim, transition
-from .store import Store
-from .store import scan
+from .store import Store, scan
 from .store.notify import WakeListener
 from .wheel import TriggerTimer
 

@@ -14,8 +14,15 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.store.engine import make_engine, migrate
 
 from .services import (
-    AMQP_URL, PG_ADMIN_URL, REDIS_URL, RUN_ID, create_rabbit_vhost, delete_rabbit_vhost, pg_url_for,
-    reachable, unavailable,
+    AMQP_URL,
+    PG_ADMIN_URL,
+    REDIS_URL,
+    RUN_ID,
+    create_rabbit_vhost,
+    delete_rabbit_vhost,
+    pg_url_for,
+    reachable,
+    unavailable,
 )
 
 

@@ -31,12 +31,11 @@ def enqueue_biz(url: str, barrier: Any, out: Any, index: int) -> None:
 
 
 def claim_all(url: str, ids: list[int], prefix: str, barrier: Any, out: Any) -> None:
+    import os
     import random
 
     from ax_kombu.states import claim
     from ax_kombu.store.engine import make_engine
-
-    import os
 
     node = f"{prefix}-{os.getpid()}"
     engine = make_engine(url)

@@ -40,4 +40,4 @@ class Store:
         self.engine.dispose()
 
 
-__all__ = ["Store", "migrate", "make_engine", "db_now_ms"]
+__all__ = ["Store", "db_now_ms", "make_engine", "migrate"]

@@ -39,7 +39,7 @@ class WakeListener(threading.Thread):
         while not self._stop.is_set():
             try:
                 self._listen()
-            except Exception:  # noqa: BLE001 - database gone: retry, the preload still polls
+            except Exception:
                 log.warning("wake listener lost its connection; retrying", exc_info=True)
                 self._stop.wait(2.0)
 

@@ -23,8 +23,17 @@ Indexes, each with its reason:
 from __future__ import annotations
 
 from sqlalchemy import (
-    BigInteger, CheckConstraint, Column, Index, Integer, MetaData, String, Table, Text,
-    UniqueConstraint, text,
+    BigInteger,
+    CheckConstraint,
+    Column,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
 )
 
 metadata = MetaData()
