@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .exceptions import ConfigurationError
@@ -104,7 +104,6 @@ class Settings:
     processor_modules: str = ""
     #: worker: comma-separated hosts (or ``*.domain``) callback_url may name; empty: any.
     callback_allow_hosts: str = ""
-    extra: Mapping[str, str] = field(default_factory=dict)
 
     def queue_for(self, priority: str) -> str:
         """The broker queue name that serves ``priority``."""
@@ -179,7 +178,7 @@ def from_env(environ: Mapping[str, str] | None = None, /, **overrides: Any) -> S
     values: dict[str, Any] = {}
     for f in fields(Settings):
         raw = environ.get(f"AX_{f.name.upper()}")
-        if raw is not None and f.name != "extra":
+        if raw is not None:
             values[f.name] = _coerce(f.name, f.type, raw)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings().replace(**values)

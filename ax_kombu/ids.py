@@ -23,7 +23,6 @@ Uniqueness rests on two facts:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -135,7 +134,3 @@ class LeasedIds:
             if self._slot is not None:
                 self._lessor.release(self._slot, self._owner)
             self._slot, self._gen, self._until = None, None, 0
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000

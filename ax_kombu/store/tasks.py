@@ -17,6 +17,7 @@ The unique ``(task_type, biz_key)`` constraint backs the biz_key rule up.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,8 +52,6 @@ _LOCK_BASE = 0x6178_0000_0000  # "ax": keeps our advisory lock ids apart from an
 
 
 def _lock_key(kind: str, value: str) -> int:
-    import hashlib
-
     digest = hashlib.blake2b(f"{kind}\0{value}".encode(), digest_size=8).digest()
     return _LOCK_BASE + int.from_bytes(digest, "big") % LOCK_BUCKETS
 
