@@ -100,6 +100,8 @@ class Settings:
     worker_batch_size: int = 500
     #: worker: longest a finished run's result waits to be written with others.
     worker_batch_ms: int = 2
+    #: worker: batches of received tasks being moved to RUNNING at once (one connection each).
+    worker_receipt_writers: int = 2
     #: worker: comma-separated modules to import; dotted-path processors must be in them.
     processor_modules: str = ""
     #: worker: comma-separated hosts (or ``*.domain``) callback_url may name; empty: any.
@@ -135,7 +137,7 @@ class Settings:
 
     def _validate_worker(self) -> None:
         for name in ("pool_high", "pool_default", "pool_slow", "prefetch_multiplier",
-                     "worker_batch_size", "worker_batch_ms"):
+                     "worker_batch_size", "worker_batch_ms", "worker_receipt_writers"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.retry_backoff_base_ms <= self.retry_backoff_max_ms:

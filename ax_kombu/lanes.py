@@ -17,7 +17,9 @@ prefetch by one each while they do (:meth:`Lane.target`):
   received on a connection since lost.
 
 When the target reaches 0 the consumer is cancelled (a prefetch of 0 would
-mean "unlimited") and resumed when a slot frees up. On RabbitMQ the QoS is
+mean "unlimited") and resumed when a slot frees up. A lane that *pulls*
+(Redis, :mod:`ax_kombu.intake`) has no consumer: the worker asks for at
+most :meth:`Lane.room` messages, so the same target bounds it. On RabbitMQ the QoS is
 set per channel (``global``), the only kind RabbitMQ changes on a live
 consumer; every lane has its own channel. Kombu channels are not
 thread-safe: only the worker's consuming thread touches a lane's consumer.
@@ -73,16 +75,25 @@ class Lane:
         self.queue = queue
         self.pool = Pool(priority, size, on_release=on_release)
         self.window = size * multiplier
+        #: slots promised to tasks of receipt batches in flight (not submitted yet)
+        self.reserved = 0
         #: received tasks waiting for a slot (only with a multiplier above 1)
         self.backlog: deque[Delivery] = deque()
         self.backlog_max = size * (multiplier - 1)
         self.consumer: Any = None
+        #: set when a puller receives this lane's messages (no Kombu consumer):
+        #: called with the prefetch, the most it may pop and not have acked
+        self.pulled: Callable[[int], None] | None = None
         self.prefetch = 0
         self.consuming = False
         #: messages received on the current connection and not acked yet
         self.held = 0
         #: runs whose message was acked (or lost with a connection) while they go on
         self.acked_running = 0
+
+    def free(self) -> int:
+        """Pool slots no running task and no batch in flight has taken."""
+        return max(0, self.pool.free - self.reserved)
 
     def target(self) -> int:
         """The prefetch this lane should have now."""
@@ -99,6 +110,11 @@ class Lane:
     def apply(self, global_qos: bool) -> None:
         """Bring the consumer's prefetch to :meth:`target`, cancelling it at 0."""
         target, consumer = self.target(), self.consumer
+        if self.pulled is not None:
+            if max(0, target) != self.prefetch or not self.consuming:
+                self.prefetch, self.consuming = max(0, target), True
+                self.pulled(self.prefetch)
+            return
         if consumer is None:
             return
         if target <= 0:
@@ -113,9 +129,11 @@ class Lane:
             consumer.consume()
             self.consuming = True
 
-    def attach(self, consumer: Any, global_qos: bool) -> None:
-        """Use ``consumer`` (on a new connection) from now on."""
+    def attach(self, consumer: Any, global_qos: bool,
+               pulled: Callable[[int], None] | None = None) -> None:
+        """Use ``consumer`` (on a new connection) from now on, or a puller's ``pulled``."""
         self.consumer = consumer
+        self.pulled = pulled
         self.consuming = False
         self.prefetch = 0
         self.held = 0

@@ -7,9 +7,12 @@ startable tasks DISPATCHING → RUNNING with :func:`ax_kombu.states.start_many`
 DISPATCHING → READY with :func:`~ax_kombu.states.release_many`, in one
 transaction, and finds out why any move was refused. The consuming thread
 keeps draining the broker meanwhile, so the next batch is whatever arrived
-during this one's round trip: batches grow with load (like a group commit)
-and a lone message waits for nobody. Only one batch is in flight at a time,
-and nothing is acked before its batch has committed.
+during the round trip: batches grow with load (like a group commit) and a
+lone message waits for nobody. A few batches are in flight at once, each on
+its own thread and connection (``worker_receipt_writers``), so a batch never
+waits for the one before it to commit; nothing is acked before its batch has
+committed. Two batches in flight may hold a message for the same task (a
+redelivery): the row lock decides, one moves and the other is refused.
 """
 
 from __future__ import annotations
@@ -50,64 +53,78 @@ class Batch:
 
 
 class ReceiptWriter:
-    """One thread writing one :class:`Batch` at a time for the consuming thread.
+    """``writers`` threads, each writing one :class:`Batch` at a time for the consuming thread.
+
+    :attr:`in_flight` and :attr:`full` are for the consuming thread only.
 
     Args:
-        on_done: called (from this thread) when a batch is written.
+        on_done: called (from a writer thread) when a batch is written.
         give_up: while the database is down, True means stop retrying.
+        writers: how many batches may be in flight at once.
     """
 
     def __init__(self, store: Store, node_id: str, on_done: Callable[[], None],
-                 give_up: Callable[[], bool]) -> None:
+                 give_up: Callable[[], bool], writers: int = 2) -> None:
         self.store = store
         self.node_id = node_id
         self._on_done = on_done
         self._give_up = give_up
-        self._db = HeldConnection(store.engine)
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Batch] = queue.SimpleQueue()
-        #: a batch is in flight (touched by the consuming thread only)
-        self.busy = False
-        self._thread = threading.Thread(target=self._run, name="ax-receipts", daemon=True)
-        self._thread.start()
+        #: batches sent and not taken back yet
+        self.in_flight = 0
+        self._threads = [threading.Thread(target=self._run, name=f"ax-receipts-{i}", daemon=True)
+                         for i in range(max(1, writers))]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def full(self) -> bool:
+        """True when every writer has a batch (:meth:`send` must wait)."""
+        return self.in_flight >= len(self._threads)
 
     def send(self, batch: Batch) -> None:
-        """Start writing ``batch`` (only when not :attr:`busy`)."""
-        if self.busy:
-            raise RuntimeError("a receipt batch is already in flight")
-        self.busy = True
+        """Start writing ``batch`` (only when not :attr:`full`)."""
+        if self.full:
+            raise RuntimeError("every receipt writer is busy")
+        self.in_flight += 1
         self._inbox.put(batch)
 
     def take(self, timeout_s: float | None = None) -> Batch | None:
-        """The written batch, if it is done (waiting up to ``timeout_s``)."""
-        if not self.busy:
+        """A written batch, if one is done (waiting up to ``timeout_s``)."""
+        if not self.in_flight:
             return None
         try:
             batch = self._outbox.get(timeout=timeout_s) if timeout_s else self._outbox.get_nowait()
         except queue.Empty:
             return None
-        self.busy = False
+        self.in_flight -= 1
         return batch
 
     def close(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(5.0)
-        self._db.close()
+        for _ in self._threads:
+            self._inbox.put(None)
+        for thread in self._threads:
+            thread.join(5.0)
 
     def _run(self) -> None:
-        while (batch := self._inbox.get()) is not None:
-            try:
-                self._write(batch)
-            finally:
-                self._outbox.put(batch)
-                self._on_done()
+        db = HeldConnection(self.store.engine)
+        try:
+            while (batch := self._inbox.get()) is not None:
+                try:
+                    self._write(db, batch)
+                finally:
+                    self._outbox.put(batch)
+                    self._on_done()
+        finally:
+            db.close()
 
-    def _write(self, batch: Batch) -> None:
+    def _write(self, db: HeldConnection, batch: Batch) -> None:
         pause = 0.05
         while True:
             try:
                 now = self.store.now_ms()
-                with self._db.begin() as conn:
+                with db.begin() as conn:
                     batch.started = set(states.start_many(
                         conn, [d.pair for d in batch.start], self.node_id, now))
                     states.release_many(conn, [d.pair for d in batch.release])

@@ -62,9 +62,10 @@ from typing import Any
 
 from kombu import messaging
 from kombu.exceptions import OperationalError
+from kombu.serialization import prepare_accept_content
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import metrics, states
+from . import intake, metrics, states
 from .broker import TaskMessage, connection, task_queues
 from .config import PRIORITIES, Settings, redact_url
 from .exceptions import StoreError
@@ -127,10 +128,13 @@ class Worker:
         self._completed: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._generation = 0
         self._global_qos = False
+        self._puller: intake.Puller | None = None
+        #: acks per lane not yet reported to the puller
+        self._released = [0] * len(self.lanes)
         self._heart_stop = threading.Event()
         self._db = HeldConnection(self.store.engine)
         self.receipts = ReceiptWriter(self.store, self.node_id, self._wakeup.set,
-                                      lambda: self.stopping)
+                                      lambda: self.stopping, settings.worker_receipt_writers)
 
     # -- control (safe from signal handlers: they only set flags) ------------------------------
 
@@ -200,6 +204,7 @@ class Worker:
             while not self.stopping:
                 self._wakeup.clear()
                 self._settle()
+                self._give_room()
                 self._receive(conn)
                 self._dispatch()
             self._stop_consuming()
@@ -208,8 +213,11 @@ class Worker:
             raise _BrokerLost() from exc
         finally:
             self.ready.clear()
+            if self._puller is not None:
+                self._puller.stop()
+                self._puller = None
             for lane in self.lanes:
-                lane.consumer = None
+                lane.consumer, lane.pulled = None, None
             try:
                 conn.release()
             except Exception:  # closing a broken connection
@@ -218,6 +226,14 @@ class Worker:
     def _attach(self, conn: Any) -> None:
         self._generation += 1
         self._global_qos = conn.transport.driver_type == "amqp"
+        if intake.supported(conn):  # Redis: pull in batches (ax_kombu.intake)
+            self._released = [0] * len(self.lanes)
+            self._puller = intake.Puller(conn.channel(), [lane.queue.name for lane in self.lanes],
+                                         prepare_accept_content(["json"]), self._wakeup.set)
+            for index, lane in enumerate(self.lanes):
+                lane.attach(None, self._global_qos, partial(self._puller.set_limit, index))
+            self._puller.start()
+            return
         for lane in self.lanes:
             consumer = _Consumer(conn.channel(), queues=[lane.queue], accept=["json"],
                                  callbacks=[partial(self._on_message, lane, self._generation)],
@@ -227,8 +243,10 @@ class Worker:
     def _orphan(self) -> None:
         """After a lost connection: unacked messages are the broker's again."""
         self._generation += 1  # acks for the lost connection's messages are void from now on
-        batch = self.receipts.take(timeout_s=60.0)
-        if batch is not None:
+        while self.receipts.in_flight:
+            batch = self.receipts.take(timeout_s=60.0)
+            if batch is None:
+                break
             self._receipted(batch)
         self._pending.clear()
         for lane in self.lanes:
@@ -276,17 +294,22 @@ class Worker:
     def _receive(self, conn: Any) -> None:
         """Drain the broker until nothing more is ready, a batch is full, or we are needed.
 
+        On Redis a puller thread receives instead (:meth:`_take_pulled`).
+
         Idle, it blocks up to TICK_S for a first message. While a receipt is in
         flight or a lane is saturated it only polls, and returns as soon as there
         is something to settle (a written batch, an ended run whose ack frees room).
         """
+        if self._puller is not None:
+            self._take_pulled(self._puller)
+            return
         saturated = any(lane.saturated() for lane in self.lanes)
         if all(lane.saturated() for lane in self.lanes):
             self._wakeup.wait(TICK_S)
             return
-        if saturated and not self.receipts.busy and self._wakeup.wait(SATURATED_TICK_S):
+        if saturated and not self.receipts.in_flight and self._wakeup.wait(SATURATED_TICK_S):
             return
-        urgent = saturated or self.receipts.busy
+        urgent = saturated or self.receipts.in_flight > 0
         limit = min(self.settings.worker_batch_size, sum(lane.room() for lane in self.lanes))
         timeout = POLL_S if urgent else TICK_S
         while len(self._pending) < limit and not (urgent and self._wakeup.is_set()):
@@ -296,14 +319,43 @@ class Worker:
                 return
             timeout = POLL_S
 
+    def _take_pulled(self, puller: intake.Puller) -> None:
+        """Take what the puller popped (see :mod:`ax_kombu.intake`); wait if nothing.
+
+        A popped message is registered with its channel's QoS, as Kombu's
+        ``basic_get`` does, so that its ack and reject behave as usual.
+        """
+        if puller.error is not None:
+            raise puller.error
+        if not puller.inbox:
+            self._wakeup.wait(POLL_S if self.receipts.in_flight else TICK_S)
+        self._drain_pulled(puller)
+
+    def _drain_pulled(self, puller: intake.Puller) -> None:
+        while puller.inbox:
+            pulled = puller.inbox.popleft()
+            lane, message = self.lanes[pulled.lane], pulled.message
+            if message is None:
+                puller.release(pulled.lane)
+                self.stats.add("malformed")
+                log.warning("malformed message dropped (not a Kombu message)",
+                            extra={"queue": lane.queue.name, "error": str(pulled.error)})
+                continue
+            puller.channel.qos.append(message, message.delivery_tag)
+            if pulled.error is not None:
+                puller.release(pulled.lane)
+                self._on_decode_error(message, pulled.error)
+                continue
+            self._on_message(lane, self._generation, pulled.body, message)
+
     # -- handing batches to the receipt stage --------------------------------------------------
 
     def _dispatch(self) -> None:
         """Plan what arrived and send it to the receipt stage, if that is free."""
-        if self.receipts.busy:
+        if self.receipts.full:
             return
         fresh, self._pending = self._pending, []
-        if not fresh and not any(lane.backlog and lane.pool.free for lane in self.lanes):
+        if not fresh and not any(lane.backlog and lane.free() for lane in self.lanes):
             return
         start, release, dupes = self._plan(fresh)
         if start or release or dupes:
@@ -328,14 +380,17 @@ class Worker:
         for lane in self.lanes:
             queued = [d for d in newest.values() if d.lane is lane]
             lane.backlog.clear()
-            free = lane.pool.free
+            free = lane.free()
             start.extend(queued[:free])
+            lane.reserved += len(queued[:free])
             for d in queued[free:]:
                 (lane.backlog if len(lane.backlog) < lane.backlog_max else release).append(d)
         return start, release, dupes
 
     def _receipted(self, batch: Batch) -> None:
         """A batch's RUNNING move committed: ack what will not run, start the rest."""
+        for delivery in batch.start:
+            delivery.lane.reserved -= 1
         if batch.started is None:
             return  # given up while stopping: unacked, the broker gets them back
         started = batch.started
@@ -400,8 +455,7 @@ class Worker:
 
     def _settle(self) -> None:
         """Start a written batch; ack ended runs; bring every lane's prefetch up to date."""
-        batch = self.receipts.take()
-        if batch is not None:
+        while (batch := self.receipts.take()) is not None:
             self._receipted(batch)
         ended: list[Delivery] = []
         while True:
@@ -425,6 +479,16 @@ class Worker:
         delivery.acked = True
         delivery.lane.held -= 1
         delivery.message.ack()
+        if self._puller is not None:
+            self._released[self.lanes.index(delivery.lane)] += 1
+
+    def _give_room(self) -> None:
+        """Tell the puller, once per loop, how much room the acks since the last call freed."""
+        if self._puller is not None:
+            for index, n in enumerate(self._released):
+                if n:
+                    self._puller.release(index, n)
+        self._released = [0] * len(self.lanes)
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -433,8 +497,11 @@ class Worker:
         for lane in self.lanes:
             if lane.consumer is not None and lane.consuming:
                 lane.consumer.cancel()
-                lane.consuming = False
-        while self.receipts.busy:  # a batch in flight starts (or is given up) first
+            lane.consuming = False
+        if self._puller is not None:
+            self._puller.stop()
+            self._drain_pulled(self._puller)
+        while self.receipts.in_flight:  # batches in flight start (or are given up) first
             batch = self.receipts.take(timeout_s=TICK_S)
             if batch is not None:
                 self._receipted(batch)

@@ -1,0 +1,216 @@
+"""Batched receipt from Redis: many messages per round trip, still Kombu's messages.
+
+Kombu's Redis consumer takes one ``BRPOP`` per message (2,000–4,000
+messages/s here), which caps a worker far below what the scheduler
+publishes. On Redis ≥ 6.2 the worker therefore *pulls*: a :class:`Puller`
+thread
+
+* pops, in one round trip, up to each lane's room from each lane's list
+  (``RPOP key count`` in a pipeline), from the right, where Kombu's own
+  consumer pops;
+* when every list with room is empty, blocks in one ``BRPOP`` over them, as
+  Kombu does; a lane that gains room meanwhile interrupts it with ``CLIENT
+  UNBLOCK`` (Redis checks blocking timeouts only about every 100 ms, so a
+  short timeout would not do);
+* turns each value into a Kombu message (``channel.Message``, as
+  ``Channel.basic_get`` does) and decodes it JSON-only, then hands it to the
+  worker's consuming thread, which registers it with the channel's QoS, so
+  acks and rejects (requeue) behave as for a consumed message.
+
+Flow control is the worker's own: a lane's room is its prefetch (free slots
+× multiplier, :mod:`ax_kombu.lanes`) minus the messages popped for it and not
+acked yet, counted here under one lock, so nothing waits in an unbounded
+queue and the worker is never handed more than it can start.
+
+Scope: ax's queues carry ax's task messages only, published at priority 0
+(:meth:`ax_kombu.broker.Publisher.publish`), so only each queue's base list is
+read. A message a plain Kombu producer sends there with another priority sits
+in Kombu's per-priority list and is not seen here.
+
+Guarantees are those of Kombu's consumer with ack emulation off (see
+:mod:`ax_kombu.worker`): a popped message is gone from Redis; if the worker
+dies before its task is RUNNING, the task is still DISPATCHING, and the
+scheduler's ack timeout dispatches it again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+#: RPOP with a count needs this Redis version
+MIN_VERSION = (6, 2)
+#: longest one BRPOP blocks (a stop, or a missed unblock, waits at most this long)
+BLOCK_S = 0.25
+
+
+def supported(conn: Any) -> bool:
+    """True if ``conn`` (a connected Kombu connection) is Redis ≥ 6.2."""
+    if conn.transport.driver_type != "redis":
+        return False
+    version = conn.default_channel.client.info("server").get("redis_version", "0")
+    return tuple(int(p) for p in str(version).split(".")[:2]) >= MIN_VERSION
+
+
+class Pulled(NamedTuple):
+    """One popped value: the lane's index, the Kombu message, and its decoded body.
+
+    ``message`` is None when the value was not a Kombu envelope at all;
+    ``error`` is set when the body could not be decoded (not JSON, not allowed).
+    """
+
+    lane: int
+    message: Any
+    body: Any
+    error: Exception | None
+
+
+class Puller(threading.Thread):
+    """Pops messages for a worker's queues in batches, within each queue's room.
+
+    Args:
+        channel: a Kombu Redis channel of the worker's connection. Only its pure
+            helpers and its connection pool are used here; the consuming thread
+            keeps the channel itself.
+        queues: the queue names, in lane order.
+        accept: content types allowed (Kombu's ``accept``).
+        wake: called after new messages are put in :attr:`inbox`.
+    """
+
+    def __init__(self, channel: Any, queues: Sequence[str], accept: set[str],
+                 wake: Callable[[], None]) -> None:
+        super().__init__(name="ax-puller", daemon=True)
+        self.channel = channel
+        self.accept = accept
+        self._wake = wake
+        self._keys = [str(channel._q_for_pri(q, 0)) for q in queues]
+        self._client = channel.Client(connection_pool=channel.pool,
+                                      single_connection_client=True)
+        self._control = channel.Client(connection_pool=channel.pool)
+        self._cond = threading.Condition()
+        self._limit = [0] * len(queues)
+        self._out = [0] * len(queues)
+        self._stale = False
+        self._blocking = False
+        self._stopped = False
+        self._client_id: int | None = None
+        #: popped messages for the consuming thread
+        self.inbox: deque[Pulled] = deque()
+        #: the error that ended the thread (the broker is gone), if any
+        self.error: BaseException | None = None
+
+    # -- the consuming thread's side ----------------------------------------------------------
+
+    def set_limit(self, lane: int, limit: int) -> None:
+        """The most messages of ``lane`` that may be out (popped, not acked) at once."""
+        with self._cond:
+            grew = limit > self._limit[lane]
+            self._limit[lane] = limit
+        if grew:
+            self._room_opened()
+
+    def release(self, lane: int, n: int = 1) -> None:
+        """``n`` messages of ``lane`` were acked (or dropped): their room is free again."""
+        with self._cond:
+            self._out[lane] -= n
+        self._room_opened()
+
+    def stop(self) -> None:
+        """Stop popping (returns once the thread has ended; :attr:`inbox` keeps what it has)."""
+        with self._cond:
+            self._stopped = True
+        self._room_opened()
+        self.join(BLOCK_S * 4)
+        for client in (self._client, self._control):
+            try:
+                client.close()
+            except Exception:  # closing a broken connection
+                log.debug("error closing a Redis client", exc_info=True)
+
+    def _room_opened(self) -> None:
+        with self._cond:
+            self._stale = True
+            self._cond.notify()
+            blocked = self._blocking and self._client_id is not None
+        if blocked:
+            try:
+                self._control.client_unblock(self._client_id)
+            except Exception:  # the BRPOP then ends by its timeout
+                log.debug("CLIENT UNBLOCK failed", exc_info=True)
+
+    # -- the puller thread ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._client_id = int(self._client.client_id())
+            while self._pull_once():
+                pass
+        except Exception as exc:  # noqa: BLE001 - the broker is gone: the worker reconnects
+            self.error = exc
+        finally:
+            self._wake()
+
+    def _pull_once(self) -> bool:
+        with self._cond:
+            if self._stopped:
+                return False
+            rooms = [limit - out for limit, out in zip(self._limit, self._out, strict=True)]
+            if not any(r > 0 for r in rooms):
+                self._stale = False
+                self._cond.wait(BLOCK_S)
+                return True
+            self._stale = False
+        if self._pop(rooms):
+            return True
+        with self._cond:
+            if self._stale or self._stopped:
+                return True
+            self._blocking = True
+        try:
+            self._block([i for i, r in enumerate(rooms) if r > 0])
+        finally:
+            with self._cond:
+                self._blocking = False
+        return True
+
+    def _pop(self, rooms: list[int]) -> bool:
+        pipe = self._client.pipeline(transaction=False)
+        wanted = [i for i, room in enumerate(rooms) if room > 0]
+        for i in wanted:
+            pipe.rpop(self._keys[i], rooms[i])
+        got = [(i, values or []) for i, values in zip(wanted, pipe.execute(), strict=True)]
+        self._deliver([(i, v) for i, values in got for v in values])
+        return any(values for _, values in got)
+
+    def _block(self, lanes: list[int]) -> None:
+        by_key = {self._keys[i]: i for i in lanes}
+        got = self._client.brpop(list(by_key), timeout=BLOCK_S)
+        if got:
+            key, value = got
+            self._deliver([(by_key[key.decode() if isinstance(key, bytes) else key], value)])
+
+    def _deliver(self, values: list[tuple[int, bytes]]) -> None:
+        if not values:
+            return
+        with self._cond:
+            for lane, _ in values:
+                self._out[lane] += 1
+        self.inbox.extend(self._decode(lane, raw) for lane, raw in values)
+        self._wake()
+
+    def _decode(self, lane: int, raw: bytes) -> Pulled:
+        try:
+            message = self.channel.Message(json.loads(raw), channel=self.channel)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return Pulled(lane, None, None, exc)
+        message.accept = self.accept
+        try:
+            return Pulled(lane, message, message.decode(), None)
+        except Exception as exc:  # noqa: BLE001 - ContentDisallowed, a decode error, ...
+            return Pulled(lane, message, None, exc)
