@@ -56,8 +56,11 @@ def noop(payload: Any, ctx: Any) -> None:
 
 # -- the daemons ----------------------------------------------------------------------------------
 
-def _env(settings: Settings) -> dict[str, str]:
+def _env(settings: Settings, extra: list[str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
+    for item in extra or []:  # --set worker_receipt_writers=3 → AX_WORKER_RECEIPT_WRITERS=3
+        name, _, value = item.partition("=")
+        env[f"AX_{name.upper()}"] = value
     env.update({"AX_DATABASE_URL": settings.database_url, "AX_BROKER_URL": settings.broker_url,
                 "AX_BROKER_KEY_PREFIX": settings.broker_key_prefix,
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)})
@@ -84,7 +87,7 @@ def daemons(settings: Settings, args: argparse.Namespace) -> Iterator[list[subpr
     for kind, extra in (("scheduler", ["-l", "WARNING"]), ("worker", worker_args)):
         with open(logs / f"{kind}.log", "wb") as out:
             procs.append(subprocess.Popen([*_command(kind), "-n", f"bench-{kind}", *extra],
-                                          env=_env(settings), stdout=out,
+                                          env=_env(settings, args.set), stdout=out,
                                           stderr=subprocess.STDOUT))
     try:
         yield procs
@@ -217,6 +220,8 @@ def main() -> None:
                         help="worker -c, e.g. high=8,default=16,slow=8 (default: ax's)")
     parser.add_argument("--prefetch-multiplier", type=int, default=None,
                         help="worker --prefetch-multiplier (default: ax's)")
+    parser.add_argument("--set", action="append", default=[], metavar="SETTING=VALUE",
+                        help="an ax setting for both daemons, e.g. worker_receipt_writers=3")
     parser.add_argument("--logs", default=f"/tmp/ax-bench-e2e-{os.getpid()}",
                         help="where the daemons' logs go")
     args = parser.parse_args()
@@ -228,7 +233,8 @@ def main() -> None:
         finally:
             _cleanup_redis(settings)
     flags = f"-c {args.concurrency or 'default'}" + (
-        f" --prefetch-multiplier {args.prefetch_multiplier}" if args.prefetch_multiplier else "")
+        f" --prefetch-multiplier {args.prefetch_multiplier}" if args.prefetch_multiplier else ""
+    ) + "".join(f" {item}" for item in args.set)
     print(f"{args.scenario} (ax e2e, 1 scheduler + 1 worker {flags}) on {machine()}: "
           + ", ".join(f"{k}={v}" for k, v in result.items()))
 

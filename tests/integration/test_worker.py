@@ -433,3 +433,17 @@ def test_the_embedded_default_runs_processors_and_callbacks(tmp_path: Path) -> N
         hook.shutdown()
         hook.server_close()
         dispatch.close()
+
+
+def test_the_worker_takes_from_the_broker_no_more_than_its_free_slots(
+        settings: Settings, dispatch: Dispatch) -> None:
+    settings = settings.replace(pool_default=2)
+    ids = [dispatch.enqueue("t.hang", {"i": i}) for i in range(5)]
+    with running(settings) as worker:
+        dispatch.dispatch(ids)
+        eventually(lambda: sum(dispatch.status(i) is Status.RUNNING for i in ids) == 2)
+        lane = next(lane for lane in worker.lanes if lane.priority == "default")
+        assert lane.held == 2 and dispatch.queue_depth("default") == 3  # the rest wait there
+        procs_worker.release.set()
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
+    assert dispatch.queue_depth("default") == 0

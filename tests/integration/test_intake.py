@@ -1,0 +1,124 @@
+"""The Redis puller (ax_kombu.intake) against a real Redis: room, blocking, bad values."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ax_kombu import intake
+from ax_kombu.broker import Publisher, TaskMessage, connection, declare_queues
+from ax_kombu.config import Settings, from_env
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.01)
+
+
+def message(i: int, priority: str = "default") -> TaskMessage:
+    return TaskMessage(task_id=1000 + i, attempt=1, task_type="t", payload={"i": i},
+                       trace_id=f"tr{i}", trigger_time=0, timeout_ms=1000, priority=priority,
+                       retry_count=0, max_retry=0, processor=None, callback_url=None,
+                       dispatched_at=0, node="scheduler@test")
+
+
+@pytest.fixture
+def settings(redis_broker: dict[str, str]) -> Settings:
+    return from_env({}, database_url="sqlite://", **redis_broker)
+
+
+@pytest.fixture
+def conn(settings: Settings) -> Iterator[Any]:
+    with connection(settings) as c:
+        c.ensure_connection(max_retries=1)
+        declare_queues(c, settings)
+        yield c
+
+
+@pytest.fixture
+def publish(settings: Settings) -> Iterator[Callable[[list[TaskMessage]], None]]:
+    publisher = Publisher(settings)
+
+    def publish(messages: list[TaskMessage]) -> None:
+        assert publisher.publish(messages) == []
+
+    yield publish
+    publisher.close()
+
+
+@pytest.fixture
+def puller(conn: Any, settings: Settings) -> Iterator[intake.Puller]:
+    queues = [settings.queue_high, settings.queue_default]
+    p = intake.Puller(conn.channel(), queues, {"application/json"}, lambda: None)
+    p.start()
+    yield p
+    p.stop()
+
+
+def drained(p: intake.Puller) -> list[intake.Pulled]:
+    out = []
+    while p.inbox:
+        out.append(p.inbox.popleft())
+    return out
+
+
+def test_redis_here_supports_batched_pops(conn: Any) -> None:
+    assert intake.supported(conn)
+
+
+def test_never_pops_more_than_the_room_and_pops_again_when_room_is_released(
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None],
+        settings: Settings) -> None:
+    publish([message(i) for i in range(10)])
+    puller.set_limit(1, 3)
+    eventually(lambda: len(puller.inbox) == 3, what="three messages popped")
+    with connection(settings) as c:
+        assert c.default_channel._size(settings.queue_default) == 7
+    first = drained(puller)
+    assert [p.body["task_id"] for p in first] == [1000, 1001, 1002]  # oldest first
+    assert all(p.lane == 1 and p.error is None for p in first)
+    puller.release(1, 2)
+    eventually(lambda: len(puller.inbox) == 2, what="two more after two acks")
+    assert [p.body["task_id"] for p in drained(puller)] == [1003, 1004]
+    with connection(settings) as c:
+        assert c.default_channel._size(settings.queue_default) == 5  # the rest stay in Redis
+
+
+def test_a_blocked_pull_wakes_at_once_when_another_lane_gains_room(
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake, "BLOCK_S", 30.0)  # without CLIENT UNBLOCK this test would fail
+    puller.set_limit(0, 1)  # only the (empty) high queue has room: the puller blocks in BRPOP
+    publish([message(1), message(2)])  # default has no room yet
+    eventually(lambda: puller._blocking, what="puller blocked")
+    puller.set_limit(1, 2)
+    eventually(lambda: len(puller.inbox) == 2, timeout=5.0, what="woken and popped")
+    assert [p.body["task_id"] for p in drained(puller)] == [1001, 1002]
+
+
+def test_a_blocked_pull_returns_a_new_message_at_once(
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake, "BLOCK_S", 30.0)
+    puller.set_limit(0, 5)
+    eventually(lambda: puller._blocking, what="puller blocked")
+    publish([message(7, "high")])
+    eventually(lambda: len(puller.inbox) == 1, timeout=5.0, what="the message")
+    assert drained(puller)[0].body["task_id"] == 1007
+
+
+def test_values_that_are_not_messages_are_reported_not_raised(
+        puller: intake.Puller, conn: Any, settings: Settings) -> None:
+    channel = conn.default_channel
+    with channel.conn_or_acquire() as client:
+        client.lpush(channel._q_for_pri(settings.queue_default, 0), b"\xff not json")
+    puller.set_limit(1, 5)
+    eventually(lambda: len(puller.inbox) == 1, what="the bad value")
+    bad = drained(puller)[0]
+    assert bad.message is None and bad.error is not None and puller.is_alive()
