@@ -1,33 +1,47 @@
 """ax-scheduler: preload → timing wheel → batched claim → Kombu publish, plus recovery.
 
-One loop per node, on the database clock:
+One node runs four threads, one per stage, so that no stage waits on another's I/O:
 
-1. **Preload** (every ``preload_interval_ms``, at once on a producer's
-   wake-up, and again straight away while it keeps finding full batches):
-   takes tasks due within ``preload_window_ms`` into memory — CREATED rows
-   and rows nobody holds (:mod:`ax_kombu.store.scan`). Memory is bounded by
-   the window and ``max_held``, never by how many future tasks exist.
-2. **Timing wheel** (:class:`ax_kombu.wheel.TriggerTimer`): an 8 s
-   millisecond wheel in front of a delay queue for the rest of the window.
-   Due ids come out in trigger order; firing is a slot lookup.
-3. **Claim**: due ids are claimed in batches of ``claim_batch`` with one
-   conditional statement each (:func:`ax_kombu.states.claim`: PostgreSQL
-   ``FOR UPDATE SKIP LOCKED`` + ``UPDATE … RETURNING``). Why claim rather
-   than partition: any node may end up holding any task (adoption after a
-   node dies), and the database stays the one arbiter — a row moves to
-   DISPATCHING for exactly one node, with a new attempt number.
-4. **Publish**, on a second thread (:class:`Dispatcher`) so the next claim
-   overlaps this publish: Kombu, to the queue of the task's priority, with
-   publisher confirms on RabbitMQ. A batch that does not certainly reach the
-   broker goes back to READY (compare-and-set from DISPATCHING); the loop
-   stops claiming until the broker answers again, then they go out with a
-   new attempt.
-5. **Recovery**: every heartbeat the node looks for dead nodes (no heartbeat
-   for ``heartbeat_misses`` intervals): their held tasks are released (and
-   adopted by the next preload anywhere) and a dead worker's RUNNING tasks
-   are retried or failed. Every ``recovery_interval_s``: DISPATCHING tasks
-   older than ``ack_timeout_ms`` go back to READY, and due tasks held by
-   nobody alive are released.
+* the **timing loop** (the thread that calls :meth:`Scheduler.run`) owns the
+  wheel and never touches the database or the broker: it adds the ids it is
+  handed, fires what is due and sleeps until the next id is due;
+* the **claimer** claims fired ids in the database;
+* the **dispatcher** (:class:`Dispatcher`) publishes claimed batches;
+* the **housekeeper** preloads, heartbeats, recovers and re-measures the
+  database clock.
+
+The stages, on the database clock:
+
+1. **Preload** (housekeeper; every ``preload_interval_ms``, at once on a
+   producer's wake-up, and again straight away while it keeps finding full
+   batches): takes tasks due within ``preload_window_ms`` into memory —
+   CREATED rows and rows nobody holds (:mod:`ax_kombu.store.scan`). Memory is
+   bounded by the window and ``max_held``, never by how many future tasks exist.
+2. **Timing wheel** (timing loop; :class:`ax_kombu.wheel.TriggerTimer`): an
+   8 s millisecond wheel in front of a delay queue for the rest of the window.
+   Due ids come out in trigger order; firing is a slot lookup. The loop reads
+   the clock locally (:meth:`ax_kombu.store.clock.DbClock.local_ms`), so a
+   slow preload or claim never makes it late.
+3. **Claim** (claimer): the ids fired while the previous claim ran form the
+   next batch (up to ``claim_batch``), claimed with one conditional statement
+   (:func:`ax_kombu.states.claim`: PostgreSQL ``FOR UPDATE SKIP LOCKED`` +
+   ``UPDATE … RETURNING``). On PostgreSQL the statement runs in autocommit:
+   one round trip, and the claim is durable when it returns — before any row
+   is handed on. Why claim rather than partition: any node may end up
+   holding any task (adoption after a node dies), and the database stays the
+   one arbiter — a row moves to DISPATCHING for exactly one node, with a new
+   attempt number.
+4. **Publish** (dispatcher; overlaps the next claim): Kombu, to the queue of
+   the task's priority, with publisher confirms on RabbitMQ. A batch that
+   does not certainly reach the broker goes back to READY (compare-and-set
+   from DISPATCHING); the claimer stops claiming until the broker answers
+   again, then they go out with a new attempt.
+5. **Recovery** (housekeeper): every heartbeat the node looks for dead nodes
+   (no heartbeat for ``heartbeat_misses`` intervals): their held tasks are
+   released (and adopted by the next preload anywhere) and a dead worker's
+   RUNNING tasks are retried or failed. Every ``recovery_interval_s``:
+   DISPATCHING tasks older than ``ack_timeout_ms`` go back to READY, and due
+   tasks held by nobody alive are released.
 
 Guarantees:
 
@@ -57,7 +71,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, text
+from sqlalchemy import Connection, bindparam, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import metrics, nodes
@@ -74,6 +88,15 @@ log = logging.getLogger(__name__)
 WHEEL_LEVELS = (256, 32)
 #: how often a store without wake-ups (SQLite) is polled for new tasks
 POLL_WITHOUT_WAKEUPS_MS = 50
+#: most ids the timing loop adds to the wheel between two firings (bounds its pause)
+ABSORB_CHUNK = 2000
+#: longest any of the node's threads sleeps before looking at the stop flag again
+MAX_SLEEP_S = 0.25
+#: how long a thread waits after a database error before trying again
+DB_BACKOFF_S = 1.0
+
+#: (task_id, due_ms) pairs handed to the timing loop
+Pairs = Sequence[tuple[int, int]]
 
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
@@ -117,12 +140,15 @@ class Dispatcher(threading.Thread):
             self._dispatch(rows)
         self.publisher.close()
 
+    def _now(self) -> int:
+        return int(self.store.clock.local_ms())  # never waits on the database
+
     def _dispatch(self, rows: Sequence[Any]) -> None:
         started = time.monotonic()
-        now = self.store.now_ms()
+        now = self._now()
         messages = [to_message(r, self.node, now) for r in rows]
         failed = self.publisher.publish(messages)
-        done = self.store.now_ms()
+        done = self._now()
         failed_ids = {m.task_id for m in failed}
         sent = [m for m in messages if m.task_id not in failed_ids]
         for m in sent:
@@ -149,7 +175,14 @@ class Dispatcher(threading.Thread):
 
 
 class Scheduler:
-    """One scheduler node. ``run()`` until :meth:`request_stop`."""
+    """One scheduler node. ``run()`` until :meth:`request_stop`.
+
+    ``run()`` is the timing loop; it starts the claimer, the dispatcher and the
+    housekeeper beside it and stops them on the way out. The threads meet only
+    at two hand-offs, each a deque plus an event: ids for the wheel
+    (``_incoming``, read by the timing loop alone, which alone touches the
+    wheel) and fired ids (``_fired``, read by the claimer alone).
+    """
 
     def __init__(self, settings: Settings, node_id: str | None = None, *,
                  on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
@@ -159,21 +192,30 @@ class Scheduler:
         self.node_id = node_id or nodes.default_node_id("scheduler")
         now = int(time.time() * 1000)  # replaced by database time in start()
         self.timer: TriggerTimer[int] = TriggerTimer(now, level_sizes=WHEEL_LEVELS)
-        self.due: deque[int] = deque()
-        self._returned: deque[list[int]] = deque()
-        self._wake = threading.Event()
+        self._incoming: deque[Pairs] = deque()
+        self._wake = threading.Event()  # the timing loop: ids came in, or stop
+        self._fired: deque[int] = deque()
+        self._claim_wake = threading.Event()  # the claimer: ids fired, or stop
+        self._house_wake = threading.Event()  # the housekeeper: preload now, or stop
+        self._stopped = threading.Event()  # set once the node stops: ends every back-off
         self._wake_pending = True
         self._stop: str | None = None
         self.heartbeat = nodes.Heartbeat(self.store, self.node_id, "scheduler")
-        self.dispatcher = Dispatcher(settings, self.store, self.node_id, self._returned.append,
+        self.dispatcher = Dispatcher(settings, self.store, self.node_id, self._retry_later,
                                      on_published)
+        self._claim_conn: Connection | None = None  # the claimer's own (PostgreSQL)
+        self._claimer = threading.Thread(target=self._claim_loop, name="ax-claimer",
+                                         daemon=True)
+        self._housekeeper = threading.Thread(target=self._housekeeping_loop,
+                                             name="ax-housekeeper", daemon=True)
         self.listener: WakeListener | None = None
         self._poll_ms = settings.preload_interval_ms
-        if self.store.engine.dialect.name == "postgresql":
+        self._pg = self.store.engine.dialect.name == "postgresql"
+        if self._pg:
             self.listener = WakeListener(self.store.engine, self.wake)
         else:
             self._poll_ms = min(self._poll_ms, POLL_WITHOUT_WAKEUPS_MS)
-        self._next = {"preload": 0, "beat": 0, "recovery": now + self._recovery_ms(), "db": 0}
+        self._next = {"preload": 0, "beat": 0, "recovery": now + self._recovery_ms()}
         self._skew_warned = False
 
     # -- control -------------------------------------------------------------------------
@@ -181,10 +223,11 @@ class Scheduler:
     def wake(self) -> None:
         """Preload now (a producer wrote a task due soon)."""
         self._wake_pending = True
-        self._wake.set()
+        self._house_wake.set()
 
     def request_stop(self, cold: bool = False) -> None:
-        """Warm stop (or cold, if ``cold`` or already stopping). Safe from a signal handler."""
+        """Warm stop (or cold, if ``cold`` or already stopping). Safe from a signal handler:
+        it sets a flag and wakes the timing loop, which stops the other threads."""
         self._stop = "cold" if cold or self._stop else "warm"
         self._wake.set()
 
@@ -221,36 +264,187 @@ class Scheduler:
         if self._stop is not None:
             return False
         self.dispatcher.probe()
-        self.dispatcher.start()
+        for thread in (self.dispatcher, self._claimer, self._housekeeper):
+            thread.start()
         if self.listener is not None:
             self.listener.start()
         log.info("scheduler started", extra={"node": self.node_id})
         return True
 
-    # -- the loop ------------------------------------------------------------------------
+    def _db_failed(self, what: str, exc: SQLAlchemyError) -> None:
+        """Log a database error and back off (on the calling thread) before the next try."""
+        log.warning("database unavailable; backing off", extra={"during": what}, exc_info=exc)
+        self._stopped.wait(DB_BACKOFF_S)
+
+    def _local_ms(self) -> int:
+        return int(self.store.clock.local_ms())
+
+    # -- the timing loop: the wheel's only user; never waits on the database or the broker --
 
     def run_once(self) -> None:
-        """One pass: preload, fire, claim and hand to the dispatcher, housekeeping, sleep."""
-        now = self.store.now_ms()
-        self._absorb_returned(now)
-        if self._wake_pending or now >= self._next["preload"]:
-            self._preload(now)
-        self.due.extend(self.timer.advance(now))
-        self._claim_due(now)
-        self._housekeeping(now)
+        """One pass: take in handed-over ids, fire what is due to the claimer, sleep."""
+        self._absorb()
+        now = self.store.clock.local_ms()
+        fired = self.timer.advance(int(now))
+        if fired:
+            self._fired.extend(fired)
+            self._claim_wake.set()
         self._sleep(now)
 
-    def _db_ready(self, now: int) -> bool:
-        return now >= self._next["db"]
+    def _hand_to_wheel(self, pairs: Pairs) -> None:
+        """From any thread: have the timing loop schedule ``(task_id, due_ms)`` pairs."""
+        for start in range(0, len(pairs), ABSORB_CHUNK):
+            self._incoming.append(pairs[start:start + ABSORB_CHUNK])
+        if pairs:
+            self._wake.set()
 
-    def _db_failed(self, now: int, what: str) -> None:
-        log.warning("database unavailable; backing off", extra={"during": what}, exc_info=True)
-        self._next["db"] = now + 1000
+    def _retry_later(self, ids: Sequence[int]) -> None:
+        """Fire ``ids`` again after ``republish_delay_ms`` (they are still held by this node)."""
+        due = self._local_ms() + self.settings.republish_delay_ms
+        self._hand_to_wheel([(task_id, due) for task_id in ids])
+
+    def _absorb(self) -> None:
+        """Add handed-over ids to the wheel, about ``ABSORB_CHUNK`` per pass so firing goes on."""
+        taken = 0
+        while self._incoming and taken < ABSORB_CHUNK:
+            pairs = self._incoming.popleft()
+            for task_id, due in pairs:
+                self.timer.add(task_id, due)
+            taken += len(pairs)
+
+    def _sleep(self, now: float) -> None:
+        """Until the next id is due, ids are handed over, or a stop (at most MAX_SLEEP_S)."""
+        if self._incoming or self._stop is not None:
+            return
+        timeout = MAX_SLEEP_S
+        next_due = self.timer.next_due_ms()
+        if next_due is not None:
+            timeout = min(timeout, (next_due - now) / 1000.0)
+        if timeout > 0 and self._wake.wait(timeout):
+            self._wake.clear()
+
+    # -- the claimer ---------------------------------------------------------------------
+
+    def _claim_loop(self) -> None:
+        """Claim fired ids batch after batch until a stop (a warm one ends after this batch:
+        what is fired but unclaimed stays held and is released in :meth:`shutdown`)."""
+        try:
+            while self._stop is None:
+                if not self._fired:
+                    if self._claim_wake.wait(MAX_SLEEP_S):
+                        self._claim_wake.clear()
+                    continue
+                if not self.dispatcher.broker_ok.is_set() and not self.dispatcher.probe():
+                    self._hold_fired()
+                    continue
+                batch = [self._fired.popleft()
+                         for _ in range(min(len(self._fired), self.settings.claim_batch))]
+                self._claim(batch)
+        finally:
+            self._drop_claim_connection()
+
+    def _claim(self, batch: list[int]) -> None:
+        """Claim ``batch`` and hand what was claimed to the dispatcher."""
+        try:
+            rows = self._claim_rows(batch)
+        except SQLAlchemyError as exc:
+            self._fired.extendleft(reversed(batch))  # nothing was claimed: try again
+            self._db_failed("claim", exc)
+            return
+        metrics.schedule_batch_size.observe(len(rows))
+        if rows:
+            rows.sort(key=lambda r: r.trigger_time)  # RETURNING has no order
+            self.dispatcher.inbox.put(rows)
+        if len(rows) < len(batch):
+            self._keep_unclaimed(batch, rows)
+
+    def _claim_rows(self, batch: list[int]) -> list[Any]:
+        """One claim statement. PostgreSQL: on the claimer's own connection, in autocommit,
+        so the claim is one round trip and durable when it returns. SQLite: in a
+        ``BEGIN IMMEDIATE`` transaction (see store.engine)."""
+        if not self._pg:
+            with self.store.engine.begin() as conn:
+                return claim(conn, batch, self.node_id, self._local_ms())
+        if self._claim_conn is None:
+            conn = self.store.engine.connect()
+            self._claim_conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            return claim(self._claim_conn, batch, self.node_id, self._local_ms())
+        except SQLAlchemyError:
+            self._drop_claim_connection()  # a new one next time
+            raise
+
+    def _drop_claim_connection(self) -> None:
+        """Discard (never pool) the claimer's connection: it may be broken, and it is in
+        autocommit, which the pool's other users do not expect."""
+        if self._claim_conn is not None:
+            self._claim_conn.invalidate()
+            self._claim_conn.close()
+            self._claim_conn = None
+
+    def _hold_fired(self) -> None:
+        """Broker down: fired ids go back to the wheel to be tried again shortly."""
+        ids = [self._fired.popleft() for _ in range(len(self._fired))]
+        self._retry_later(ids)
+        self._stopped.wait(self.settings.republish_delay_ms / 1000.0)
+
+    def _keep_unclaimed(self, batch: list[int], rows: Sequence[Any]) -> None:
+        """Ids the claim skipped (row locked by someone else) that are still ours: retry soon.
+
+        Those no longer ours (cancelled, claimed elsewhere, released) are dropped.
+        """
+        claimed = {r.task_id for r in rows}
+        missing = [t for t in batch if t not in claimed]
+        stmt = text("SELECT task_id, trigger_time FROM ax_task WHERE task_id IN :ids "
+                    "AND status IN ('DELAYED', 'READY') AND last_run_node = :node"
+                    ).bindparams(bindparam("ids", expanding=True))
+        try:
+            with self.store.engine.connect() as conn:
+                ours = list(conn.execute(stmt, {"ids": missing, "node": self.node_id}))
+        except SQLAlchemyError as exc:
+            self._retry_later(missing)  # the next claim sorts out which are still ours
+            self._db_failed("claim", exc)
+            return
+        soon = self._local_ms() + 10
+        self._hand_to_wheel([(task_id, max(trigger, soon)) for task_id, trigger in ours])
+
+    # -- the housekeeper -----------------------------------------------------------------
+
+    def _recovery_ms(self) -> int:
+        return int(self.settings.recovery_interval_s * 1000)
+
+    def _silence_ms(self) -> int:
+        return int(self.settings.heartbeat_interval_s * 1000 * self.settings.heartbeat_misses)
+
+    def _housekeeping_loop(self) -> None:
+        """Preload, heartbeat, recovery; each when due, until a stop."""
+        while self._stop is None:
+            try:
+                timeout = self._housekeeping(self.store.now_ms())  # re-measures the clock
+            except SQLAlchemyError as exc:
+                self._db_failed("housekeeping", exc)
+                continue
+            if timeout > 0 and self._house_wake.wait(timeout):
+                self._house_wake.clear()
+
+    def _housekeeping(self, now: int) -> float:
+        """Do what is due; returns how long to sleep (seconds)."""
+        metrics.wheel_queue_depth.labels("wheel").set(self.timer.wheel_depth)
+        metrics.wheel_queue_depth.labels("delay").set(self.timer.delayed_depth)
+        preload_due = self._wake_pending or now >= self._next["preload"]
+        if preload_due and not self._incoming:  # the last preload is in the wheel: max_held holds
+            self._preload(now)
+        if now >= self._next["beat"]:
+            self._beat(now)
+        if now >= self._next["recovery"]:
+            self._recover(now)
+        if self._wake_pending or self._next["preload"] <= now:
+            return 0.001 if self._incoming else 0.0
+        wake_at = min(self._next.values())
+        return max(0.0, min((wake_at - now) / 1000.0, MAX_SLEEP_S))
 
     def _preload(self, now: int) -> None:
         self._wake_pending = False
-        if not self._db_ready(now):
-            return
         room = min(self.settings.preload_batch, self.settings.max_held - len(self.timer))
         if room <= 0:
             self._next["preload"] = now + self._poll_ms
@@ -260,75 +454,11 @@ class Scheduler:
                 rows = scan.preload(conn, self.node_id, now,
                                     now + self.settings.preload_window_ms, room)
         except SQLAlchemyError:
-            self._db_failed(now, "preload")
-            return
-        for task_id, trigger in rows:
-            self.timer.add(task_id, trigger)
+            self._wake_pending = True  # try again after the back-off
+            raise
+        self._hand_to_wheel(rows)
         metrics.preload_total.inc(len(rows))
         self._next["preload"] = now if len(rows) == room else now + self._poll_ms
-
-    def _absorb_returned(self, now: int) -> None:
-        while self._returned:
-            for task_id in self._returned.popleft():
-                self.timer.add(task_id, now + self.settings.republish_delay_ms)
-
-    def _claim_due(self, now: int) -> None:
-        while self.due and self._stop != "cold" and self._db_ready(now):
-            if not self.dispatcher.broker_ok.is_set() and not self.dispatcher.probe():
-                self._hold_due(now)
-                return
-            batch = [self.due.popleft() for _ in range(min(len(self.due),
-                                                           self.settings.claim_batch))]
-            try:
-                with self.store.engine.begin() as conn:
-                    # a fresh reading: the loop may have waited on the dispatcher since `now`
-                    rows = claim(conn, batch, self.node_id, self.store.now_ms())
-                    if len(rows) < len(batch):
-                        self._keep_unclaimed(conn, batch, rows, now)
-            except SQLAlchemyError:
-                self.due.extendleft(reversed(batch))
-                self._db_failed(now, "claim")
-                return
-            metrics.schedule_batch_size.observe(len(rows))
-            rows.sort(key=lambda r: r.trigger_time)  # RETURNING has no order
-            if rows:
-                self.dispatcher.inbox.put(rows)
-
-    def _hold_due(self, now: int) -> None:
-        """Broker down: put due tasks back in the timer to try again shortly."""
-        while self.due:
-            self.timer.add(self.due.popleft(), now + self.settings.republish_delay_ms)
-
-    def _keep_unclaimed(self, conn: Any, batch: list[int], rows: Sequence[Any], now: int) -> None:
-        """Ids the claim skipped (row locked by someone else) that are still ours: retry soon."""
-        claimed = {r.task_id for r in rows}
-        missing = [t for t in batch if t not in claimed]
-        stmt = text("SELECT task_id FROM ax_task WHERE task_id IN :ids AND status IN "
-                    "('DELAYED', 'READY') AND last_run_node = :node"
-                    ).bindparams(bindparam("ids", expanding=True))
-        for (task_id,) in conn.execute(stmt, {"ids": missing, "node": self.node_id}):
-            self.timer.add(task_id, now + 10)
-
-    # -- housekeeping --------------------------------------------------------------------
-
-    def _recovery_ms(self) -> int:
-        return int(self.settings.recovery_interval_s * 1000)
-
-    def _silence_ms(self) -> int:
-        return int(self.settings.heartbeat_interval_s * 1000 * self.settings.heartbeat_misses)
-
-    def _housekeeping(self, now: int) -> None:
-        metrics.wheel_queue_depth.labels("wheel").set(self.timer.wheel_depth)
-        metrics.wheel_queue_depth.labels("delay").set(self.timer.delayed_depth)
-        if not self._db_ready(now):
-            return
-        try:
-            if now >= self._next["beat"]:
-                self._beat(now)
-            if now >= self._next["recovery"]:
-                self._recover(now)
-        except SQLAlchemyError:
-            self._db_failed(now, "housekeeping")
 
     def _beat(self, now: int) -> None:
         self._next["beat"] = now + int(self.settings.heartbeat_interval_s * 1000)
@@ -371,34 +501,26 @@ class Scheduler:
         self._skew_warned = too_far
 
     def _info(self) -> dict[str, Any]:
-        return {"held": len(self.timer), "due": len(self.due), "wheel": self.timer.wheel_depth,
-                "delay_queue": self.timer.delayed_depth,
+        return {"held": len(self.timer), "due": len(self._fired),
+                "wheel": self.timer.wheel_depth, "delay_queue": self.timer.delayed_depth,
                 "clock_offset_ms": round(self.store.clock.offset_ms, 1),
                 "published": self.dispatcher.published}
-
-    def _sleep(self, now: int) -> None:
-        if self.due and self.dispatcher.broker_ok.is_set() and self._db_ready(now):
-            return
-        if self._returned or self._wake_pending:
-            return
-        wake_at = min(self._next["preload"], self._next["beat"], self._next["recovery"])
-        next_due = self.timer.next_due_ms()
-        if next_due is not None:
-            wake_at = min(wake_at, next_due)
-        timeout = max(0.0, min((wake_at - now) / 1000.0, 0.25))
-        if timeout > 0 and self._wake.wait(timeout):
-            self._wake.clear()
 
     # -- stopping ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Finish: publish what is claimed (unless cold), release held tasks, say goodbye."""
+        self._stopped.set()
+        for event in (self._claim_wake, self._house_wake):
+            event.set()
         if self.listener is not None:
             self.listener.stop()
-        if self._stop != "cold":
+        # the housekeeper first: a preload still running must land before the release below
+        self._join(self._housekeeper)
+        self._join(self._claimer)
+        if self._stop != "cold" and self.dispatcher.is_alive():
             self.dispatcher.inbox.put(None)
-            while self.dispatcher.is_alive() and self._stop != "cold":
-                self.dispatcher.join(timeout=0.2)
+            self._join(self.dispatcher)
         try:
             with self.store.engine.begin() as conn:
                 released = scan.release_held(conn, [self.node_id])
@@ -408,3 +530,8 @@ class Scheduler:
             log.warning("could not release held tasks; other nodes will recover them",
                         exc_info=True)
         self.store.close()
+
+    def _join(self, thread: threading.Thread) -> None:
+        """Wait for ``thread`` unless (or until) the stop turns cold."""
+        while thread.is_alive() and self._stop != "cold":
+            thread.join(timeout=0.2)

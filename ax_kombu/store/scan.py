@@ -64,6 +64,15 @@ RETURNING task_id, trigger_time""",
 }
 
 
+# Every preload walks the (status, trigger_time) range of CREATED rows below the horizon,
+# where each task it ever moved on left a dead index entry (2,000 a second under a steady
+# load) until VACUUM. A plain index scan marks such entries dead as it passes them, so the
+# next preload skips them for free; a bitmap scan, which the planner picks on a young
+# table's small estimates, never does and visits them all again each time: 7–15 ms per
+# preload after 30 s at 2,000 tasks/s instead of about 1 ms. So, for this transaction only:
+_INDEX_SCAN_ONLY = "SET LOCAL enable_bitmapscan = off"
+
+
 def _sql(conn: Connection, forms: dict[str, str]) -> str:
     return forms["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
 
@@ -74,8 +83,12 @@ def preload(conn: Connection, node: str, now_ms: int, horizon_ms: int,
 
     CREATED rows become DELAYED (or READY when already due); unheld
     DELAYED/READY rows are adopted. Returns ``(task_id, trigger_time)`` pairs.
+    On PostgreSQL, ``conn`` must be in a transaction (a planner setting is made
+    for it alone).
     """
     params = {"node": node, "now": now_ms, "horizon": horizon_ms, "n": limit}
+    if conn.dialect.name == "postgresql":
+        conn.execute(text(_INDEX_SCAN_ONLY))
     rows = [(r[0], r[1]) for r in conn.execute(text(_sql(conn, _PRELOAD_CREATED)), params)]
     if len(rows) < limit:
         params["n"] = limit - len(rows)

@@ -1,0 +1,111 @@
+"""The scheduler's threads on the embedded default (SQLite store, ax's SQLite transport):
+every task published once, never early; a warm stop hands back what it holds; the timing
+loop's clock reading never waits on the database."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ax_kombu.api import Client
+from ax_kombu.broker import TaskMessage
+from ax_kombu.config import Settings, from_env
+from ax_kombu.scheduler import Scheduler
+from ax_kombu.states import Status
+from ax_kombu.store.clock import DbClock
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Settings:
+    return from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.sqlite3'}",
+                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}",
+                    heartbeat_interval_s=0.5, preload_window_ms=120_000)
+
+
+@pytest.fixture
+def client(cfg: Settings) -> Iterator[Client]:
+    c = Client(cfg)
+    yield c
+    c.close()
+
+
+class Published:
+    """What the scheduler's dispatcher reports as published."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[TaskMessage, int]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, messages: list[TaskMessage], at_ms: int) -> None:
+        with self._lock:
+            self.messages.extend((m, at_ms) for m in messages)
+
+
+def poll(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def running(cfg: Settings, published: Published) -> tuple[Scheduler, threading.Thread]:
+    scheduler = Scheduler(cfg, "sched-unit", on_published=published)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    return scheduler, thread
+
+
+def test_each_task_is_published_once_and_never_early(cfg: Settings, client: Client) -> None:
+    ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": i / 400}
+                               for i in range(200)])
+    published = Published()
+    scheduler, thread = running(cfg, published)
+    try:
+        assert poll(lambda: len(published.messages) >= 200)
+    finally:
+        scheduler.request_stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
+    assert all(m.attempt == 1 for m, _ in published.messages)
+    assert all(at_ms >= m.trigger_time for m, at_ms in published.messages)
+
+
+def test_a_warm_stop_releases_the_tasks_it_holds(cfg: Settings, client: Client) -> None:
+    ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": 90}
+                               for i in range(50)])
+    published = Published()
+    scheduler, thread = running(cfg, published)
+    try:
+        assert poll(lambda: all(client.get(i).status is Status.DELAYED for i in ids))
+        assert client.get(ids[0]).last_run_node == "sched-unit"
+    finally:
+        scheduler.request_stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert published.messages == []
+    assert {(client.get(i).status, client.get(i).last_run_node) for i in ids} == {
+        (Status.DELAYED, None)}
+
+
+def test_the_local_clock_reading_never_asks_the_database() -> None:
+    wall = [10_000.0]
+    asked = []
+
+    def read_db() -> int:
+        asked.append(wall[0])
+        return int(wall[0]) + 250
+
+    clock = DbClock(read_db, wall_ms=lambda: wall[0], refresh_s=1e-9)
+    assert clock.now_ms() == 10_250 and len(asked) == 3  # measured: three samples
+    wall[0] += 40
+    assert clock.local_ms() == 10_290.0
+    assert len(asked) == 3  # due for a re-measurement, yet local_ms did not do it
