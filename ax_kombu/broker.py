@@ -161,6 +161,8 @@ class Publisher:
         self._conn: Connection | None = None
         self._producer: Producer | None = None
         self._confirms: _Confirms | None = None
+        #: Redis only: one client kept for the publisher's pipelines
+        self._redis: Any = None
 
     def connect(self) -> None:
         """Connect (once) and declare the queues.
@@ -189,7 +191,7 @@ class Publisher:
                 self._conn.release()
             except Exception:
                 log.debug("error closing broker connection", exc_info=True)
-        self._conn = self._producer = self._confirms = None
+        self._conn = self._producer = self._confirms = self._redis = None
 
     def publish(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
         """Publish ``messages``; returns those that did not certainly reach the broker.
@@ -244,11 +246,12 @@ class Publisher:
         for m in messages:
             queue = self._queues[m.priority]
             by_queue.setdefault(queue, []).append(redis_envelope(m, queue))
-        with channel.conn_or_acquire() as client:
-            pipe = client.pipeline(transaction=False)
-            for queue, values in by_queue.items():
-                pipe.lpush(channel._q_for_pri(queue, 0), *values)
-            pipe.execute()
+        if self._redis is None:  # Kombu's conn_or_acquire() would build a client per batch
+            self._redis = channel.Client(connection_pool=channel.pool)
+        pipe = self._redis.pipeline(transaction=False)
+        for queue, values in by_queue.items():
+            pipe.lpush(channel._q_for_pri(queue, 0), *values)
+        pipe.execute()
 
     def _publish_confirmed(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
         confirms, conn = self._confirms, self._conn

@@ -9,9 +9,10 @@ thread
   (``RPOP key count`` in a pipeline), from the right, where Kombu's own
   consumer pops;
 * when every list with room is empty, blocks in one ``BRPOP`` over them, as
-  Kombu does; a lane that gains room meanwhile interrupts it with ``CLIENT
-  UNBLOCK`` (Redis checks blocking timeouts only about every 100 ms, so a
-  short timeout would not do);
+  Kombu does, plus the puller's own *wake list*: a lane that gains room
+  meanwhile pushes a token there, which ends the wait at once, even if the
+  ``BRPOP`` had not reached Redis yet (Redis checks blocking timeouts only
+  about every 100 ms, so a short timeout would not do);
 * turns each value into a Kombu message (``channel.Message``, as
   ``Channel.basic_get`` does) and decodes it JSON-only, then hands it to the
   worker's consuming thread, which registers it with the channel's QoS, so
@@ -38,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -46,8 +48,10 @@ log = logging.getLogger(__name__)
 
 #: RPOP with a count needs this Redis version
 MIN_VERSION = (6, 2)
-#: longest one BRPOP blocks (a stop, or a missed unblock, waits at most this long)
-BLOCK_S = 0.25
+#: longest one BRPOP blocks (a stop waits at most this long)
+BLOCK_S = 1.0
+#: a wake list left behind by a killed worker expires after this long
+WAKE_TTL_MS = 60_000
 
 
 def supported(conn: Any) -> bool:
@@ -90,6 +94,7 @@ class Puller(threading.Thread):
         self.accept = accept
         self._wake = wake
         self._keys = [str(channel._q_for_pri(q, 0)) for q in queues]
+        self._wake_key = f"ax.wake.{uuid.uuid4().hex}"
         self._client = channel.Client(connection_pool=channel.pool,
                                       single_connection_client=True)
         self._control = channel.Client(connection_pool=channel.pool)
@@ -98,8 +103,8 @@ class Puller(threading.Thread):
         self._out = [0] * len(queues)
         self._stale = False
         self._blocking = False
+        self._woken = False
         self._stopped = False
-        self._client_id: int | None = None
         #: popped messages for the consuming thread
         self.inbox: deque[Pulled] = deque()
         #: the error that ended the thread (the broker is gone), if any
@@ -127,6 +132,10 @@ class Puller(threading.Thread):
             self._stopped = True
         self._room_opened()
         self.join(BLOCK_S * 4)
+        try:
+            self._control.delete(self._wake_key)
+        except Exception:  # noqa: BLE001 - the key expires by itself
+            log.debug("could not delete the wake list", exc_info=True)
         for client in (self._client, self._control):
             try:
                 client.close()
@@ -137,18 +146,21 @@ class Puller(threading.Thread):
         with self._cond:
             self._stale = True
             self._cond.notify()
-            blocked = self._blocking and self._client_id is not None
-        if blocked:
+            wake = self._blocking and not self._woken
+            self._woken = self._woken or wake
+        if wake:
             try:
-                self._control.client_unblock(self._client_id)
-            except Exception:  # the BRPOP then ends by its timeout
-                log.debug("CLIENT UNBLOCK failed", exc_info=True)
+                pipe = self._control.pipeline(transaction=False)
+                pipe.lpush(self._wake_key, b"1")
+                pipe.pexpire(self._wake_key, WAKE_TTL_MS)
+                pipe.execute()
+            except Exception:  # noqa: BLE001 - the BRPOP then ends by its timeout
+                log.debug("could not wake the puller", exc_info=True)
 
     # -- the puller thread ----------------------------------------------------------------------
 
     def run(self) -> None:
         try:
-            self._client_id = int(self._client.client_id())
             while self._pull_once():
                 pass
         except Exception as exc:  # noqa: BLE001 - the broker is gone: the worker reconnects
@@ -176,7 +188,7 @@ class Puller(threading.Thread):
             self._block([i for i, r in enumerate(rooms) if r > 0])
         finally:
             with self._cond:
-                self._blocking = False
+                self._blocking = self._woken = False
         return True
 
     def _pop(self, rooms: list[int]) -> bool:
@@ -189,11 +201,14 @@ class Puller(threading.Thread):
         return any(values for _, values in got)
 
     def _block(self, lanes: list[int]) -> None:
+        """One BRPOP over the lanes' lists and the wake list (a token there only wakes us)."""
         by_key = {self._keys[i]: i for i in lanes}
-        got = self._client.brpop(list(by_key), timeout=BLOCK_S)
+        got = self._client.brpop([*by_key, self._wake_key], timeout=BLOCK_S)
         if got:
             key, value = got
-            self._deliver([(by_key[key.decode() if isinstance(key, bytes) else key], value)])
+            lane = by_key.get(key.decode() if isinstance(key, bytes) else key)
+            if lane is not None:
+                self._deliver([(lane, value)])
 
     def _deliver(self, values: list[tuple[int, bytes]]) -> None:
         if not values:

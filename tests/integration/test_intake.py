@@ -93,7 +93,7 @@ def test_never_pops_more_than_the_room_and_pops_again_when_room_is_released(
 def test_a_blocked_pull_wakes_at_once_when_another_lane_gains_room(
         puller: intake.Puller, publish: Callable[[list[TaskMessage]], None],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(intake, "BLOCK_S", 30.0)  # without CLIENT UNBLOCK this test would fail
+    monkeypatch.setattr(intake, "BLOCK_S", 30.0)  # without the wake list this test would fail
     puller.set_limit(0, 1)  # only the (empty) high queue has room: the puller blocks in BRPOP
     publish([message(1), message(2)])  # default has no room yet
     eventually(lambda: puller._blocking, what="puller blocked")
