@@ -108,7 +108,7 @@ class ReceiptWriter:
             thread.join(5.0)
 
     def _run(self) -> None:
-        db = HeldConnection(self.store.engine)
+        db = HeldConnection(self.store.engine, autocommit=True)  # see _write
         try:
             while (batch := self._inbox.get()) is not None:
                 try:
@@ -120,6 +120,17 @@ class ReceiptWriter:
             db.close()
 
     def _write(self, db: HeldConnection, batch: Batch) -> None:
+        """Record a batch; retried while the database is down.
+
+        On PostgreSQL each statement commits by itself (one round trip): the
+        RUNNING moves, the READY moves and the read explaining refusals touch
+        rows independently, each statement is atomic, and nothing is acked or
+        started before the statements returned. Known gap, as with a COMMIT
+        whose answer is lost: if the connection breaks after a RUNNING move
+        committed but before its answer arrived, the retry finds the task
+        RUNNING and refuses it, and it stays RUNNING on this worker until the
+        worker stops and a scheduler recovers it.
+        """
         pause = 0.05
         while True:
             try:
