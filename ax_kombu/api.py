@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 from . import states
 from .config import PRIORITIES, Settings
@@ -47,7 +47,7 @@ class TaskId(int):
 
     created: bool
 
-    def __new__(cls, value: int, created: bool = True) -> TaskId:
+    def __new__(cls, value: int, created: bool = True) -> Self:
         obj = super().__new__(cls, value)
         obj.created = created
         return obj

@@ -50,6 +50,9 @@ class Settings:
     #: per message). ax does not need it: a message lost between broker and worker leaves
     #: its task DISPATCHING, and the ack timeout dispatches it again.
     redis_ack_emulation: bool = False
+    #: worker on Redis ≥ 6.2: pop messages in batches (ax_kombu.intake) instead of Kombu's
+    #: consumer (one BRPOP per message). Off: the plain consumer, as on other brokers.
+    redis_pull: bool = True
     #: run Alembic migrations on first use (always on for SQLite).
     auto_migrate: bool = False
     queue_high: str = "high"

@@ -134,7 +134,7 @@ class Puller(threading.Thread):
         self.join(BLOCK_S * 4)
         try:
             self._control.delete(self._wake_key)
-        except Exception:  # noqa: BLE001 - the key expires by itself
+        except Exception:  # the key expires by itself
             log.debug("could not delete the wake list", exc_info=True)
         for client in (self._client, self._control):
             try:
@@ -154,7 +154,7 @@ class Puller(threading.Thread):
                 pipe.lpush(self._wake_key, b"1")
                 pipe.pexpire(self._wake_key, WAKE_TTL_MS)
                 pipe.execute()
-            except Exception:  # noqa: BLE001 - the BRPOP then ends by its timeout
+            except Exception:  # the BRPOP then ends by its timeout
                 log.debug("could not wake the puller", exc_info=True)
 
     # -- the puller thread ----------------------------------------------------------------------

@@ -226,7 +226,7 @@ class Worker:
     def _attach(self, conn: Any) -> None:
         self._generation += 1
         self._global_qos = conn.transport.driver_type == "amqp"
-        if intake.supported(conn):  # Redis: pull in batches (ax_kombu.intake)
+        if self.settings.redis_pull and intake.supported(conn):  # batches (ax_kombu.intake)
             self._released = [0] * len(self.lanes)
             self._puller = intake.Puller(conn.channel(), [lane.queue.name for lane in self.lanes],
                                          prepare_accept_content(["json"]), self._wakeup.set)

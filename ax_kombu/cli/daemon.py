@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..exceptions import ConfigurationError
 
@@ -17,7 +17,7 @@ from ..exceptions import ConfigurationError
 class _TraceFormatter(logging.Formatter):
     """Constant messages, then the structured fields passed in ``extra``."""
 
-    _PLAIN = set(vars(logging.makeLogRecord({})))
+    _PLAIN: ClassVar[frozenset[str]] = frozenset(vars(logging.makeLogRecord({})))
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)

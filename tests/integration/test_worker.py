@@ -447,3 +447,17 @@ def test_the_worker_takes_from_the_broker_no_more_than_its_free_slots(
         procs_worker.release.set()
         eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
     assert dispatch.queue_depth("default") == 0
+
+
+@pytest.mark.parametrize("pull", [True, False])
+def test_redis_is_pulled_in_batches_unless_turned_off(settings: Settings, dispatch: Dispatch,
+                                                      pull: bool) -> None:
+    settings = settings.replace(redis_pull=pull)
+    ids = [dispatch.enqueue("t.noop", {"i": i}) for i in range(20)]
+    with running(settings) as worker:
+        dispatch.dispatch(ids)
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
+        pulled = [lane.pulled is not None for lane in worker.lanes]
+        consumers = [lane.consumer is not None for lane in worker.lanes]
+    expect_pull = pull and settings.broker_url.startswith("redis")
+    assert pulled == [expect_pull] * 3 and consumers == [not expect_pull] * 3
