@@ -3,7 +3,10 @@
 One thread (the one calling :meth:`Worker.run`) owns the broker connection:
 a Kombu consumer per queue (``high``, ``default``, ``slow``), each on its own
 channel and feeding its own bounded pool — a :class:`~ax_kombu.lanes.Lane`.
-Only this thread touches Kombu (channels are not thread-safe).
+Only this thread touches Kombu's channels (they are not thread-safe). On
+Redis ≥ 6.2 (unless ``redis_pull`` is off) a puller thread
+(:mod:`ax_kombu.intake`) receives instead, many messages per round trip and
+never more than each lane's room; it only uses the channel's connection pool.
 
 Receipt, in batches. The consuming thread drains the broker and plans what
 arrived:
