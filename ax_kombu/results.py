@@ -29,6 +29,7 @@ dead worker's tasks retries it: execution is at-least-once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -37,6 +38,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -156,12 +158,20 @@ def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
     return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error)
 
 
+@functools.cache
+def _children(queue_name: str, kind: str) -> tuple[Any, Any]:
+    """The labelled metrics of one (queue, outcome): looked up once, not per task."""
+    return (metrics.execute_total.labels(queue=queue_name, result=kind),
+            metrics.execute_duration.labels(queue=queue_name))
+
+
 def _observe(result: RunResult, finish: Finish) -> None:
-    outcome, queue_name = result.outcome, result.task.priority
+    outcome = result.outcome
     kind = ("success" if outcome.ok else "timeout" if outcome.timed_out
             else "abandoned" if outcome.abandoned is not None else "error")
-    metrics.execute_total.labels(queue=queue_name, result=kind).inc()
-    metrics.execute_duration.labels(queue=queue_name).observe(outcome.duration_s)
+    total, duration = _children(result.task.priority, kind)
+    total.inc()
+    duration.observe(outcome.duration_s)
     if finish.status is not Status.DELAYED:
         metrics.retry_count.observe(result.task.retry_count)
 
@@ -246,7 +256,12 @@ class ResultWriter:
         self._account(batch, finishes, moved)
 
     def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
+        succeeded = 0
         for result, finish in zip(batch, finishes, strict=True):
+            if result.outcome.ok and finish.task_id in moved:  # the common case, counted once
+                _observe(result, finish)
+                succeeded += 1
+                continue
             extra = {"task_id": finish.task_id, "trace_id": result.task.trace_id,
                      "attempt": finish.attempt, "status": str(finish.status)}
             _observe(result, finish)
@@ -261,3 +276,5 @@ class ResultWriter:
                             Status.DELAYED: "retried"}[finish.status])
             if finish.status is not Status.SUCCESS:
                 log.warning("task run failed", extra={**extra, "error": finish.error})
+        if succeeded:
+            self.stats.add("succeeded", succeeded)
