@@ -132,3 +132,39 @@ def _all_running(client: Client, ids: list[int]) -> bool:
             tasks.c.status == "RUNNING")).scalar_one()
     return int(n) == len(ids)
 
+
+
+def test_a_worker_reconnects_when_the_broker_comes_back(
+        pg_url: str, outage: tuple[dict[str, str], Any, Any]) -> None:
+    from ax_kombu.broker import connection, declare_queues
+    from ax_kombu.states import Status
+
+    from .test_worker import Dispatch, eventually, running
+
+    broker, stop, start = outage
+    cfg = from_env({}, database_url=pg_url, heartbeat_interval_s=0.2, **broker)
+    with connection(cfg) as conn:
+        declare_queues(conn, cfg)
+    dispatch = Dispatch(cfg)
+
+    def all_done(ids: list[int]) -> bool:
+        return all(dispatch.status(i) is Status.SUCCESS for i in ids)
+
+    try:
+        before = [dispatch.enqueue("t.noop", {"i": i}) for i in range(5)]
+        after = [dispatch.enqueue("t.noop", {"i": i}) for i in range(5, 10)]
+        with running(cfg) as worker:
+            dispatch.dispatch(before)
+            eventually(lambda: all_done(before), what="tasks before the outage")
+            stop()
+            eventually(lambda: not worker.ready.is_set(), what="the worker saw the outage")
+            start()
+            eventually(worker.ready.is_set, timeout=60, what="the worker reconnected")
+            dispatch.publisher.close()  # its connection died with the broker
+            if broker["broker_url"].startswith("redis"):  # a fresh server: declare again
+                with connection(cfg) as conn:
+                    declare_queues(conn, cfg)
+            dispatch.dispatch(after)
+            eventually(lambda: all_done(after), timeout=60, what="tasks after the outage")
+    finally:
+        dispatch.close()
