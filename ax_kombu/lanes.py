@@ -28,7 +28,7 @@ thread-safe: only the worker's consuming thread touches a lane's consumer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,41 @@ class Lane:
     def info(self) -> dict[str, int]:
         return {"size": self.pool.size, "free": self.pool.free, "stuck": self.pool.stuck,
                 "backlog": len(self.backlog), "running": self.pool.active}
+
+
+def plan(lanes: Sequence[Lane], fresh: list[Delivery]
+         ) -> tuple[list[Delivery], list[Delivery], list[Delivery]]:
+    """Split the lanes' backlogs and ``fresh`` deliveries into (start, release, dupes).
+
+    * dupes: every delivery of a task but the one with the newest attempt (only
+      that one can still be live);
+    * start: as many as each lane has free slots (:meth:`Lane.free`), oldest
+      first; they are reserved until their batch is written;
+    * the rest wait in the lane's backlog (up to ``pool × (multiplier − 1)``),
+      and what does not fit there is released, to go back to READY.
+    """
+    newest: dict[int, Delivery] = {}
+    dupes: list[Delivery] = []
+    for d in [d for lane in lanes for d in lane.backlog] + fresh:
+        kept = newest.get(d.task.task_id)
+        if kept is None:
+            newest[d.task.task_id] = d
+        elif d.task.attempt > kept.task.attempt:
+            dupes.append(kept)
+            newest[d.task.task_id] = d
+        else:
+            dupes.append(d)
+    start: list[Delivery] = []
+    release: list[Delivery] = []
+    for lane in lanes:
+        queued = [d for d in newest.values() if d.lane is lane]
+        lane.backlog.clear()
+        free = lane.free()
+        start.extend(queued[:free])
+        lane.reserved += len(queued[:free])
+        for d in queued[free:]:
+            (lane.backlog if len(lane.backlog) < lane.backlog_max else release).append(d)
+    return start, release, dupes
 
 
 def parse_queues(text: str | Iterable[str], settings: Settings) -> list[str]:

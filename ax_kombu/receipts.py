@@ -31,7 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import metrics, states
 from .broker import TaskMessage
 from .lanes import Delivery
-from .results import HeldConnection
+from .results import Counters, HeldConnection
 from .states import Status
 from .store import Store
 from .store.schema import tasks
@@ -152,6 +152,24 @@ class ReceiptWriter:
                     return
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
+
+
+def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:
+    """Count and log what a written batch did not start (handed back, duplicate, refused)."""
+    stats.add("received", len(batch.start) + len(batch.release) + len(batch.dupes))
+    stats.add("started", len(batch.start) - len(refused))
+    for delivery in batch.release:
+        stats.add("handed_back")
+        log.info("pool full: task handed back to the scheduler as READY",
+                 extra={**delivery.labels, "queue": delivery.lane.queue.name})
+    metrics.stale_messages_total.inc(len(batch.dupes) + len(refused))
+    for delivery in batch.dupes:
+        stats.add("refused_duplicate")
+        log.info("duplicate delivery dropped", extra=delivery.labels)
+    for delivery in refused:
+        reason, why = batch.refusals.get(delivery.task.task_id, ("unknown", "unknown"))
+        stats.add(f"refused_{reason}")
+        log.info("message refused, not run", extra={**delivery.labels, "reason": why})
 
 
 def _explain(conn: Connection, refused: list[Delivery]) -> dict[int, tuple[str, str]]:

@@ -68,15 +68,15 @@ from kombu.exceptions import OperationalError
 from kombu.serialization import prepare_accept_content
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import intake, metrics, states
+from . import intake, states
 from .broker import TaskMessage, connection, task_queues
 from .config import PRIORITIES, Settings, redact_url
 from .exceptions import StoreError
-from .lanes import ACK_AT_START_MS, Delivery, Lane, parse_queues
+from .lanes import ACK_AT_START_MS, Delivery, Lane, parse_queues, plan
 from .nodes import Heartbeat, default_node_id
 from .pools import Outcome
 from .processors import Context, Resolver, split_names
-from .receipts import Batch, ReceiptWriter
+from .receipts import Batch, ReceiptWriter, account
 from .results import Counters, HeldConnection, ResultWriter
 from .store import Store
 
@@ -360,35 +360,9 @@ class Worker:
         fresh, self._pending = self._pending, []
         if not fresh and not any(lane.backlog and lane.free() for lane in self.lanes):
             return
-        start, release, dupes = self._plan(fresh)
+        start, release, dupes = plan(self.lanes, fresh)
         if start or release or dupes:
             self.receipts.send(Batch(start, release, dupes))
-
-    def _plan(self, fresh: list[Delivery]) -> tuple[list[Delivery], list[Delivery],
-                                                    list[Delivery]]:
-        """Split into (start now, hand back to READY, duplicates to drop)."""
-        newest: dict[int, Delivery] = {}
-        dupes: list[Delivery] = []
-        for d in [d for lane in self.lanes for d in lane.backlog] + fresh:
-            kept = newest.get(d.task.task_id)
-            if kept is None:
-                newest[d.task.task_id] = d
-            elif d.task.attempt > kept.task.attempt:  # only the newest attempt can be live
-                dupes.append(kept)
-                newest[d.task.task_id] = d
-            else:
-                dupes.append(d)
-        start: list[Delivery] = []
-        release: list[Delivery] = []
-        for lane in self.lanes:
-            queued = [d for d in newest.values() if d.lane is lane]
-            lane.backlog.clear()
-            free = lane.free()
-            start.extend(queued[:free])
-            lane.reserved += len(queued[:free])
-            for d in queued[free:]:
-                (lane.backlog if len(lane.backlog) < lane.backlog_max else release).append(d)
-        return start, release, dupes
 
     def _receipted(self, batch: Batch) -> None:
         """A batch's RUNNING move committed: ack what will not run, start the rest."""
@@ -400,27 +374,11 @@ class Worker:
         refused = [d for d in batch.start if d.task.task_id not in started]
         for delivery in batch.release + batch.dupes + refused:
             self._ack(delivery)
-        self._account(batch, refused)
+        account(batch, refused, self.stats)
         running = [d for d in batch.start if d.task.task_id in started]
         self._ack_long(running)
         for delivery in running:
             self._submit(delivery)
-
-    def _account(self, batch: Batch, refused: list[Delivery]) -> None:
-        self.stats.add("received", len(batch.start) + len(batch.release) + len(batch.dupes))
-        self.stats.add("started", len(batch.start) - len(refused))
-        for delivery in batch.release:
-            self.stats.add("handed_back")
-            log.info("pool full: task handed back to the scheduler as READY",
-                     extra={**delivery.labels, "queue": delivery.lane.queue.name})
-        metrics.stale_messages_total.inc(len(batch.dupes) + len(refused))
-        for delivery in batch.dupes:
-            self.stats.add("refused_duplicate")
-            log.info("duplicate delivery dropped", extra=delivery.labels)
-        for delivery in refused:
-            reason, why = batch.refusals.get(delivery.task.task_id, ("unknown", "unknown"))
-            self.stats.add(f"refused_{reason}")
-            log.info("message refused, not run", extra={**delivery.labels, "reason": why})
 
     # -- running and settling ------------------------------------------------------------------
 
