@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,19 @@ TASKS_MODULE = "tests.e2e.e2e_tasks"
 #: how early a start may look because two clocks were read (ms)
 CLOCK_TOLERANCE_MS = 5
 FINAL = ("SUCCESS", "FAILED", "CANCELLED")
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
+    """SIGTERM each process still running, wait up to ``grace_s`` for each, SIGKILL the rest."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @dataclass
@@ -140,15 +153,7 @@ class System:
 
     def close(self) -> None:
         """Warm-stop what still runs (SIGKILL if it does not exit), release the client."""
-        for daemon in self.daemons:
-            if daemon.alive:
-                daemon.proc.send_signal(signal.SIGTERM)
-        for daemon in self.daemons:
-            try:
-                daemon.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.proc.kill()
-                daemon.proc.wait(10)
+        stop_all([daemon.proc for daemon in self.daemons])
         self.client.close()
         self.reader.dispose()
 

@@ -19,6 +19,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.store.schema import nodes, tasks
 
 from ..integration.harness import Received, collecting, starting
+from .system import stop_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -54,14 +55,7 @@ def start_schedulers(cfg: Settings, tmp: Path, count: int) -> list[subprocess.Po
 def running(cfg: Settings, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = start_schedulers(cfg, tmp_path, 2)
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_all(procs)
 
 
 def wait_until(predicate: object, timeout: float) -> bool:
