@@ -258,13 +258,12 @@ class ResultWriter:
     def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
         succeeded = 0
         for result, finish in zip(batch, finishes, strict=True):
+            _observe(result, finish)
             if result.outcome.ok and finish.task_id in moved:  # the common case, counted once
-                _observe(result, finish)
                 succeeded += 1
                 continue
             extra = {"task_id": finish.task_id, "trace_id": result.task.trace_id,
                      "attempt": finish.attempt, "status": str(finish.status)}
-            _observe(result, finish)
             if result.outcome.timed_out:
                 self.stats.add("timed_out")
             if finish.task_id not in moved:

@@ -16,6 +16,15 @@ from ax_kombu.config import Settings
 from ax_kombu.scheduler import Scheduler
 
 
+def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``check`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.02)
+
+
 @dataclass
 class Received:
     queue: str

@@ -139,7 +139,8 @@ def test_a_worker_reconnects_when_the_broker_comes_back(
     from ax_kombu.broker import connection, declare_queues
     from ax_kombu.states import Status
 
-    from .test_worker import Dispatch, eventually, running
+    from .harness import eventually
+    from .test_worker import Dispatch, running
 
     broker, stop, start = outage
     cfg = from_env({}, database_url=pg_url, heartbeat_interval_s=0.2, **broker)

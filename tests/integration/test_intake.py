@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,13 +11,7 @@ from ax_kombu import intake
 from ax_kombu.broker import Publisher, TaskMessage, connection, declare_queues
 from ax_kombu.config import Settings, from_env
 
-
-def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.01)
+from .harness import eventually
 
 
 def message(i: int, priority: str = "default") -> TaskMessage:
@@ -77,14 +70,14 @@ def test_never_pops_more_than_the_room_and_pops_again_when_room_is_released(
         settings: Settings) -> None:
     publish([message(i) for i in range(10)])
     puller.set_limit(1, 3)
-    eventually(lambda: len(puller.inbox) == 3, what="three messages popped")
+    eventually(lambda: len(puller.inbox) == 3, timeout=10.0, what="three messages popped")
     with connection(settings) as c:
         assert c.default_channel._size(settings.queue_default) == 7
     first = drained(puller)
     assert [p.body["task_id"] for p in first] == [1000, 1001, 1002]  # oldest first
     assert all(p.lane == 1 and p.error is None for p in first)
     puller.release(1, 2)
-    eventually(lambda: len(puller.inbox) == 2, what="two more after two acks")
+    eventually(lambda: len(puller.inbox) == 2, timeout=10.0, what="two more after two acks")
     assert [p.body["task_id"] for p in drained(puller)] == [1003, 1004]
     with connection(settings) as c:
         assert c.default_channel._size(settings.queue_default) == 5  # the rest stay in Redis
@@ -96,7 +89,7 @@ def test_a_blocked_pull_wakes_at_once_when_another_lane_gains_room(
     monkeypatch.setattr(intake, "BLOCK_S", 30.0)  # without the wake list this test would fail
     puller.set_limit(0, 1)  # only the (empty) high queue has room: the puller blocks in BRPOP
     publish([message(1), message(2)])  # default has no room yet
-    eventually(lambda: puller._blocking, what="puller blocked")
+    eventually(lambda: puller._blocking, timeout=10.0, what="puller blocked")
     puller.set_limit(1, 2)
     eventually(lambda: len(puller.inbox) == 2, timeout=5.0, what="woken and popped")
     assert [p.body["task_id"] for p in drained(puller)] == [1001, 1002]
@@ -107,7 +100,7 @@ def test_a_blocked_pull_returns_a_new_message_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(intake, "BLOCK_S", 30.0)
     puller.set_limit(0, 5)
-    eventually(lambda: puller._blocking, what="puller blocked")
+    eventually(lambda: puller._blocking, timeout=10.0, what="puller blocked")
     publish([message(7, "high")])
     eventually(lambda: len(puller.inbox) == 1, timeout=5.0, what="the message")
     assert drained(puller)[0].body["task_id"] == 1007
@@ -119,6 +112,6 @@ def test_values_that_are_not_messages_are_reported_not_raised(
     with channel.conn_or_acquire() as client:
         client.lpush(channel._q_for_pri(settings.queue_default, 0), b"\xff not json")
     puller.set_limit(1, 5)
-    eventually(lambda: len(puller.inbox) == 1, what="the bad value")
+    eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="the bad value")
     bad = drained(puller)[0]
     assert bad.message is None and bad.error is not None and puller.is_alive()

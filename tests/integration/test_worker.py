@@ -14,8 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,17 +36,9 @@ from ax_kombu.store.schema import nodes
 from ax_kombu.worker import Worker
 
 from .. import procs_worker
+from .harness import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
-
-
-def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll ``check`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.02)
 
 
 class Dispatch:
