@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
