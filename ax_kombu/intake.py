@@ -1,4 +1,4 @@
-"""Batched receipt from Redis: many messages per round trip, still Kombu's messages.
+"""Batched receipt from Redis: many messages per round trip, in Kombu's message format.
 
 Kombu's Redis consumer takes one ``BRPOP`` per message (2,000–4,000
 messages/s here), which caps a worker far below what the scheduler
@@ -13,10 +13,15 @@ thread
   meanwhile pushes a token there, which ends the wait at once, even if the
   ``BRPOP`` had not reached Redis yet (Redis checks blocking timeouts only
   about every 100 ms, so a short timeout would not do);
-* turns each value into a Kombu message (``channel.Message``, as
-  ``Channel.basic_get`` does) and decodes it JSON-only, then hands it to the
-  worker's consuming thread, which registers it with the channel's QoS, so
-  acks and rejects (requeue) behave as for a consumed message.
+* decodes each value (Kombu's message envelope, JSON body only) and hands
+  it to the worker's consuming thread as a :class:`PulledMessage`.
+
+A popped value is already gone from Redis, so acking it has nothing to tell
+the broker (Kombu's own consumer with ack emulation off does the same, in
+its in-memory QoS). :meth:`PulledMessage.reject` with ``requeue`` pushes the
+value back where it is popped next. Envelopes that are not plain JSON (a
+body encoding, compression, another content type) are decoded by Kombu
+(``channel.Message(...).decode()``), which enforces the ``accept`` list.
 
 Flow control is the worker's own: a lane's room is its prefetch (free slots
 × multiplier, :mod:`ax_kombu.lanes`) minus the messages popped for it and not
@@ -63,7 +68,7 @@ def supported(conn: Any) -> bool:
 
 
 class Pulled(NamedTuple):
-    """One popped value: the lane's index, the Kombu message, and its decoded body.
+    """One popped value: the lane's index, its message, and its decoded body.
 
     ``message`` is None when the value was not a Kombu envelope at all;
     ``error`` is set when the body could not be decoded (not JSON, not allowed).
@@ -73,6 +78,32 @@ class Pulled(NamedTuple):
     message: Any
     body: Any
     error: Exception | None
+
+
+class PulledMessage:
+    """What the worker needs of a Kombu message, for a value popped from Redis."""
+
+    __slots__ = ("_requeue", "acknowledged", "content_type", "lane", "raw")
+
+    def __init__(self, lane: int, raw: bytes, content_type: str | None,
+                 requeue: Callable[[int, bytes], None]) -> None:
+        self.lane = lane
+        self.raw = raw
+        self.content_type = content_type
+        self.acknowledged = False
+        self._requeue = requeue
+
+    def ack(self) -> None:
+        """Nothing to tell Redis: the value was removed when it was popped."""
+        self.acknowledged = True
+
+    def reject(self, requeue: bool = False) -> None:
+        """Drop the message, or put it back at the end of its list that is popped next."""
+        if self.acknowledged:
+            return
+        self.acknowledged = True
+        if requeue:
+            self._requeue(self.lane, self.raw)
 
 
 class Puller(threading.Thread):
@@ -141,6 +172,17 @@ class Puller(threading.Thread):
                 client.close()
             except Exception:  # closing a broken connection
                 log.debug("error closing a Redis client", exc_info=True)
+
+    def requeue(self, lane: int, raw: bytes) -> None:
+        """Push a popped value back to the end of ``lane``'s list that is popped next.
+
+        Works after :meth:`stop` too (a client of the channel's pool, made for the call).
+        """
+        client = self.channel.Client(connection_pool=self.channel.pool)
+        try:
+            client.rpush(self._keys[lane], raw)
+        finally:
+            client.close()
 
     def _room_opened(self) -> None:
         with self._cond:
@@ -221,18 +263,23 @@ class Puller(threading.Thread):
 
     def _decode(self, lane: int, raw: bytes) -> Pulled:
         try:
-            message = self.channel.Message(json.loads(raw), channel=self.channel)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            envelope = json.loads(raw)
+            content_type = envelope.get("content-type")
+            message = PulledMessage(lane, raw, content_type, self.requeue)
+        except (ValueError, TypeError, AttributeError) as exc:
             return Pulled(lane, None, None, exc)
-        message.accept = self.accept
         try:
-            if (message.content_type == "application/json"
-                    and message.content_encoding in ("utf-8", None)
-                    and "compression" not in (message.headers or {})):
+            properties = envelope.get("properties") or {}
+            if (content_type == "application/json"
+                    and envelope.get("content-encoding") in ("utf-8", None)
+                    and not properties.get("body_encoding")
+                    and "compression" not in (envelope.get("headers") or {})):
                 # plain JSON, as ax publishes it: the standard decoder. Kombu's JSON loads
                 # calls a Python object hook on every dict (for its own type markers, which
                 # ax messages never carry); that was a sixth of the worker's GIL time.
-                return Pulled(lane, message, json.loads(message.body), None)
-            return Pulled(lane, message, message.decode(), None)  # Kombu decides (accept)
+                return Pulled(lane, message, json.loads(envelope["body"]), None)
+            kombu_message = self.channel.Message(envelope, channel=self.channel)
+            kombu_message.accept = self.accept
+            return Pulled(lane, message, kombu_message.decode(), None)  # Kombu decides
         except Exception as exc:  # noqa: BLE001 - ContentDisallowed, a decode error, ...
             return Pulled(lane, message, None, exc)

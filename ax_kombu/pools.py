@@ -56,7 +56,7 @@ class Outcome:
 Done = Callable[[Outcome], None]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Job:
     fn: Callable[[], Any]
     done: Done
@@ -73,7 +73,9 @@ class Pool:
         name: for thread names and logs ("high", "default", "slow").
         size: the number of slots (and threads).
         clock: monotonic seconds (injected for tests).
-        on_release: called (from the pool thread) each time a slot frees up.
+        on_release: called (from the pool thread) when a slot frees up without an
+            outcome being reported: a timed-out or abandoned job's thread returned.
+            (A reported outcome goes to the job's ``done``, which wakes its caller.)
     """
 
     def __init__(self, name: str, size: int, *, clock: Clock = time.monotonic,
@@ -84,10 +86,16 @@ class Pool:
         self.size = size
         self._clock = clock
         self._on_release = on_release
-        self._cond = threading.Condition()
+        #: guards the accounting; the hot path takes it directly, waits use _cond
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._running: set[_Job] = set()
         self._stuck = 0
+        #: jobs out of _running whose outcome is being reported (still active)
+        self._reporting = 0
+        #: threads waiting in join()
+        self._joiners = 0
         self._wake_at: float | None = None
         self._closed = False
         self.timeouts = 0
@@ -120,7 +128,7 @@ class Pool:
     @property
     def active(self) -> int:
         """Running jobs whose outcome has not been reported yet."""
-        return len(self._running) - self._stuck
+        return len(self._running) - self._stuck + self._reporting
 
     # -- submitting -----------------------------------------------------------------------
 
@@ -135,14 +143,14 @@ class Pool:
         """
         now = self._clock()
         job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s,
-                   dict(labels or {}))
-        with self._cond:
+                   labels or {})
+        with self._lock:
             if self._closed or len(self._running) >= self.size:
                 return False
             self._running.add(job)
             if job.deadline is not None and (self._wake_at is None
                                              or job.deadline < self._wake_at):
-                self._cond.notify_all()
+                self._cond.notify_all()  # the watchdog must wake earlier than it planned
         self._inbox.put(job)
         return True
 
@@ -157,21 +165,29 @@ class Pool:
             self._finish(job, outcome)
 
     def _finish(self, job: _Job, outcome: Outcome) -> None:
-        with self._cond:
+        """The slot is free before the outcome is reported: whoever the report wakes
+        (the worker acks, and is handed the next message) finds the slot free."""
+        with self._lock:
             first = not job.reported
             job.reported = True
-        if first:
-            self._report(job, outcome)
-        else:
-            log.warning("a timed-out job returned; its slot is free again",
-                        extra={"pool": self.name, "ran_s": round(outcome.duration_s, 3),
-                               **job.labels})
-        with self._cond:
             self._running.discard(job)
-            if not first:
+            if first:
+                self._reporting += 1
+            else:
                 self._stuck -= 1
                 self.late_returns += 1
-            self._cond.notify_all()
+        if first:
+            try:
+                self._report(job, outcome)
+            finally:
+                with self._lock:
+                    self._reporting -= 1
+                    if self._joiners:
+                        self._cond.notify_all()
+            return
+        log.warning("a timed-out job returned; its slot is free again",
+                    extra={"pool": self.name, "ran_s": round(outcome.duration_s, 3),
+                           **job.labels})
         if self._on_release is not None:
             self._on_release()
 
@@ -221,11 +237,15 @@ class Pool:
         """Wait until no job is :attr:`active`; False if some still are after ``timeout_s``."""
         stop = time.monotonic() + timeout_s
         with self._cond:
-            while self.active:
-                left = stop - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._joiners += 1
+            try:
+                while self.active:
+                    left = stop - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._joiners -= 1
         return True
 
     def abandon(self, reason: str) -> int:

@@ -218,16 +218,20 @@ class ResultWriter:
                 return
 
     def _collect(self) -> list[RunResult]:
+        """The next batch: what arrives within ``worker_batch_ms`` of its first result.
+
+        The window is slept through rather than waited on result by result: a
+        thread blocked on the queue is woken by every put, a cost paid per task.
+        """
         try:
             batch = [self._inbox.get(timeout=0.05)]
         except queue.Empty:
             return []
-        deadline = time.monotonic() + self.settings.worker_batch_ms / 1000.0
+        if not self._stopping.is_set():
+            time.sleep(self.settings.worker_batch_ms / 1000.0)
         while len(batch) < self.settings.worker_batch_size:
-            left = deadline - time.monotonic()
             try:
-                batch.append(self._inbox.get(timeout=left) if left > 0
-                             else self._inbox.get_nowait())
+                batch.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
         return batch

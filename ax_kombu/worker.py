@@ -120,7 +120,7 @@ class Worker:
         self._wakeup = threading.Event()
         broker_queues = task_queues(settings)
         self.lanes = [Lane(p, broker_queues[p], settings.pool_size(p),
-                           settings.prefetch_multiplier, self._wakeup.set)
+                           settings.prefetch_multiplier, self._poke)
                       for p in parse_queues(queues, settings)]
         #: set while consuming (tests wait for it)
         self.ready = threading.Event()
@@ -136,7 +136,7 @@ class Worker:
         self._released = [0] * len(self.lanes)
         self._heart_stop = threading.Event()
         self._db = HeldConnection(self.store.engine)
-        self.receipts = ReceiptWriter(self.store, self.node_id, self._wakeup.set,
+        self.receipts = ReceiptWriter(self.store, self.node_id, self._poke,
                                       lambda: self.stopping, settings.worker_receipt_writers)
 
     # -- control (safe from signal handlers: they only set flags) ------------------------------
@@ -232,7 +232,7 @@ class Worker:
         if self.settings.redis_pull and intake.supported(conn):  # batches (ax_kombu.intake)
             self._released = [0] * len(self.lanes)
             self._puller = intake.Puller(conn.channel(), [lane.queue.name for lane in self.lanes],
-                                         prepare_accept_content(["json"]), self._wakeup.set)
+                                         prepare_accept_content(["json"]), self._poke)
             for index, lane in enumerate(self.lanes):
                 lane.attach(None, self._global_qos, partial(self._puller.set_limit, index))
             self._puller.start()
@@ -323,11 +323,7 @@ class Worker:
             timeout = POLL_S
 
     def _take_pulled(self, puller: intake.Puller) -> None:
-        """Take what the puller popped (see :mod:`ax_kombu.intake`); wait if nothing.
-
-        A popped message is registered with its channel's QoS, as Kombu's
-        ``basic_get`` does, so that its ack and reject behave as usual.
-        """
+        """Take what the puller popped (see :mod:`ax_kombu.intake`); wait if nothing."""
         if puller.error is not None:
             raise puller.error
         if not puller.inbox:
@@ -344,7 +340,6 @@ class Worker:
                 log.warning("malformed message dropped (not a Kombu message)",
                             extra={"queue": lane.queue.name, "error": str(pulled.error)})
                 continue
-            puller.channel.qos.append(message, message.delivery_tag)
             if pulled.error is not None:
                 puller.release(pulled.lane)
                 self._on_decode_error(message, pulled.error)
@@ -412,7 +407,18 @@ class Worker:
         """A run's outcome (pool thread): to the result writer, and back to us for the ack."""
         self.results.put(delivery.task, outcome)
         self._completed.put(delivery)
-        self._wakeup.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the consuming thread (from any thread).
+
+        Setting an Event takes its lock and notifies; when it is already set the
+        consuming thread has not cleared it yet and will look at everything put
+        before this call, so the set is skipped (it was most of a pool thread's
+        work per task).
+        """
+        if not self._wakeup.is_set():
+            self._wakeup.set()
 
     def _settle(self) -> None:
         """Start a written batch; ack ended runs; bring every lane's prefetch up to date."""

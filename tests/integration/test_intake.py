@@ -115,3 +115,33 @@ def test_values_that_are_not_messages_are_reported_not_raised(
     eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="the bad value")
     bad = drained(puller)[0]
     assert bad.message is None and bad.error is not None and puller.is_alive()
+
+
+def test_a_rejected_message_is_requeued_and_popped_next(
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None],
+        settings: Settings) -> None:
+    publish([message(i) for i in range(3)])
+    puller.set_limit(1, 1)
+    eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="one message popped")
+    first = drained(puller)[0]
+    assert first.body["task_id"] == 1000 and first.message.content_type == "application/json"
+    first.message.reject(requeue=True)
+    first.message.reject(requeue=True)  # once settled, a second reject does nothing
+    with connection(settings) as c:
+        assert c.default_channel._size(settings.queue_default) == 3
+    puller.release(1)
+    eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="popped again")
+    assert drained(puller)[0].body == first.body  # back where it is popped first
+
+
+def test_an_acked_message_stays_gone(
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None],
+        settings: Settings) -> None:
+    publish([message(1)])
+    puller.set_limit(1, 1)
+    eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="the message")
+    pulled = drained(puller)[0]
+    pulled.message.ack()
+    pulled.message.reject(requeue=True)  # after the ack: nothing to put back
+    with connection(settings) as c:
+        assert c.default_channel._size(settings.queue_default) == 0

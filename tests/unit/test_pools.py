@@ -142,13 +142,34 @@ def test_pools_are_isolated(gate: threading.Event) -> None:
     fast.close()
 
 
-def test_release_hook_runs_each_time_a_slot_frees() -> None:
+def test_the_slot_is_free_when_the_outcome_is_reported() -> None:
+    """Whoever the report wakes (the worker acks and is handed the next message) finds
+    the slot free: it must not hand that message back for want of a slot."""
+    pool, free_at_report = Pool("t", 1), []
+    for _ in range(3):
+        seen = threading.Event()
+
+        def done(outcome: Outcome, seen: threading.Event = seen) -> None:
+            free_at_report.append(pool.free)
+            seen.set()
+        assert pool.try_submit(lambda: None, done)
+        assert seen.wait(5)
+    assert free_at_report == [1, 1, 1]
+    assert pool.join(1.0)
+    pool.close()
+
+
+def test_release_hook_runs_when_a_timed_out_job_returns(gate: threading.Event) -> None:
     freed: list[int] = []
-    pool, seen = Pool("t", 2, on_release=lambda: freed.append(1)), Outcomes()
-    for i in range(3):
-        assert pool.try_submit(lambda: None, seen.done(str(i)))
-        eventually(lambda: pool.free == 2)
-    assert len(freed) == 3
+    pool, seen = Pool("t", 1, on_release=lambda: freed.append(pool.free)), Outcomes()
+    assert pool.try_submit(lambda: None, seen.done("quick"))
+    eventually(lambda: len(seen.of("quick")) == 1 and pool.free == 1)
+    assert freed == []  # a reported outcome wakes its caller through done, not the hook
+    assert pool.try_submit(blocker(gate), seen.done("slow"), timeout_s=0.05)
+    eventually(lambda: len(seen.of("slow")) == 1)
+    assert seen.of("slow")[0].timed_out and pool.free == 0 and freed == []
+    gate.set()
+    eventually(lambda: freed == [1])
     pool.close()
 
 
