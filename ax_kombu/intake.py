@@ -263,10 +263,10 @@ class Puller(threading.Thread):
 
     def _decode(self, lane: int, raw: bytes) -> Pulled:
         try:
-            envelope = json.loads(raw)
+            envelope = json.loads(raw.decode())  # a str skips json's encoding sniffing
             content_type = envelope.get("content-type")
             message = PulledMessage(lane, raw, content_type, self.requeue)
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:  # also UnicodeDecodeError
             return Pulled(lane, None, None, exc)
         try:
             properties = envelope.get("properties") or {}

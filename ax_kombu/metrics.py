@@ -7,6 +7,10 @@ page on it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterable
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _FINE = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
@@ -36,6 +40,34 @@ retry_count = Histogram("ax_retry_count", "retry_count of tasks when they finish
                         buckets=(0, 1, 2, 3, 5, 8, 13))
 stale_messages_total = Counter("ax_stale_messages_total",
                                "Messages refused by a worker (stale attempt or cancelled).")
+
+
+def observe_many(histogram: Any, values: Iterable[float]) -> None:
+    """Observe each of ``values``, as many ``observe`` calls would, in one pass.
+
+    A worker observes several histograms per task, thousands of times a
+    second; ``Histogram.observe`` takes two locks and walks the buckets in
+    Python each time. This counts a batch per bucket first, then increments
+    each bucket touched and the sum once. It relies on the histogram's bucket
+    list (``_upper_bounds``, ``_buckets``, ``_sum``, unchanged in
+    prometheus_client since 0.4) and falls back to ``observe`` without it.
+    ``histogram`` is a histogram without labels or a labelled child.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    if bounds is None or not hasattr(histogram, "_buckets") or not hasattr(histogram, "_sum"):
+        for value in values:
+            histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()
+    counts = [0] * len(bounds)
+    total = 0.0
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1  # the first bound >= value, as observe finds
+        total += value
+    histogram._sum.inc(total)
+    for bucket, count in zip(histogram._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> None:

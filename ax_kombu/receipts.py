@@ -141,9 +141,9 @@ class ReceiptWriter:
                     states.release_many(conn, [d.pair for d in batch.release])
                     refused = [d for d in batch.start if d.task.task_id not in batch.started]
                     batch.refusals = _explain(conn, refused)
-                for delivery in batch.start:
-                    if delivery.task.task_id in batch.started:
-                        metrics.start_delay.observe(max(0, now - delivery.task.trigger_time) / 1e3)
+                metrics.observe_many(metrics.start_delay, [
+                    max(0, now - d.task.trigger_time) / 1e3 for d in batch.start
+                    if d.task.task_id in batch.started])
                 return
             except SQLAlchemyError:
                 log.warning("could not record received tasks; retrying", exc_info=True,

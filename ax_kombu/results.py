@@ -165,15 +165,21 @@ def _children(queue_name: str, kind: str) -> tuple[Any, Any]:
             metrics.execute_duration.labels(queue=queue_name))
 
 
-def _observe(result: RunResult, finish: Finish) -> None:
-    outcome = result.outcome
-    kind = ("success" if outcome.ok else "timeout" if outcome.timed_out
-            else "abandoned" if outcome.abandoned is not None else "error")
-    total, duration = _children(result.task.priority, kind)
-    total.inc()
-    duration.observe(outcome.duration_s)
-    if finish.status is not Status.DELAYED:
-        metrics.retry_count.observe(result.task.retry_count)
+def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
+    """A batch's runs in the metrics: a count per (queue, outcome), durations, retry counts."""
+    runs: dict[tuple[str, str], list[float]] = {}
+    for result in batch:
+        outcome = result.outcome
+        kind = ("success" if outcome.ok else "timeout" if outcome.timed_out
+                else "abandoned" if outcome.abandoned is not None else "error")
+        runs.setdefault((result.task.priority, kind), []).append(outcome.duration_s)
+    for (queue_name, kind), durations in runs.items():
+        total, duration = _children(queue_name, kind)
+        total.inc(len(durations))
+        metrics.observe_many(duration, durations)
+    metrics.observe_many(metrics.retry_count, [
+        result.task.retry_count for result, finish in zip(batch, finishes, strict=True)
+        if finish.status is not Status.DELAYED])
 
 
 class ResultWriter:
@@ -260,9 +266,9 @@ class ResultWriter:
         self._account(batch, finishes, moved)
 
     def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
+        _observe(batch, finishes)
         succeeded = 0
         for result, finish in zip(batch, finishes, strict=True):
-            _observe(result, finish)
             if result.outcome.ok and finish.task_id in moved:  # the common case, counted once
                 succeeded += 1
                 continue
