@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -57,6 +58,19 @@ def pidfile(path: str | None) -> Iterator[None]:
         yield
     finally:
         target.unlink(missing_ok=True)
+
+
+def freeze_start_up_objects() -> None:
+    """Take everything built so far (modules, settings, pools) out of the collector's walks.
+
+    A full garbage collection visits every tracked object, and after the imports
+    alone there are hundreds of thousands: a pause of tens of milliseconds, in
+    a process that times tasks to the millisecond. ``gc.freeze()`` moves them
+    to a permanent generation that collections skip; objects made later are
+    collected as usual.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def install_stop_signals(request_stop: Callable[[bool], None]) -> None:

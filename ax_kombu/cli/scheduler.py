@@ -10,7 +10,7 @@ from .. import metrics
 from ..config import redact_url
 from ..scheduler import Scheduler
 from .base import Duration, broker_option, db_option, run_guarded
-from .daemon import install_stop_signals, pidfile, setup_logging
+from .daemon import freeze_start_up_objects, install_stop_signals, pidfile, setup_logging
 
 log = logging.getLogger("ax_kombu.scheduler")
 
@@ -45,6 +45,7 @@ def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_p
         scheduler = run_guarded(lambda: Scheduler(settings, node_id))
         install_stop_signals(lambda cold: scheduler.request_stop(cold))
         metrics.serve(metrics_port)
+        freeze_start_up_objects()
         log.info("ax-scheduler ready", extra={"node": scheduler.node_id,
                                               "db": redact_url(settings.database_url),
                                               "broker": redact_url(settings.broker_url)})

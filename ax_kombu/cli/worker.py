@@ -21,7 +21,7 @@ from ..lanes import parse_queues
 from ..processors import Resolver, load_modules, split_names
 from ..worker import Worker
 from .base import broker_option, db_option, run_guarded
-from .daemon import install_stop_signals, pidfile, setup_logging
+from .daemon import freeze_start_up_objects, install_stop_signals, pidfile, setup_logging
 
 
 def parse_concurrency(text: str | None) -> dict[str, int]:
@@ -100,6 +100,7 @@ def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: 
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
         install_stop_signals(lambda cold: worker.request_stop(cold))
         metrics.serve(metrics_port)
+        freeze_start_up_objects()
         return worker.run()
 
 

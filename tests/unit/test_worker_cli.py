@@ -83,3 +83,19 @@ def test_status_shows_live_nodes_tasks_and_no_password(tmp_path: Path) -> None:
                                                     "--json"]).output)
     assert [n["kind"] for n in data["nodes"]] == ["scheduler", "worker"]
     assert data["tasks"]["SUCCESS"] == 0
+
+
+def test_start_up_objects_are_frozen_out_of_garbage_collection() -> None:
+    """A full collection would walk every object built at start-up (a ~50 ms pause here)."""
+    import gc
+
+    from ax_kombu.cli.daemon import freeze_start_up_objects
+
+    built_at_start_up = [{"slot": i} for i in range(1000)]
+    try:
+        freeze_start_up_objects()
+        assert gc.get_freeze_count() >= len(built_at_start_up)
+        assert not any(gc.is_tracked(o) and o in gc.get_objects(generation=2)
+                       for o in built_at_start_up[:3])
+    finally:
+        gc.unfreeze()
