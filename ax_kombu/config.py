@@ -77,6 +77,9 @@ class Settings:
     republish_delay_ms: int = 1000
     #: scheduler: most rows claimed and published per round trip.
     claim_batch: int = 1000
+    #: scheduler: claim tasks up to this long before they are due, so the claim's round
+    #: trip is not part of their lateness; each is still published at its due time.
+    claim_lead_ms: int = 20
     #: scheduler: a task DISPATCHING longer than this goes back to READY.
     ack_timeout_ms: int = 30_000
     #: scheduler: how often orphaned due tasks are looked for.
@@ -131,9 +134,13 @@ class Settings:
         if not self.broker_url:
             raise ConfigurationError("broker_url is empty")
         for name in ("dedup_window_ms", "max_payload_bytes", "node_lease_s", "preload_window_ms",
-                     "preload_batch", "claim_batch", "preload_interval_ms", "max_held", "ack_timeout_ms", "heartbeat_misses"):
-            if getattr(self, name) < 0 or (name != "dedup_window_ms" and getattr(self, name) == 0):
+                     "preload_batch", "claim_batch", "preload_interval_ms", "max_held",
+                     "ack_timeout_ms", "heartbeat_misses", "claim_lead_ms"):
+            zero_ok = name in ("dedup_window_ms", "claim_lead_ms")
+            if getattr(self, name) < 0 or (not zero_ok and getattr(self, name) == 0):
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.claim_lead_ms > 1000:
+            raise ConfigurationError(f"claim_lead_ms must be at most 1000, got {self.claim_lead_ms}")
         if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:
             raise ConfigurationError("the high, default and slow queues need distinct names")
         self._validate_worker()

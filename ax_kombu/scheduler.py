@@ -22,8 +22,10 @@ The stages, on the database clock:
    Due ids come out in trigger order; firing is a slot lookup. The loop reads
    the clock locally (:meth:`ax_kombu.store.clock.DbClock.local_ms`), so a
    slow preload or claim never makes it late.
-3. **Claim** (claimer): the ids fired while the previous claim ran form the
-   next batch (up to ``claim_batch``), claimed with one conditional statement
+3. **Claim** (claimer): ids fire ``claim_lead_ms`` (default 20) before they
+   are due, so that the claim's round trip is over by then; the ids fired
+   while the previous claim ran form the next batch (up to ``claim_batch``),
+   claimed with one conditional statement
    (:func:`ax_kombu.states.claim`: PostgreSQL ``FOR UPDATE SKIP LOCKED`` +
    ``UPDATE … RETURNING``). On PostgreSQL the statement runs in autocommit:
    one round trip, and the claim is durable when it returns — before any row
@@ -31,8 +33,10 @@ The stages, on the database clock:
    holding any task (adoption after a node dies), and the database stays the
    one arbiter — a row moves to DISPATCHING for exactly one node, with a new
    attempt number.
-4. **Publish** (dispatcher; overlaps the next claim): Kombu, to the queue of
-   the task's priority, with publisher confirms on RabbitMQ. A batch that
+4. **Publish** (dispatcher; overlaps the next claim): each claimed task at
+   its due time, never before (``dispatched_at`` records the claim, so it may
+   precede ``trigger_time`` by up to the lead); Kombu, to the queue of the
+   task's priority, with publisher confirms on RabbitMQ. A batch that
    does not certainly reach the broker goes back to READY (compare-and-set
    from DISPATCHING); the claimer stops claiming until the broker answers
    again, then they go out with a new attempt.
@@ -120,6 +124,7 @@ class Dispatcher(threading.Thread):
         self.store = store
         self.node = node
         self.publisher = Publisher(settings)
+        self.lead_ms = settings.claim_lead_ms
         self.inbox: queue.Queue[Sequence[Any] | None] = queue.Queue(maxsize=4)
         self.broker_ok = threading.Event()
         self.published = 0
@@ -144,6 +149,21 @@ class Dispatcher(threading.Thread):
         return int(self.store.clock.local_ms())  # never waits on the database
 
     def _dispatch(self, rows: Sequence[Any]) -> None:
+        """Publish ``rows`` (sorted by trigger time), each once it is due: the claim ran up
+        to ``claim_lead_ms`` ahead, so the first may wait that long, never longer."""
+        start = 0
+        while start < len(rows):
+            now = self._now()
+            end = start
+            while end < len(rows) and rows[end].trigger_time <= now:
+                end += 1
+            if end == start:
+                time.sleep(min(rows[start].trigger_time - now, self.lead_ms) / 1000.0)
+                continue
+            self._publish(rows[start:end])
+            start = end
+
+    def _publish(self, rows: Sequence[Any]) -> None:
         started = time.monotonic()
         now = self._now()
         messages = [to_message(r, self.node, now) for r in rows]
@@ -285,7 +305,7 @@ class Scheduler:
         """One pass: take in handed-over ids, fire what is due to the claimer, sleep."""
         self._absorb()
         now = self.store.clock.local_ms()
-        fired = self.timer.advance(int(now))
+        fired = self.timer.advance(int(now) + self.settings.claim_lead_ms)  # see _claim_rows
         if fired:
             self._fired.extend(fired)
             self._claim_wake.set()
@@ -319,7 +339,7 @@ class Scheduler:
         timeout = MAX_SLEEP_S
         next_due = self.timer.next_due_ms()
         if next_due is not None:
-            timeout = min(timeout, (next_due - now) / 1000.0)
+            timeout = min(timeout, (next_due - self.settings.claim_lead_ms - now) / 1000.0)
         if timeout > 0 and self._wake.wait(timeout):
             self._wake.clear()
 
@@ -362,14 +382,16 @@ class Scheduler:
         """One claim statement. PostgreSQL: on the claimer's own connection, in autocommit,
         so the claim is one round trip and durable when it returns. SQLite: in a
         ``BEGIN IMMEDIATE`` transaction (see store.engine)."""
+        now = self._local_ms()
+        due_before = now + self.settings.claim_lead_ms  # fired that far ahead (run_once)
         if not self._pg:
             with self.store.engine.begin() as conn:
-                return claim(conn, batch, self.node_id, self._local_ms())
+                return claim(conn, batch, self.node_id, now, due_before)
         if self._claim_conn is None:
             conn = self.store.engine.connect()
             self._claim_conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         try:
-            return claim(self._claim_conn, batch, self.node_id, self._local_ms())
+            return claim(self._claim_conn, batch, self.node_id, now, due_before)
         except SQLAlchemyError:
             self._drop_claim_connection()  # a new one next time
             raise

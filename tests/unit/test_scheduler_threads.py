@@ -79,6 +79,30 @@ def test_each_task_is_published_once_and_never_early(cfg: Settings, client: Clie
     assert all(at_ms >= m.trigger_time for m, at_ms in published.messages)
 
 
+@pytest.mark.parametrize("lead_ms", [0, 300])
+def test_tasks_are_claimed_up_to_the_lead_ahead_and_published_when_due(
+        cfg: Settings, client: Client, lead_ms: int) -> None:
+    cfg = cfg.replace(claim_lead_ms=lead_ms)
+    ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": 1 + i / 100}
+                               for i in range(40)])
+    published = Published()
+    scheduler, thread = running(cfg, published)
+    try:
+        assert poll(lambda: len(published.messages) >= 40)
+    finally:
+        scheduler.request_stop()
+        thread.join(30)
+    assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
+    assert all(at_ms >= m.trigger_time for m, at_ms in published.messages)  # never early
+    claimed = [client.get(i) for i in ids]
+    ahead = [t.trigger_time - t.dispatched_at for t in claimed if t.dispatched_at is not None]
+    assert len(ahead) == 40
+    if lead_ms:  # claimed before due (but never more than the lead before)
+        assert all(0 < a <= lead_ms for a in ahead), ahead
+    else:
+        assert all(a <= 0 for a in ahead), ahead
+
+
 def test_a_warm_stop_releases_the_tasks_it_holds(cfg: Settings, client: Client) -> None:
     ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": 90}
                                for i in range(50)])
