@@ -87,7 +87,7 @@ class TaskMessage(NamedTuple):
         if not isinstance(body, dict) or body.get("v") != MESSAGE_VERSION:
             raise ValueError("not an ax task message")
         try:
-            return cls(**{k: body[k] for k in cls._fields})
+            return cls._make([body[k] for k in cls._fields])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ax task message: {exc}") from None
 

@@ -44,7 +44,7 @@ from .processors import split_names
 ACK_AT_START_MS = 10 * 60 * 1000
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Delivery:
     """A received task message and what has been done with it."""
 

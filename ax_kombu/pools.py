@@ -31,16 +31,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """How one job ended (as reported to its ``done`` callback)."""
+class Outcome(NamedTuple):
+    """How one job ended (as reported to its ``done`` callback). A NamedTuple: one is made
+    per task, and a tuple costs a fraction of a frozen dataclass to build."""
 
     ok: bool
     value: Any = None

@@ -37,8 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -121,8 +120,7 @@ class Counters:
             return self._counts[name]
 
 
-@dataclass(frozen=True)
-class RunResult:
+class RunResult(NamedTuple):
     """One outcome, with the task it belongs to and when it ended (DB clock)."""
 
     task: TaskMessage
@@ -202,7 +200,7 @@ class ResultWriter:
 
     def put(self, task: TaskMessage, outcome: Outcome) -> None:
         """Queue the outcome of one run for writing (thread-safe, never blocks)."""
-        self._inbox.put(RunResult(task, outcome, self.store.now_ms()))
+        self._inbox.put(RunResult(task, outcome, int(self.store.clock.local_ms())))
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Write everything put so far, then stop; False if that took over ``timeout_s``."""

@@ -25,9 +25,8 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, TextClause, bindparam, text, update
 
@@ -236,8 +235,7 @@ def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int
     return _run_batch(conn, ("id", "att"), _RELEASE, pairs)
 
 
-@dataclass(frozen=True)
-class Finish:
+class Finish(NamedTuple):
     """The end of one run: SUCCESS, FAILED, or DELAYED (a retry).
 
     ``at_ms`` is ``finished_at`` for SUCCESS and FAILED, the new

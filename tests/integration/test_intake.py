@@ -145,3 +145,14 @@ def test_an_acked_message_stays_gone(
     pulled.message.reject(requeue=True)  # after the ack: nothing to put back
     with connection(settings) as c:
         assert c.default_channel._size(settings.queue_default) == 0
+
+
+def test_payloads_decode_exactly_as_json_does(
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None]) -> None:
+    """The envelope may go through orjson; the payload (user data) must not change type."""
+    payload = {"big": 2 ** 70, "neg": -(2 ** 65), "f": 0.1, "s": "é\u2028", "n": None}
+    publish([message(1)._replace(payload=payload)])
+    puller.set_limit(1, 1)
+    eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="the message")
+    body = drained(puller)[0].body
+    assert body["payload"] == payload and isinstance(body["payload"]["big"], int)
