@@ -17,7 +17,9 @@ Indexes, each with its reason:
   — the scheduler's adoption scan runs on every wake-up; without it, it
   would read every task held in the window each time.
 * unique ``(task_type, biz_key)`` — idempotent enqueue by business key
-  (NULL biz_keys never conflict, on both databases).
+  (NULL biz_keys never conflict, on both databases). On PostgreSQL a partial
+  index over rows that have a biz_key: a task without one (most) writes no
+  entry there on each of its status changes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    UniqueConstraint,
     text,
 )
 
@@ -64,7 +65,10 @@ tasks = Table(
     Column("started_at", BigInteger),
     Column("finished_at", BigInteger),
     Column("last_error", Text),
-    UniqueConstraint("task_type", "biz_key", name="uq_ax_task_type_biz_key"),
+    # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
+    # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
+    Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
+          postgresql_where=text("biz_key IS NOT NULL")),
     CheckConstraint("(processor_name IS NULL) <> (callback_url IS NULL)",
                     name="ck_ax_task_one_target"),
     Index("ix_ax_task_status_trigger", "status", "trigger_time"),

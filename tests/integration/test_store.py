@@ -168,3 +168,32 @@ def test_bulk_path_keeps_awkward_payloads_intact(client: Client) -> None:
         view = client.get(task_id)
         assert view.payload == item["payload"]
         assert view.biz_key == item["biz_key"]
+
+
+@pytest.mark.integration
+def test_postgresql_indexes_only_tasks_with_a_biz_key_and_still_enforces_it(pg_url: str) -> None:
+    from sqlalchemy import insert, text
+    from sqlalchemy.exc import IntegrityError
+
+    from ax_kombu.store.engine import make_engine, migrate
+
+    engine = make_engine(pg_url)
+    try:
+        migrate(engine)
+        with engine.connect() as conn:
+            definition = conn.execute(text(
+                "SELECT indexdef FROM pg_indexes WHERE indexname = 'uq_ax_task_type_biz_key'"
+            )).scalar_one()
+            assert "UNIQUE" in definition and "WHERE (biz_key IS NOT NULL)" in definition
+        row = {"task_type": "t", "trigger_time": 1, "status": "CREATED", "priority": "default",
+               "max_retry": 0, "timeout_ms": 1000, "processor_name": "p", "payload": "{}",
+               "fingerprint": "f", "trace_id": "x", "created_at": 1}
+        with engine.begin() as conn:  # tasks without a biz_key never conflict
+            conn.execute(insert(tasks), [{**row, "task_id": i} for i in (1, 2)])
+            conn.execute(insert(tasks), {**row, "task_id": 3, "biz_key": "k"})
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(insert(tasks), {**row, "task_id": 4, "biz_key": "k"})
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT COUNT(*) FROM ax_task")).scalar_one() == 3
+    finally:
+        engine.dispose()
