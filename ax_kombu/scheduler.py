@@ -26,8 +26,8 @@ The stages, on the database clock:
    are due, so that the claim's round trip is over by then; the ids fired
    while the previous claim ran form the next batch (up to ``claim_batch``),
    claimed with one conditional statement
-   (:func:`ax_kombu.states.claim`: PostgreSQL ``FOR UPDATE SKIP LOCKED`` +
-   ``UPDATE … RETURNING``). On PostgreSQL the statement runs in autocommit:
+   (:func:`ax_kombu.states.claim`: ``UPDATE … WHERE status IN (DELAYED,
+   READY) … RETURNING``). On PostgreSQL the statement runs in autocommit:
    one round trip, and the claim is durable when it returns — before any row
    is handed on. Why claim rather than partition: any node may end up
    holding any task (adoption after a node dies), and the database stays the

@@ -112,18 +112,19 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
                   "priority, retry_count, max_retry, processor_name, callback_url")
 
-# a MATERIALIZED CTE: the locking subquery runs once, whatever the planner thinks
+# One conditional UPDATE, as on SQLite. Racing claimers: a row locked by another claim is
+# waited for (that claim commits within its one round trip), then its status is tested again,
+# so it moves for exactly one of them. Both lock in the same order (primary-key order of
+# ANY(:ids)), so two claims do not deadlock; if different plans ever did, PostgreSQL aborts
+# one, and its ids go back to be claimed again. This was FOR UPDATE SKIP LOCKED + UPDATE:
+# locking first wrote every row twice (lock, then update): claiming 20,000 due rows in
+# batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
 _CLAIM_PG = text(f"""
-    WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
-                             WHERE task_id = ANY(:ids) AND status IN ('DELAYED', 'READY')
-                               AND trigger_time <= :due_before
-                             FOR UPDATE SKIP LOCKED)
-    UPDATE ax_task AS t
-       SET status = 'DISPATCHING', attempt = t.attempt + 1,
+    UPDATE ax_task
+       SET status = 'DISPATCHING', attempt = attempt + 1,
            last_run_node = :node, dispatched_at = :now
-      FROM c
-     WHERE t.task_id = c.task_id
- RETURNING {', '.join('t.' + c.strip() for c in _CLAIM_COLUMNS.split(','))}
+     WHERE task_id = ANY(:ids) AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
+ RETURNING {_CLAIM_COLUMNS}
 """)
 
 _CLAIM_GENERIC = text(f"""
@@ -139,10 +140,11 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
           due_before: int | None = None) -> list[Row[Any]]:
     """Claim due tasks for dispatch by ``node``: DELAYED/READY → DISPATCHING, attempt + 1.
 
-    One statement for the whole batch. On PostgreSQL rows another node has
-    locked are skipped rather than waited for (``FOR UPDATE SKIP LOCKED``), so
-    racing nodes never block each other; every row is returned to exactly one
-    claimer. Rows due after ``due_before`` (default ``now_ms``) are left alone.
+    One conditional statement for the whole batch: a row moves only if it is
+    still DELAYED/READY when the statement reaches it (after waiting for a
+    racing claim's lock, PostgreSQL tests it again), so every row is returned
+    to exactly one claimer. Rows due after ``due_before`` (default ``now_ms``)
+    are left alone.
 
     Returns:
         The claimed rows, with the columns a dispatch message needs.
