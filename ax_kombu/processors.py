@@ -30,8 +30,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 from .exceptions import CallbackFailed, ConfigurationError, ProcessorNotFound, ProcessorRefused
@@ -68,9 +67,9 @@ def registered(task_type: str) -> Callable[..., Any] | None:
     return _registry.get(task_type)
 
 
-@dataclass(frozen=True)
-class Context:
-    """What a processor knows about the run it is doing."""
+class Context(NamedTuple):
+    """What a processor knows about the run it is doing (read-only; a NamedTuple, as one is
+    made per run)."""
 
     task_id: int
     attempt: int

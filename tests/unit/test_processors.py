@@ -169,6 +169,6 @@ def test_an_unreachable_callback_is_a_failure() -> None:
 
 def test_the_resolved_callback_uses_the_task_timeout(server: str) -> None:
     call = Resolver().resolve(None, f"{server}/slow")
-    quick = Context(**{**CTX.__dict__, "timeout_ms": 200})
+    quick = CTX._replace(timeout_ms=200)
     with pytest.raises(CallbackFailed, match="within 0.2s"):
         call({}, quick)
