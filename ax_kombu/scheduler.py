@@ -6,7 +6,7 @@ One node runs four threads, one per stage, so that no stage waits on another's I
   wheel and never touches the database or the broker: it adds the ids it is
   handed, fires what is due and sleeps until the next id is due;
 * the **claimer** claims fired ids in the database;
-* the **dispatcher** (:class:`Dispatcher`) publishes claimed batches;
+* the **dispatcher** (:class:`ax_kombu.dispatch.Dispatcher`) publishes claimed batches;
 * the **housekeeper** preloads, heartbeats, recovers and re-measures the
   database clock.
 
@@ -68,7 +68,6 @@ back through the ack timeout.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -79,9 +78,10 @@ from sqlalchemy import Connection, bindparam, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import metrics, nodes
-from .broker import Publisher, RawJson, TaskMessage
+from .broker import TaskMessage
 from .config import Settings
-from .states import Status, claim, transition
+from .dispatch import Dispatcher
+from .states import claim
 from .store import Store, scan
 from .store.notify import WakeListener
 from .wheel import TriggerTimer
@@ -101,97 +101,6 @@ DB_BACKOFF_S = 1.0
 
 #: (task_id, due_ms) pairs handed to the timing loop
 Pairs = Sequence[tuple[int, int]]
-
-
-def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
-    """The message for one claimed row (columns in TaskMessage order, see states.claim)."""
-    return TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6], row[7],
-                       row[8], row[9], row[10], row[11], now_ms, node)
-
-
-class Dispatcher(threading.Thread):
-    """Publishes claimed batches in order; puts unpublished tasks back to READY.
-
-    ``on_returned(ids)`` is called with the ids that went back to READY (still
-    held by this node), so the loop can fire them again later.
-    """
-
-    def __init__(self, settings: Settings, store: Store, node: str,
-                 on_returned: Callable[[list[int]], None],
-                 on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
-        super().__init__(name="ax-dispatcher", daemon=True)
-        self._on_published = on_published
-        self.store = store
-        self.node = node
-        self.publisher = Publisher(settings)
-        self.lead_ms = settings.claim_lead_ms
-        self.inbox: queue.Queue[Sequence[Any] | None] = queue.Queue(maxsize=4)
-        self.broker_ok = threading.Event()
-        self.published = 0
-        self._on_returned = on_returned
-
-    def probe(self) -> bool:
-        """Try the broker now; True if it answers."""
-        try:
-            self.publisher.connect()
-        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-            log.warning("broker unreachable; holding due tasks", extra={"error": repr(exc)})
-            return False
-        self.broker_ok.set()
-        return True
-
-    def run(self) -> None:
-        while (rows := self.inbox.get()) is not None:
-            self._dispatch(rows)
-        self.publisher.close()
-
-    def _now(self) -> int:
-        return int(self.store.clock.local_ms())  # never waits on the database
-
-    def _dispatch(self, rows: Sequence[Any]) -> None:
-        """Publish ``rows`` (sorted by trigger time), each once it is due: the claim ran up
-        to ``claim_lead_ms`` ahead, so the first may wait that long, never longer."""
-        start = 0
-        while start < len(rows):
-            now = self._now()
-            end = start
-            while end < len(rows) and rows[end].trigger_time <= now:
-                end += 1
-            if end == start:
-                time.sleep(min(rows[start].trigger_time - now, self.lead_ms) / 1000.0)
-                continue
-            self._publish(rows[start:end])
-            start = end
-
-    def _publish(self, rows: Sequence[Any]) -> None:
-        started = time.monotonic()
-        now = self._now()
-        messages = [to_message(r, self.node, now) for r in rows]
-        failed = self.publisher.publish(messages)
-        done = self._now()
-        failed_ids = {m.task_id for m in failed}
-        sent = [m for m in messages if m.task_id not in failed_ids]
-        for m in sent:
-            metrics.schedule_delay.observe(max(0, done - m.trigger_time) / 1000.0)
-        if self._on_published is not None:
-            self._on_published(sent, done)
-        self.published += len(messages) - len(failed)
-        metrics.dispatch_total.labels("ok").inc(len(messages) - len(failed))
-        metrics.dispatch_latency.observe(time.monotonic() - started)
-        if failed:
-            self.broker_ok.clear()
-            metrics.dispatch_total.labels("failed").inc(len(failed))
-            self._give_back(sorted(failed_ids))
-
-    def _give_back(self, ids: list[int]) -> None:
-        try:
-            with self.store.engine.begin() as conn:
-                back = transition(conn, ids, [Status.DISPATCHING], Status.READY)
-        except SQLAlchemyError:
-            log.exception("could not return unpublished tasks; the ack timeout will",
-                          extra={"count": len(ids)})
-            return
-        self._on_returned(back)
 
 
 class Scheduler:

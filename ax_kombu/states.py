@@ -108,7 +108,7 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
     return [r[0] for r in conn.execute(stmt)]
 
 
-#: in the order of :class:`ax_kombu.broker.TaskMessage`'s first fields (see scheduler.to_message)
+#: in the order of :class:`ax_kombu.broker.TaskMessage`'s first fields (see dispatch.to_message)
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
                   "priority, retry_count, max_retry, processor_name, callback_url")
 

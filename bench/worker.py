@@ -23,7 +23,7 @@ from ax_kombu import states
 from ax_kombu.api import Client
 from ax_kombu.broker import Publisher
 from ax_kombu.config import from_env
-from ax_kombu.scheduler import to_message
+from ax_kombu.dispatch import to_message
 
 from .common import machine, scratch_database
 from .e2e import _cleanup_redis, _command, _env, rss_mb, scalar, wait_done

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ax_kombu.broker import RawJson, TaskMessage, redis_envelope
-from ax_kombu.scheduler import to_message
+from ax_kombu.dispatch import to_message
 from ax_kombu.states import _CLAIM_COLUMNS
 
 

@@ -1,0 +1,119 @@
+"""The scheduler's dispatcher: publishes claimed batches, each task at its due time.
+
+Claimed rows arrive in claim order (sorted by trigger time within a batch).
+A task may have been claimed up to ``claim_lead_ms`` before it is due; it is
+published once it is due, never before (see :mod:`ax_kombu.scheduler`). A
+batch that does not certainly reach the broker goes back to READY
+(compare-and-set from DISPATCHING), and the ids are handed back to the
+timing loop to be fired again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import metrics
+from .broker import Publisher, RawJson, TaskMessage
+from .config import Settings
+from .states import Status, transition
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
+    """The message for one claimed row (columns in TaskMessage order, see states.claim)."""
+    return TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6], row[7],
+                       row[8], row[9], row[10], row[11], now_ms, node)
+
+
+class Dispatcher(threading.Thread):
+    """Publishes claimed batches in order; puts unpublished tasks back to READY.
+
+    ``on_returned(ids)`` is called with the ids that went back to READY (still
+    held by this node), so the loop can fire them again later.
+    """
+
+    def __init__(self, settings: Settings, store: Store, node: str,
+                 on_returned: Callable[[list[int]], None],
+                 on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
+        super().__init__(name="ax-dispatcher", daemon=True)
+        self._on_published = on_published
+        self.store = store
+        self.node = node
+        self.publisher = Publisher(settings)
+        self.lead_ms = settings.claim_lead_ms
+        self.inbox: queue.Queue[Sequence[Any] | None] = queue.Queue(maxsize=4)
+        self.broker_ok = threading.Event()
+        self.published = 0
+        self._on_returned = on_returned
+
+    def probe(self) -> bool:
+        """Try the broker now; True if it answers."""
+        try:
+            self.publisher.connect()
+        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+            log.warning("broker unreachable; holding due tasks", extra={"error": repr(exc)})
+            return False
+        self.broker_ok.set()
+        return True
+
+    def run(self) -> None:
+        while (rows := self.inbox.get()) is not None:
+            self._dispatch(rows)
+        self.publisher.close()
+
+    def _now(self) -> int:
+        return int(self.store.clock.local_ms())  # never waits on the database
+
+    def _dispatch(self, rows: Sequence[Any]) -> None:
+        """Publish ``rows`` (sorted by trigger time), each once it is due: the claim ran up
+        to ``claim_lead_ms`` ahead, so the first may wait that long, never longer."""
+        start = 0
+        while start < len(rows):
+            now = self._now()
+            end = start
+            while end < len(rows) and rows[end].trigger_time <= now:
+                end += 1
+            if end == start:
+                time.sleep(min(rows[start].trigger_time - now, self.lead_ms) / 1000.0)
+                continue
+            self._publish(rows[start:end])
+            start = end
+
+    def _publish(self, rows: Sequence[Any]) -> None:
+        started = time.monotonic()
+        now = self._now()
+        messages = [to_message(r, self.node, now) for r in rows]
+        failed = self.publisher.publish(messages)
+        done = self._now()
+        failed_ids = {m.task_id for m in failed}
+        sent = [m for m in messages if m.task_id not in failed_ids]
+        for m in sent:
+            metrics.schedule_delay.observe(max(0, done - m.trigger_time) / 1000.0)
+        if self._on_published is not None:
+            self._on_published(sent, done)
+        self.published += len(messages) - len(failed)
+        metrics.dispatch_total.labels("ok").inc(len(messages) - len(failed))
+        metrics.dispatch_latency.observe(time.monotonic() - started)
+        if failed:
+            self.broker_ok.clear()
+            metrics.dispatch_total.labels("failed").inc(len(failed))
+            self._give_back(sorted(failed_ids))
+
+    def _give_back(self, ids: list[int]) -> None:
+        try:
+            with self.store.engine.begin() as conn:
+                back = transition(conn, ids, [Status.DISPATCHING], Status.READY)
+        except SQLAlchemyError:
+            log.exception("could not return unpublished tasks; the ack timeout will",
+                          extra={"count": len(ids)})
+            return
+        self._on_returned(back)
