@@ -258,6 +258,8 @@ class Pool:
             for job in jobs:
                 job.reported = True
                 self._stuck += 1
+            if jobs and self._joiners:
+                self._cond.notify_all()  # no longer active: join() may return
         for job in jobs:
             self._report(job, Outcome(False, abandoned=reason,
                                       duration_s=self._clock() - job.started))
