@@ -83,7 +83,8 @@ class Dispatcher(threading.Thread):
             while end < len(rows) and rows[end].trigger_time <= now:
                 end += 1
             if end == start:
-                time.sleep(min(rows[start].trigger_time - now, self.lead_ms) / 1000.0)
+                # at most the lead (at least 1 ms, should the clock step back after a resync)
+                time.sleep(min(rows[start].trigger_time - now, max(self.lead_ms, 1)) / 1000.0)
                 continue
             self._publish(rows[start:end])
             start = end
