@@ -97,8 +97,8 @@ class Dispatcher(threading.Thread):
         done = self._now()
         failed_ids = {m.task_id for m in failed}
         sent = [m for m in messages if m.task_id not in failed_ids]
-        for m in sent:
-            metrics.schedule_delay.observe(max(0, done - m.trigger_time) / 1000.0)
+        metrics.observe_many(metrics.schedule_delay,
+                             [max(0, done - m.trigger_time) / 1000.0 for m in sent])
         if self._on_published is not None:
             self._on_published(sent, done)
         self.published += len(messages) - len(failed)

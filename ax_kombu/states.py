@@ -119,21 +119,16 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 # one, and its ids go back to be claimed again. This was FOR UPDATE SKIP LOCKED + UPDATE:
 # locking first wrote every row twice (lock, then update): claiming 20,000 due rows in
 # batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
-_CLAIM_PG = text(f"""
+_CLAIM = """
     UPDATE ax_task
        SET status = 'DISPATCHING', attempt = attempt + 1,
            last_run_node = :node, dispatched_at = :now
-     WHERE task_id = ANY(:ids) AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
- RETURNING {_CLAIM_COLUMNS}
-""")
+     WHERE task_id {ids} AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
+ RETURNING """ + _CLAIM_COLUMNS
 
-_CLAIM_GENERIC = text(f"""
-    UPDATE ax_task
-       SET status = 'DISPATCHING', attempt = attempt + 1,
-           last_run_node = :node, dispatched_at = :now
-     WHERE task_id IN :ids AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
- RETURNING {_CLAIM_COLUMNS}
-""").bindparams(bindparam("ids", expanding=True))
+#: PostgreSQL takes the ids as one array; elsewhere they expand into IN (…)
+_CLAIM_PG = text(_CLAIM.format(ids="= ANY(:ids)"))
+_CLAIM_GENERIC = text(_CLAIM.format(ids="IN :ids")).bindparams(bindparam("ids", expanding=True))
 
 
 def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
