@@ -63,17 +63,23 @@ def running(cfg: Settings, published: Published) -> tuple[Scheduler, threading.T
     return scheduler, thread
 
 
-def test_each_task_is_published_once_and_never_early(cfg: Settings, client: Client) -> None:
-    ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": i / 400}
-                               for i in range(200)])
+def published_until(cfg: Settings, count: int) -> Published:
+    """Run a scheduler node until ``count`` messages are published, then warm-stop it."""
     published = Published()
     scheduler, thread = running(cfg, published)
     try:
-        assert poll(lambda: len(published.messages) >= 200)
+        assert poll(lambda: len(published.messages) >= count)
     finally:
         scheduler.request_stop()
         thread.join(30)
     assert not thread.is_alive()
+    return published
+
+
+def test_each_task_is_published_once_and_never_early(cfg: Settings, client: Client) -> None:
+    ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": i / 400}
+                               for i in range(200)])
+    published = published_until(cfg, 200)
     assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
     assert all(m.attempt == 1 for m, _ in published.messages)
     assert all(at_ms >= m.trigger_time for m, at_ms in published.messages)
@@ -85,13 +91,7 @@ def test_tasks_are_claimed_up_to_the_lead_ahead_and_published_when_due(
     cfg = cfg.replace(claim_lead_ms=lead_ms)
     ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": 1 + i / 100}
                                for i in range(40)])
-    published = Published()
-    scheduler, thread = running(cfg, published)
-    try:
-        assert poll(lambda: len(published.messages) >= 40)
-    finally:
-        scheduler.request_stop()
-        thread.join(30)
+    published = published_until(cfg, 40)
     assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
     assert all(at_ms >= m.trigger_time for m, at_ms in published.messages)  # never early
     claimed = [client.get(i) for i in ids]
