@@ -22,11 +22,11 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from .api import Client, TaskId, TaskView
-from .config import Settings, from_env
-from .exceptions import AxError, IllegalTransition, TaskNotFound, ValidationError
-from .processors import processor
-from .states import Status
+from ax_kombu.api import Client, TaskId, TaskView
+from ax_kombu.config import Settings, from_env
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import AxError, IllegalTransition, TaskNotFound, ValidationError
+from ax_kombu.worker.processors import processor
 
 __all__ = [
     "AxError",

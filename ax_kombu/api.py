@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Self
 
-from . import states
-from .config import PRIORITIES, Settings
-from .exceptions import IllegalTransition, TaskNotFound, ValidationError
-from .ids import LeasedIds
-from .states import Status
-from .store import Store
-from .store.leases import StoreLessor
-from .store.tasks import fetch_task, insert_tasks
+from ax_kombu.config import PRIORITIES, Settings
+from ax_kombu.core import states
+from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
+from ax_kombu.store import Store, transitions
+from ax_kombu.store.leases import StoreLessor
+from ax_kombu.store.tasks import fetch_task, insert_tasks
 
 _TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "biz_key",
                         "max_retry", "timeout_ms", "processor", "callback_url", "trace_id"})
@@ -281,7 +281,7 @@ class Client:
             IllegalTransition: the task is already SUCCESS, FAILED or CANCELLED.
         """
         with self.store.engine.begin() as conn:
-            moved = states.transition(conn, [int(task_id)], states.ACTIVE, Status.CANCELLED,
+            moved = transitions.transition(conn, [int(task_id)], states.ACTIVE, Status.CANCELLED,
                                       values={"finished_at": self.store.now_ms()})
         view = self.get(task_id)
         if not moved:

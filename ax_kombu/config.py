@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .exceptions import ConfigurationError
+from ax_kombu.exceptions import ConfigurationError
 
 PRIORITIES = ("high", "default", "slow")
 
@@ -50,7 +50,7 @@ class Settings:
     #: per message). ax does not need it: a message lost between broker and worker leaves
     #: its task DISPATCHING, and the ack timeout dispatches it again.
     redis_ack_emulation: bool = False
-    #: worker on Redis ≥ 6.2: pop messages in batches (ax_kombu.intake) instead of Kombu's
+    #: worker on Redis ≥ 6.2: pop messages in batches (ax_kombu.broker.redis_pull) instead of Kombu's
     #: consumer (one BRPOP per message). Off: the plain consumer, as on other brokers.
     redis_pull: bool = True
     #: run Alembic migrations on first use (always on for SQLite).

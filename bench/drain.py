@@ -11,7 +11,7 @@ from typing import Any
 
 from kombu import Consumer
 
-from ax_kombu.broker import connection, task_queues
+from ax_kombu.broker.connection import connection, task_queues
 from ax_kombu.config import from_env
 
 

@@ -31,9 +31,9 @@ from typing import Any
 from sqlalchemy import text
 
 from ax_kombu.api import Client
-from ax_kombu.broker import TaskMessage
+from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings, from_env
-from ax_kombu.scheduler import Scheduler
+from ax_kombu.scheduler.node import Scheduler
 
 from .common import machine, pct, scratch_database
 
@@ -111,7 +111,7 @@ def poll_baseline(settings: Settings, recorder: Recorder, n: int, deadline: floa
     LOCKED LIMIT 1000``, mark the rows, publish each with ``Producer.publish``."""
     from kombu import Producer
 
-    from ax_kombu.broker import connection, declare_queues
+    from ax_kombu.broker.connection import connection, declare_queues
 
     client = Client(settings)
     claim_sql = text("""

@@ -10,8 +10,8 @@ import heapq
 import random
 import time
 
-from ax_kombu.scheduler import WHEEL_LEVELS
-from ax_kombu.wheel import TriggerTimer
+from ax_kombu.core.wheel import TriggerTimer
+from ax_kombu.scheduler.node import WHEEL_LEVELS
 
 from .common import machine
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from ax_kombu import states
 from ax_kombu.api import Client
-from ax_kombu.broker import Publisher
+from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import from_env
-from ax_kombu.dispatch import to_message
+from ax_kombu.scheduler.dispatcher import to_message
+from ax_kombu.store import claims
 
 from .common import machine, scratch_database
 from .e2e import _cleanup_redis, _command, _env, rss_mb, scalar, wait_done
@@ -66,7 +66,7 @@ def prepare(client: Client, n: int) -> None:
         for base in range(0, n, 1000):
             with client.store.engine.begin() as conn:
                 now = client.store.now_ms()
-                rows = states.claim(conn, ids[base:base + 1000], NODE, now)
+                rows = claims.claim(conn, ids[base:base + 1000], NODE, now)
             failed = publisher.publish([to_message(r, NODE, now) for r in rows])
             if failed:
                 raise SystemExit(f"{len(failed)} messages could not be published")

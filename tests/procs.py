@@ -34,7 +34,7 @@ def claim_all(url: str, ids: list[int], prefix: str, barrier: Any, out: Any) -> 
     import os
     import random
 
-    from ax_kombu.states import claim
+    from ax_kombu.store.claims import claim
     from ax_kombu.store.engine import make_engine
 
     node = f"{prefix}-{os.getpid()}"

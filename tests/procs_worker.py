@@ -8,7 +8,7 @@ from subprocess import run  # noqa: F401 - imported, not defined here: must be r
 from typing import Any
 
 import ax_kombu as ax
-from ax_kombu.processors import Context
+from ax_kombu.worker.processors import Context
 
 #: task_id → how many times a processor ran it (in this process)
 calls: dict[int, int] = {}

@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 
-from .base import AxGroup, db_option
-from .cancel import cancel
-from .db import db
-from .enqueue import enqueue
-from .inspect import inspect
-from .status import status
+from ax_kombu.cli.base import AxGroup, db_option
+from ax_kombu.cli.cancel import cancel
+from ax_kombu.cli.db import db
+from ax_kombu.cli.enqueue import enqueue
+from ax_kombu.cli.inspect import inspect
+from ax_kombu.cli.status import status
 
 
 @click.group(cls=AxGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from ..config import Settings, from_env, parse_duration_ms
-from ..exceptions import AxError
+from ax_kombu.config import Settings, from_env, parse_duration_ms
+from ax_kombu.exceptions import AxError
 
 
 class AxGroup(click.Group):

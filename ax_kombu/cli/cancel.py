@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ..api import Client
-from .base import settings_from
+from ax_kombu.api import Client
+from ax_kombu.cli.base import settings_from
 
 
 @click.command()

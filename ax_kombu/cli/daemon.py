@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..exceptions import ConfigurationError
+from ax_kombu.exceptions import ConfigurationError
 
 
 class _TraceFormatter(logging.Formatter):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..config import redact_url
-from ..store.engine import current_revision, make_engine, migrate
-from .base import settings_from
+from ax_kombu.cli.base import settings_from
+from ax_kombu.config import redact_url
+from ax_kombu.store.engine import current_revision, make_engine, migrate
 
 
 @click.group()

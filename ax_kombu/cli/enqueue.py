@@ -7,10 +7,10 @@ from typing import Any
 
 import click
 
-from ..api import Client
-from ..config import PRIORITIES
-from ..exceptions import ValidationError
-from .base import Duration, JsonValue, settings_from
+from ax_kombu.api import Client
+from ax_kombu.cli.base import Duration, JsonValue, settings_from
+from ax_kombu.config import PRIORITIES
+from ax_kombu.exceptions import ValidationError
 
 
 @click.command()

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 import click
 
-from ..api import Client
-from .base import settings_from
+from ax_kombu.api import Client
+from ax_kombu.cli.base import settings_from
 
 _TIMES = ("trigger_time", "created_at", "dispatched_at", "started_at", "finished_at")
 

@@ -6,13 +6,18 @@ import logging
 
 import click
 
-from .. import metrics
-from ..config import redact_url
-from ..scheduler import Scheduler
-from .base import Duration, broker_option, db_option, run_guarded
-from .daemon import freeze_start_up_objects, install_stop_signals, pidfile, setup_logging
+from ax_kombu.cli.base import Duration, broker_option, db_option, run_guarded
+from ax_kombu.cli.daemon import (
+    freeze_start_up_objects,
+    install_stop_signals,
+    pidfile,
+    setup_logging,
+)
+from ax_kombu.config import redact_url
+from ax_kombu.observability import metrics
+from ax_kombu.scheduler.node import Scheduler
 
-log = logging.getLogger("ax_kombu.scheduler")
+log = logging.getLogger("ax_kombu.scheduler.node")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,7 +42,7 @@ def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_p
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
     """
-    from ..config import from_env
+    from ax_kombu.config import from_env
 
     setup_logging(loglevel)
     settings = run_guarded(lambda: from_env(**overrides))

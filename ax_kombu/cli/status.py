@@ -14,15 +14,15 @@ import click
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..broker import connection, task_queues
-from ..config import PRIORITIES, Settings, redact_url
-from ..exceptions import StoreError
-from ..nodes import live_nodes
-from ..states import Status
-from ..store import Store
-from ..store.engine import db_now_ms
-from ..store.schema import tasks
-from .base import broker_option, settings_from
+from ax_kombu.broker.connection import connection, task_queues
+from ax_kombu.cli.base import broker_option, settings_from
+from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import StoreError
+from ax_kombu.store import Store
+from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.nodes import live_nodes
+from ax_kombu.store.schema import tasks
 
 
 def _redacted(value: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Every flag can also be given as an ``AX_*`` variable (shown in ``--help``).
 SIGTERM or SIGINT stops warmly (exit 0); a second one, or SIGQUIT, stops
-cold (exit 1). See :mod:`ax_kombu.worker`.
+cold (exit 1). See :mod:`ax_kombu.worker.node`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,19 @@ from typing import Any
 
 import click
 
-from .. import metrics
-from ..config import PRIORITIES, from_env
-from ..exceptions import ConfigurationError
-from ..lanes import parse_queues
-from ..processors import Resolver, load_modules, split_names
-from ..worker import Worker
-from .base import broker_option, db_option, run_guarded
-from .daemon import freeze_start_up_objects, install_stop_signals, pidfile, setup_logging
+from ax_kombu.cli.base import broker_option, db_option, run_guarded
+from ax_kombu.cli.daemon import (
+    freeze_start_up_objects,
+    install_stop_signals,
+    pidfile,
+    setup_logging,
+)
+from ax_kombu.config import PRIORITIES, from_env
+from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.observability import metrics
+from ax_kombu.worker.lanes import parse_queues
+from ax_kombu.worker.node import Worker
+from ax_kombu.worker.processors import Resolver, load_modules, split_names
 
 
 def parse_concurrency(text: str | None) -> dict[str, int]:

@@ -11,9 +11,9 @@ import time
 
 from sqlalchemy import Engine
 
-from ..config import Settings
-from .clock import DbClock
-from .engine import db_now_ms, make_engine, migrate
+from ax_kombu.config import Settings
+from ax_kombu.store.clock import DbClock
+from ax_kombu.store.engine import db_now_ms, make_engine, migrate
 
 
 class Store:

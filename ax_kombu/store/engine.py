@@ -18,8 +18,8 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import ArgumentError, OperationalError
 
-from ..config import redact_url
-from ..exceptions import ConfigurationError, StoreError
+from ax_kombu.config import redact_url
+from ax_kombu.exceptions import ConfigurationError, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Snowflake node-id leases held in the ``ax_id_lease`` table (see :mod:`ax_kombu.ids`).
+"""Snowflake node-id leases held in the ``ax_id_lease`` table (see :mod:`ax_kombu.core.ids`).
 
 A slot is taken with one conditional UPDATE on a slot whose lease has ended
 (on the database clock); on PostgreSQL the candidate row is locked with
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, select, update
 
-from ..exceptions import IdExhausted
-from .engine import db_now_ms
-from .schema import id_leases as L
+from ax_kombu.exceptions import IdExhausted
+from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.schema import id_leases as L
 
 
 class StoreLessor:
-    """The :class:`ax_kombu.ids.Lessor` backed by the task store."""
+    """The :class:`ax_kombu.core.ids.Lessor` backed by the task store."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

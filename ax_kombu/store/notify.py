@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .tasks import WAKE_CHANNEL
+from ax_kombu.store.tasks import WAKE_CHANNEL
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, text
 
-from .schema import tasks
+from ax_kombu.store.schema import tasks
 
 #: column order used for COPY
 COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_count",

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import ax_kombu as ax
-from ax_kombu.processors import Context
+from ax_kombu.worker.processors import Context
 
 
 def record(path: str, ctx: Context) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 
 from kombu import Consumer
 
-from ax_kombu.broker import connection, task_queues
+from ax_kombu.broker.connection import connection, task_queues
 from ax_kombu.config import Settings
-from ax_kombu.scheduler import Scheduler
+from ax_kombu.scheduler.node import Scheduler
 
 
 def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -108,7 +108,8 @@ class Starter:
     def flush(self) -> None:
         from collections import defaultdict
 
-        from ax_kombu.states import Status, transition
+        from ax_kombu.core.states import Status
+        from ax_kombu.store.transitions import transition
 
         with self.lock:
             batch, self.pending = self.pending, []

@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 from kombu import Consumer
 
-from ax_kombu.broker import Publisher, TaskMessage, connection, task_queues
+from ax_kombu.broker.connection import connection, task_queues
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import from_env
 
 pytestmark = pytest.mark.timeout(120)

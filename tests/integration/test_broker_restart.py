@@ -136,8 +136,8 @@ def _all_running(client: Client, ids: list[int]) -> bool:
 
 def test_a_worker_reconnects_when_the_broker_comes_back(
         pg_url: str, outage: tuple[dict[str, str], Any, Any]) -> None:
-    from ax_kombu.broker import connection, declare_queues
-    from ax_kombu.states import Status
+    from ax_kombu.broker.connection import connection, declare_queues
+    from ax_kombu.core.states import Status
 
     from .harness import eventually
     from .test_worker import Dispatch, running

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from ax_kombu import states
 from ax_kombu.api import Client
 from ax_kombu.config import Settings
-from ax_kombu.states import Status
+from ax_kombu.core.states import Status
+from ax_kombu.store import transitions
 from ax_kombu.store.schema import tasks
 
 from .. import procs
@@ -68,7 +68,7 @@ def test_racing_claimers_claim_every_task_exactly_once(settings: Settings) -> No
     ids = [int(t) for t in client.enqueue_many(
         [{"task_type": "race", "payload": {"i": i}} for i in range(1000)])]
     with client.store.engine.begin() as conn:
-        states.transition(conn, ids, [Status.CREATED], Status.READY)
+        transitions.transition(conn, ids, [Status.CREATED], Status.READY)
     results = race(procs.claim_all, 4, settings.database_url, ids, "node")  # node + shuffle seed
     won = [task_id for _, claimed in results for task_id in claimed]
     assert sorted(won) == sorted(ids)  # every task once, none twice

@@ -1,4 +1,4 @@
-"""The Redis puller (ax_kombu.intake) against a real Redis: room, blocking, bad values."""
+"""The Redis puller (ax_kombu.broker.redis_pull) against a real Redis: room, blocking, bad values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
-from ax_kombu import intake
-from ax_kombu.broker import Publisher, TaskMessage, connection, declare_queues
+from ax_kombu.broker import redis_pull as intake
+from ax_kombu.broker.connection import connection, declare_queues
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
 
 from .harness import eventually

@@ -12,7 +12,7 @@ import pytest
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
-from ax_kombu.states import Status
+from ax_kombu.core.states import Status
 
 from .harness import collecting, scheduler_running
 
@@ -87,7 +87,7 @@ def test_past_due_tasks_go_out_at_once_oldest_first(cfg: Settings, client: Clien
 def test_database_down_at_start_is_waited_for_not_a_crash(broker: dict[str, str],
                                                            caplog: pytest.LogCaptureFixture
                                                            ) -> None:
-    from ax_kombu.scheduler import Scheduler
+    from ax_kombu.scheduler.node import Scheduler
 
     cfg = from_env({}, database_url="postgresql://postgres@127.0.0.1:1/nowhere", **broker)
     scheduler = Scheduler(cfg)
@@ -105,15 +105,14 @@ def test_database_down_at_start_is_waited_for_not_a_crash(broker: dict[str, str]
 
 def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings,
                                                                    client: Client) -> None:
-    from ax_kombu import nodes, states
-    from ax_kombu.store import scan
+    from ax_kombu.store import claims, nodes, recovery, transitions
 
     retry, last = client.enqueue("t", {"a": 1}, max_retry=2), client.enqueue("t", {"b": 1},
                                                                               max_retry=0)
     alive = client.enqueue("t", {"c": 1})
     with client.store.engine.begin() as conn:
-        states.transition(conn, [retry, last, alive], [Status.CREATED], Status.READY)
-        rows = states.claim(conn, [retry, last, alive], "s", client.store.now_ms())
+        transitions.transition(conn, [retry, last, alive], [Status.CREATED], Status.READY)
+        rows = claims.claim(conn, [retry, last, alive], "s", client.store.now_ms())
         assert len(rows) == 3
     live = nodes.Heartbeat(client.store, "worker-live", "worker")
     live.register({})
@@ -121,11 +120,11 @@ def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings
     gone.register({})
     gone.stop()  # stopped without recording its results (say the database was down)
     with client.store.engine.begin() as conn:
-        assert sorted(states.start_many(conn, [(retry, 1), (last, 1)], "worker-gone",
+        assert sorted(transitions.start_many(conn, [(retry, 1), (last, 1)], "worker-gone",
                                         client.store.now_ms())) == sorted([retry, last])
-        states.start_many(conn, [(alive, 1)], "worker-live", client.store.now_ms())
+        transitions.start_many(conn, [(alive, 1)], "worker-live", client.store.now_ms())
         now = client.store.now_ms()
-        recovered = dict(scan.recover_orphan_running(conn, now, now - 10_000))
+        recovered = dict(recovery.recover_orphan_running(conn, now, now - 10_000))
     assert recovered == {retry: "DELAYED", last: "FAILED"}
     assert client.get(retry).retry_count == 1 and client.get(retry).last_run_node is None
     assert client.get(last).last_error == "worker lost"

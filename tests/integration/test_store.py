@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
-from ax_kombu import states
 from ax_kombu.api import Client
 from ax_kombu.config import Settings
+from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
-from ax_kombu.states import Status
+from ax_kombu.store import claims, transitions
 from ax_kombu.store.schema import tasks
 
 
@@ -116,11 +116,11 @@ def test_cancel_only_unfinished_tasks(client: Client) -> None:
 def test_illegal_transition_is_refused_and_changes_nothing(client: Client) -> None:
     task_id = client.enqueue("t", {}, delay=0)
     with client.store.engine.begin() as conn:
-        assert states.transition(conn, [task_id], [Status.CREATED], Status.READY) == [task_id]
+        assert transitions.transition(conn, [task_id], [Status.CREATED], Status.READY) == [task_id]
         with pytest.raises(IllegalTransition):
-            states.transition(conn, [task_id], [Status.READY], Status.SUCCESS)
+            transitions.transition(conn, [task_id], [Status.READY], Status.SUCCESS)
         # a legal move from the wrong current state loses the compare-and-set
-        assert states.transition(conn, [task_id], [Status.RUNNING], Status.SUCCESS) == []
+        assert transitions.transition(conn, [task_id], [Status.RUNNING], Status.SUCCESS) == []
     assert client.get(task_id).status is Status.READY
 
 
@@ -128,18 +128,18 @@ def test_claim_fences_with_the_attempt(client: Client) -> None:
     task_id = client.enqueue("t", {}, delay=0)
     now = client.store.now_ms() + 10
     with client.store.engine.begin() as conn:
-        states.transition(conn, [task_id], [Status.CREATED], Status.READY)
-        (row,) = states.claim(conn, [task_id], "node-a", now)
+        transitions.transition(conn, [task_id], [Status.CREATED], Status.READY)
+        (row,) = claims.claim(conn, [task_id], "node-a", now)
         assert row.attempt == 1 and row.task_id == task_id
-        assert states.claim(conn, [task_id], "node-b", now) == []  # already DISPATCHING
+        assert claims.claim(conn, [task_id], "node-b", now) == []  # already DISPATCHING
         # ack timeout: back to READY, claimed again with a new attempt
-        states.transition(conn, [task_id], [Status.DISPATCHING], Status.READY)
-        (row,) = states.claim(conn, [task_id], "node-b", now)
+        transitions.transition(conn, [task_id], [Status.DISPATCHING], Status.READY)
+        (row,) = claims.claim(conn, [task_id], "node-b", now)
         assert row.attempt == 2
         # the stale message of attempt 1 cannot start the task; attempt 2 can
-        assert states.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
+        assert transitions.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
                                  attempt=1) == []
-        assert states.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
+        assert transitions.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
                                  attempt=2) == [task_id]
     view = client.get(task_id)
     assert (view.status, view.last_run_node, view.attempt) == (Status.RUNNING, "node-b", 2)
@@ -148,8 +148,8 @@ def test_claim_fences_with_the_attempt(client: Client) -> None:
 def test_claim_leaves_tasks_that_are_not_due(client: Client) -> None:
     task_id = client.enqueue("t", {}, delay=60)
     with client.store.engine.begin() as conn:
-        states.transition(conn, [task_id], [Status.CREATED], Status.DELAYED)
-        assert states.claim(conn, [task_id], "n", client.store.now_ms()) == []
+        transitions.transition(conn, [task_id], [Status.CREATED], Status.DELAYED)
+        assert claims.claim(conn, [task_id], "n", client.store.now_ms()) == []
     assert client.get(task_id).status is Status.DELAYED
 
 

@@ -1,7 +1,7 @@
 """The worker on real servers: PostgreSQL + Redis and PostgreSQL + RabbitMQ.
 
 Tasks take the real dispatch path without the scheduler loop: enqueued with
-the producer API, claimed with ``states.claim`` and published with
+the producer API, claimed with ``claims.claim`` and published with
 ``broker.Publisher``. The worker runs in-process in a thread (or, for the
 signal test, as the ``ax-worker`` command).
 """
@@ -25,15 +25,17 @@ import pytest
 from kombu import Producer
 from sqlalchemy import select
 
-from ax_kombu import states
 from ax_kombu.api import Client, TaskView
-from ax_kombu.broker import Publisher, TaskMessage, connection, declare_queues, task_queues
+from ax_kombu.broker.connection import connection, declare_queues, task_queues
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
-from ax_kombu.lanes import ACK_AT_START_MS
-from ax_kombu.processors import Resolver
-from ax_kombu.states import Status
+from ax_kombu.core.states import Status
+from ax_kombu.store import claims, transitions
 from ax_kombu.store.schema import nodes
-from ax_kombu.worker import Worker
+from ax_kombu.worker.lanes import ACK_AT_START_MS
+from ax_kombu.worker.node import Worker
+from ax_kombu.worker.processors import Resolver
 
 from .. import procs_worker
 from .harness import eventually
@@ -52,13 +54,13 @@ class Dispatch:
     def enqueue(self, task_type: str, payload: Any = None, **options: Any) -> int:
         task_id = int(self.client.enqueue(task_type, payload, **options))
         with self.client.store.engine.begin() as conn:
-            states.transition(conn, [task_id], [Status.CREATED], Status.READY)
+            transitions.transition(conn, [task_id], [Status.CREATED], Status.READY)
         return task_id
 
     def claim(self, task_ids: list[int]) -> list[TaskMessage]:
         now = self.client.store.now_ms()
         with self.client.store.engine.begin() as conn:
-            rows = states.claim(conn, task_ids, "scheduler@test", now, due_before=2**62)
+            rows = claims.claim(conn, task_ids, "scheduler@test", now, due_before=2**62)
         return [TaskMessage(task_id=r.task_id, attempt=r.attempt, task_type=r.task_type,
                             payload=json.loads(r.payload), trace_id=r.trace_id,
                             trigger_time=r.trigger_time, timeout_ms=r.timeout_ms,
@@ -201,7 +203,7 @@ def test_a_stale_attempt_is_refused_acked_and_not_run(settings: Settings,
     task_id = dispatch.enqueue("t.noop")
     [first] = dispatch.claim([task_id])
     with dispatch.client.store.engine.begin() as conn:  # ack timeout: back to READY …
-        states.transition(conn, [task_id], [Status.DISPATCHING], Status.READY)
+        transitions.transition(conn, [task_id], [Status.DISPATCHING], Status.READY)
     [second] = dispatch.claim([task_id])               # … and dispatched again
     assert (first.attempt, second.attempt) == (1, 2)
     with running(settings) as worker:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ax_kombu.backoff import backoff_ms, ceiling_ms
+from ax_kombu.core.backoff import backoff_ms, ceiling_ms
 
 
 class Fixed:

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from ax_kombu.ids import EPOCH_MS, MAX_SEQUENCE, LeasedIds, Snowflake, compose, decompose
+from ax_kombu.core.ids import EPOCH_MS, MAX_SEQUENCE, LeasedIds, Snowflake, compose, decompose
 
 
 class Clock:

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from kombu import Queue
 
-from ax_kombu.broker import TaskMessage
-from ax_kombu.lanes import Delivery, Lane, plan
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.worker.lanes import Delivery, Lane, plan
 
 
 def delivery(lane: Lane, task_id: int, attempt: int = 1) -> Delivery:

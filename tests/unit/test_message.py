@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ax_kombu.broker import RawJson, TaskMessage, redis_envelope
-from ax_kombu.dispatch import to_message
-from ax_kombu.states import _CLAIM_COLUMNS
+from ax_kombu.broker.messages import RawJson, TaskMessage, redis_envelope
+from ax_kombu.scheduler.dispatcher import to_message
+from ax_kombu.store.claims import _CLAIM_COLUMNS
 
 
 def test_claim_columns_are_in_message_order() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from ax_kombu.metrics import observe_many
+from ax_kombu.observability.metrics import observe_many
 
 VALUES = [0.0, 0.0005, 0.001, 0.0011, 0.02, 0.02, 4.9, 5.0, 12.0, 1e9, -1.0]
 BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 5.0, 10.0)

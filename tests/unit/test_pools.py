@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ax_kombu.pools import Outcome, Pool
+from ax_kombu.worker.pools import Outcome, Pool
 
 pytestmark = pytest.mark.timeout(30)
 

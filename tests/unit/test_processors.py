@@ -18,7 +18,7 @@ from ax_kombu.exceptions import (
     ProcessorNotFound,
     ProcessorRefused,
 )
-from ax_kombu.processors import (
+from ax_kombu.worker.processors import (
     Context,
     Resolver,
     check_callback_url,

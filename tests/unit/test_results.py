@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
-from ax_kombu.broker import TaskMessage
+from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import from_env
+from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ProcessorRefused
-from ax_kombu.pools import Outcome
-from ax_kombu.results import RunResult, decide
-from ax_kombu.states import Status
+from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.results import RunResult, decide
 
 SETTINGS = from_env({}, retry_backoff_base_ms=1000, retry_backoff_max_ms=60_000,
                     retry_backoff_jitter=0.5)

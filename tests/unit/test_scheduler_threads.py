@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from ax_kombu.api import Client
-from ax_kombu.broker import TaskMessage
+from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings, from_env
-from ax_kombu.scheduler import Scheduler
-from ax_kombu.states import Status
+from ax_kombu.core.states import Status
+from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store.clock import DbClock
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from ax_kombu.transport import register
+from ax_kombu.broker.transports import register
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLE = 'ax_kombu_message'
@@ -23,7 +23,7 @@ TABLE = 'ax_kombu_message'
 # Code run by the child processes (``python -c CHILD <role> ...``).
 CHILD = r'''
 import json, os, sys
-from ax_kombu.transport import register
+from ax_kombu.broker.transports import register
 register()
 from kombu import Connection, Consumer, Producer, Queue
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from ax_kombu.core.states import ACTIVE, FINAL, TRANSITIONS, Status, check, sources_of
 from ax_kombu.exceptions import IllegalTransition
-from ax_kombu.states import ACTIVE, FINAL, TRANSITIONS, Status, check, sources_of
 
 
 def test_every_non_final_state_can_be_cancelled() -> None:

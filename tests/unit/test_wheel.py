@@ -6,7 +6,7 @@ from collections.abc import Hashable
 
 import pytest
 
-from ax_kombu.wheel import DEFAULT_LEVEL_SIZES, DelayQueue, TimingWheel, TriggerTimer
+from ax_kombu.core.wheel import DEFAULT_LEVEL_SIZES, DelayQueue, TimingWheel, TriggerTimer
 
 START = 1_000_000
 DAY_MS = 86_400_000

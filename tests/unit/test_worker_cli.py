@@ -13,9 +13,9 @@ from ax_kombu.cli import main as cli_main
 from ax_kombu.cli.worker import main, node_name, parse_concurrency
 from ax_kombu.config import from_env
 from ax_kombu.exceptions import ConfigurationError
-from ax_kombu.lanes import parse_queues
-from ax_kombu.nodes import Heartbeat
 from ax_kombu.store import Store
+from ax_kombu.store.nodes import Heartbeat
+from ax_kombu.worker.lanes import parse_queues
 
 
 def test_concurrency_forms() -> None:

@@ -2,7 +2,7 @@
 
 Claimed rows arrive in claim order (sorted by trigger time within a batch).
 A task may have been claimed up to ``claim_lead_ms`` before it is due; it is
-published once it is due, never before (see :mod:`ax_kombu.scheduler`). A
+published once it is due, never before (see :mod:`ax_kombu.scheduler.node`). A
 batch that does not certainly reach the broker goes back to READY
 (compare-and-set from DISPATCHING), and the ids are handed back to the
 timing loop to be fired again.
@@ -19,17 +19,19 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import metrics
-from .broker import Publisher, RawJson, TaskMessage
-from .config import Settings
-from .states import Status, transition
-from .store import Store
+from ax_kombu.broker.messages import RawJson, TaskMessage
+from ax_kombu.broker.publisher import Publisher
+from ax_kombu.config import Settings
+from ax_kombu.core.states import Status
+from ax_kombu.observability import metrics
+from ax_kombu.store import Store
+from ax_kombu.store.transitions import transition
 
 log = logging.getLogger(__name__)
 
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
-    """The message for one claimed row (columns in TaskMessage order, see states.claim)."""
+    """The message for one claimed row (columns in TaskMessage order, see claims.claim)."""
     return TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6], row[7],
                        row[8], row[9], row[10], row[11], now_ms, node)
 

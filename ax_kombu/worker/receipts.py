@@ -2,9 +2,9 @@
 
 The worker's consuming thread plans a batch (which messages start, which go
 back, which are duplicates) and hands it here; one thread then moves the
-startable tasks DISPATCHING → RUNNING with :func:`ax_kombu.states.start_many`
+startable tasks DISPATCHING → RUNNING with :func:`ax_kombu.store.transitions.start_many`
 (fenced by attempt, ``started_at`` and ``last_run_node`` set), the others
-DISPATCHING → READY with :func:`~ax_kombu.states.release_many`, in one
+DISPATCHING → READY with :func:`~ax_kombu.store.transitions.release_many`, in one
 transaction, and finds out why any move was refused. The consuming thread
 keeps draining the broker meanwhile, so the next batch is whatever arrived
 during the round trip: batches grow with load (like a group commit) and a
@@ -28,13 +28,13 @@ from typing import Any
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import metrics, states
-from .broker import TaskMessage
-from .lanes import Delivery
-from .results import Counters, HeldConnection
-from .states import Status
-from .store import Store
-from .store.schema import tasks
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.core.states import Status
+from ax_kombu.observability import metrics
+from ax_kombu.store import Store, transitions
+from ax_kombu.store.schema import tasks
+from ax_kombu.worker.lanes import Delivery
+from ax_kombu.worker.results import Counters, HeldConnection
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,9 @@ class ReceiptWriter:
             try:
                 now = self.store.now_ms()
                 with db.begin() as conn:
-                    batch.started = set(states.start_many(
+                    batch.started = set(transitions.start_many(
                         conn, [d.pair for d in batch.start], self.node_id, now))
-                    states.release_many(conn, [d.pair for d in batch.release])
+                    transitions.release_many(conn, [d.pair for d in batch.release])
                     refused = [d for d in batch.start if d.task.task_id not in batch.started]
                     batch.refusals = _explain(conn, refused)
                 metrics.observe_many(metrics.start_delay, [

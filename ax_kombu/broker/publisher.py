@@ -1,10 +1,5 @@
-"""Everything ax says to the message broker goes through Kombu, from here.
+"""Publishing a batch of task messages through Kombu, and knowing which reached the broker.
 
-* Queues: one per priority — ``high``, ``default``, ``slow`` (names
-  configurable) — declared durable and bound to the default exchange, so a
-  publish is a single "put on queue" (no exchange lookup round trip).
-* Messages: JSON only, one per task attempt (see :class:`TaskMessage`), with
-  the trace id also in the headers.
 * Publishing a batch (:class:`Publisher`): on Redis, Kombu's pipelined
   ``Producer.batch()`` (one round trip for many messages); on RabbitMQ, the
   channel is put in publisher-confirm mode and the batch is published and
@@ -16,111 +11,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
-from json.encoder import encode_basestring as _encode_string
-from typing import Any, NamedTuple
+from typing import Any
 
-from kombu import Connection, Producer, Queue
+from kombu import Connection, Producer
 
-from .config import PRIORITIES, Settings, redact_url
-from .transport import register as register_transports
+from ax_kombu.broker.connection import connection, declare_queues
+from ax_kombu.broker.messages import TaskMessage, redis_envelope
+from ax_kombu.config import PRIORITIES, Settings, redact_url
 
 log = logging.getLogger(__name__)
-
-MESSAGE_VERSION = 1
-
-
-class RawJson(str):
-    """A payload that is already JSON text (as stored in the task row): sent as is."""
-
-
-def _js(value: str | None) -> str:
-    return "null" if value is None else _encode_string(value)
-
-
-class TaskMessage(NamedTuple):
-    """What a worker receives for one attempt of one task (a NamedTuple: the scheduler
-    builds tens of thousands a second, and a tuple is several times cheaper to make)."""
-
-    task_id: int
-    attempt: int
-    task_type: str
-    payload: Any
-    trace_id: str
-    trigger_time: int
-    timeout_ms: int
-    priority: str
-    retry_count: int
-    max_retry: int
-    processor: str | None
-    callback_url: str | None
-    dispatched_at: int
-    node: str
-
-    def body(self) -> dict[str, Any]:
-        """The body as a dict (what a consumer receives after JSON decoding)."""
-        body: dict[str, Any] = json.loads(self.to_json())
-        return body
-
-    def to_json(self) -> str:
-        """The JSON body, built directly (the payload is spliced in if it is RawJson)."""
-        payload = self.payload if isinstance(self.payload, RawJson) else json.dumps(
-            self.payload, separators=(",", ":"), ensure_ascii=False)
-        return (f'{{"v":{MESSAGE_VERSION},"task_id":{self.task_id:d},"attempt":{self.attempt:d},'
-                f'"task_type":{_js(self.task_type)},"payload":{payload},'
-                f'"trace_id":{_js(self.trace_id)},"trigger_time":{self.trigger_time:d},'
-                f'"timeout_ms":{self.timeout_ms:d},"priority":{_js(self.priority)},'
-                f'"retry_count":{self.retry_count:d},"max_retry":{self.max_retry:d},'
-                f'"processor":{_js(self.processor)},"callback_url":{_js(self.callback_url)},'
-                f'"dispatched_at":{self.dispatched_at:d},"node":{_js(self.node)}}}')
-
-    @classmethod
-    def from_body(cls, body: Any) -> TaskMessage:
-        """Parse a received body.
-
-        Raises:
-            ValueError: the body is not an ax task message.
-        """
-        if not isinstance(body, dict) or body.get("v") != MESSAGE_VERSION:
-            raise ValueError("not an ax task message")
-        try:
-            return cls._make([body[k] for k in cls._fields])
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed ax task message: {exc}") from None
-
-
-def redis_envelope(m: TaskMessage, queue: str) -> str:
-    """The message as Kombu's Redis transport stores it (what ``Producer.publish`` would put)."""
-    return (f'{{"body":{_encode_string(m.to_json())},"content-encoding":"utf-8",'
-            f'"content-type":"application/json","headers":{{"trace_id":{_js(m.trace_id)}}},'
-            f'"properties":{{"delivery_mode":2,"priority":0,"delivery_info":{{"exchange":"",'
-            f'"routing_key":{_js(queue)}}},"delivery_tag":"{m.task_id}.{m.attempt}"}}}}')
-
-
-def connection(settings: Settings) -> Connection:
-    """A (lazy) Kombu connection to the configured broker."""
-    register_transports()
-    options: dict[str, Any] = {}
-    if settings.broker_url.startswith(("redis", "rediss")):
-        options["global_keyprefix"] = settings.broker_key_prefix
-        options["socket_timeout"] = 10
-        options["ack_emulation"] = settings.redis_ack_emulation
-    return Connection(settings.broker_url, transport_options=options, connect_timeout=5)
-
-
-def task_queues(settings: Settings) -> dict[str, Queue]:
-    """The kombu Queue for each priority."""
-    return {p: Queue(settings.queue_for(p), routing_key=settings.queue_for(p), durable=True)
-            for p in PRIORITIES}
-
-
-def declare_queues(conn: Connection, settings: Settings) -> None:
-    channel = conn.default_channel
-    for queue in task_queues(settings).values():
-        queue(channel).declare()
 
 
 class _Confirms:

@@ -24,7 +24,7 @@ Connection String
     ax+sqlite:///relative/path/broker.db
     ax+sqlite:////absolute/path/broker.db
 
-Call :func:`ax_kombu.transport.register` first: it maps the ``ax`` prefix to
+Call :func:`ax_kombu.broker.transports.register` first: it maps the ``ax`` prefix to
 this module.  Kombu splits the URL at the first ``+`` (as for
 ``sqla+postgresql://...``); what follows is read like an SQLAlchemy SQLite
 URL: three slashes then a relative path, four slashes for an absolute one.

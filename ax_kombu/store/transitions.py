@@ -1,23 +1,9 @@
-"""Task statuses, the transitions allowed between them, and the compare-and-set for each.
+"""Compare-and-set moves of task rows: one ``UPDATE … WHERE status IN (…)`` each.
 
-::
-
-    CREATED ─▶ DELAYED (future) | READY (due)
-    DELAYED ─▶ READY | DISPATCHING          (claimed by a scheduler node)
-    READY ─▶ DISPATCHING
-    DISPATCHING ─▶ RUNNING (a worker took it) | READY (publish failed, ack timeout,
-                   worker pool full)
-    RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff) | READY (worker lost)
-    FAILED ─▶ READY                          (manual retry)
-    any non-final ─▶ CANCELLED
-
-Every change is one ``UPDATE … WHERE task_id … AND status IN (…)`` statement;
-its rowcount (or RETURNING list) decides who won, so two nodes racing for
-the same task can never both succeed. A claim increments ``attempt``, the
-fencing token: a worker moves a task to RUNNING only when the attempt in its
-message equals the row's, so a stale message from an earlier attempt is
-refused. That makes dispatch exactly-once *per attempt*; execution is
-at-least-once (a task re-dispatched after a lost worker may run again).
+The rowcount (or RETURNING list) decides who won, so two nodes racing for the
+same task can never both move it. Worker moves are fenced by attempt: a
+stale message from an earlier attempt moves nothing. The allowed moves are
+:data:`ax_kombu.core.states.TRANSITIONS`.
 """
 
 from __future__ import annotations
@@ -25,62 +11,13 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from enum import StrEnum
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Row, TextClause, bindparam, text, update
+from sqlalchemy import Connection, TextClause, text, update
 
-from .exceptions import IllegalTransition
-from .store.schema import tasks
-
-
-class Status(StrEnum):
-    CREATED = "CREATED"
-    DELAYED = "DELAYED"
-    READY = "READY"
-    DISPATCHING = "DISPATCHING"
-    RUNNING = "RUNNING"
-    SUCCESS = "SUCCESS"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-
-S = Status
-FINAL = frozenset({S.SUCCESS, S.FAILED, S.CANCELLED})
-ACTIVE = frozenset(Status) - FINAL
-#: states a scheduler may claim from
-CLAIMABLE = (S.DELAYED, S.READY)
-
-TRANSITIONS: Mapping[Status, frozenset[Status]] = {
-    S.CREATED: frozenset({S.DELAYED, S.READY, S.CANCELLED}),
-    S.DELAYED: frozenset({S.READY, S.DISPATCHING, S.CANCELLED}),
-    S.READY: frozenset({S.DISPATCHING, S.CANCELLED}),
-    S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.CANCELLED}),
-    S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.READY, S.CANCELLED}),
-    S.SUCCESS: frozenset(),
-    S.FAILED: frozenset({S.READY}),
-    S.CANCELLED: frozenset(),
-}
-
-
-def check(sources: Iterable[Status], target: Status) -> tuple[Status, ...]:
-    """The sources as a tuple, after checking each may move to ``target``.
-
-    Raises:
-        IllegalTransition: some source may not move to ``target``.
-    """
-    sources = tuple(Status(s) for s in sources)
-    if not sources:
-        raise IllegalTransition(f"no source state given for a move to {target}")
-    for source in sources:
-        if target not in TRANSITIONS[source]:
-            raise IllegalTransition(f"a task cannot go from {source} to {target}")
-    return sources
-
-
-def sources_of(target: Status) -> tuple[Status, ...]:
-    """Every state from which ``target`` may be reached."""
-    return tuple(s for s in Status if target in TRANSITIONS[s])
+from ax_kombu.core.states import S, Status, check
+from ax_kombu.exceptions import IllegalTransition
+from ax_kombu.store.schema import tasks
 
 
 def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[Status],
@@ -106,50 +43,6 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
     if attempt is not None:
         stmt = stmt.where(tasks.c.attempt == attempt)
     return [r[0] for r in conn.execute(stmt)]
-
-
-#: in the order of :class:`ax_kombu.broker.TaskMessage`'s first fields (see dispatch.to_message)
-_CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
-                  "priority, retry_count, max_retry, processor_name, callback_url")
-
-# One conditional UPDATE, as on SQLite. Racing claimers: a row locked by another claim is
-# waited for (that claim commits within its one round trip), then its status is tested again,
-# so it moves for exactly one of them. Both lock in the same order (primary-key order of
-# ANY(:ids)), so two claims do not deadlock; if different plans ever did, PostgreSQL aborts
-# one, and its ids go back to be claimed again. This was FOR UPDATE SKIP LOCKED + UPDATE:
-# locking first wrote every row twice (lock, then update): claiming 20,000 due rows in
-# batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
-_CLAIM = """
-    UPDATE ax_task
-       SET status = 'DISPATCHING', attempt = attempt + 1,
-           last_run_node = :node, dispatched_at = :now
-     WHERE task_id {ids} AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
- RETURNING """ + _CLAIM_COLUMNS
-
-#: PostgreSQL takes the ids as one array; elsewhere they expand into IN (…)
-_CLAIM_PG = text(_CLAIM.format(ids="= ANY(:ids)"))
-_CLAIM_GENERIC = text(_CLAIM.format(ids="IN :ids")).bindparams(bindparam("ids", expanding=True))
-
-
-def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
-          due_before: int | None = None) -> list[Row[Any]]:
-    """Claim due tasks for dispatch by ``node``: DELAYED/READY → DISPATCHING, attempt + 1.
-
-    One conditional statement for the whole batch: a row moves only if it is
-    still DELAYED/READY when the statement reaches it (after waiting for a
-    racing claim's lock, PostgreSQL tests it again), so every row is returned
-    to exactly one claimer. Rows due after ``due_before`` (default ``now_ms``)
-    are left alone.
-
-    Returns:
-        The claimed rows, with the columns a dispatch message needs.
-    """
-    if not task_ids:
-        return []
-    params = {"ids": list(task_ids), "node": node, "now": now_ms,
-              "due_before": now_ms if due_before is None else due_before}
-    stmt = _CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC
-    return list(conn.execute(stmt, params))
 
 
 # -- batched, attempt-fenced moves for workers -----------------------------------------------

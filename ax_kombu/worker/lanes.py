@@ -10,7 +10,7 @@ Two kinds of runs hold a slot without holding a message, and lower the
 prefetch by one each while they do (:meth:`Lane.target`):
 
 * a *stuck* run — timed out and reported, but its thread has not returned
-  (threads cannot be killed; see :mod:`ax_kombu.pools`);
+  (threads cannot be killed; see :mod:`ax_kombu.worker.pools`);
 * a run whose message was acked early: a task allowed more than
   :data:`ACK_AT_START_MS` (RabbitMQ closes a channel holding a message
   unacked longer than its ``consumer_timeout``, 30 min by default), or one
@@ -18,7 +18,7 @@ prefetch by one each while they do (:meth:`Lane.target`):
 
 When the target reaches 0 the consumer is cancelled (a prefetch of 0 would
 mean "unlimited") and resumed when a slot frees up. A lane that *pulls*
-(Redis, :mod:`ax_kombu.intake`) has no consumer: the worker asks for at
+(Redis, :mod:`ax_kombu.broker.redis_pull`) has no consumer: the worker asks for at
 most :meth:`Lane.room` messages, so the same target bounds it. On RabbitMQ the QoS is
 set per channel (``global``), the only kind RabbitMQ changes on a live
 consumer; every lane has its own channel. Kombu channels are not
@@ -34,11 +34,11 @@ from typing import Any
 
 from kombu.entity import Queue
 
-from .broker import TaskMessage
-from .config import PRIORITIES, Settings
-from .exceptions import ConfigurationError
-from .pools import Pool
-from .processors import split_names
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.config import PRIORITIES, Settings
+from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.worker.pools import Pool
+from ax_kombu.worker.processors import split_names
 
 #: a task allowed longer than this has its message acked when it starts
 ACK_AT_START_MS = 10 * 60 * 1000

@@ -33,7 +33,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
-from .exceptions import CallbackFailed, ConfigurationError, ProcessorNotFound, ProcessorRefused
+from ax_kombu.exceptions import (
+    CallbackFailed,
+    ConfigurationError,
+    ProcessorNotFound,
+    ProcessorRefused,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 Processor = Callable[[Any, "Context"], Any]

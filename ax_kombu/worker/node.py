@@ -2,10 +2,10 @@
 
 One thread (the one calling :meth:`Worker.run`) owns the broker connection:
 a Kombu consumer per queue (``high``, ``default``, ``slow``), each on its own
-channel and feeding its own bounded pool — a :class:`~ax_kombu.lanes.Lane`.
+channel and feeding its own bounded pool — a :class:`~ax_kombu.worker.lanes.Lane`.
 Only this thread touches Kombu's channels (they are not thread-safe). On
 Redis ≥ 6.2 (unless ``redis_pull`` is off) a puller thread
-(:mod:`ax_kombu.intake`) receives instead, many messages per round trip and
+(:mod:`ax_kombu.broker.redis_pull`) receives instead, many messages per round trip and
 never more than each lane's room; it only uses the channel's connection pool.
 
 Receipt, in batches. The consuming thread drains the broker and plans what
@@ -14,7 +14,7 @@ arrived:
 1. each message is planned into a free slot of its lane's pool; what cannot
    start waits in the lane's backlog (only with ``prefetch_multiplier`` > 1,
    at most ``pool × (multiplier − 1)``), else is handed back;
-2. the receipt stage (:mod:`ax_kombu.receipts`, its own thread) moves the
+2. the receipt stage (:mod:`ax_kombu.worker.receipts`, its own thread) moves the
    startable tasks DISPATCHING → RUNNING in ONE statement, only where the
    row's attempt equals the message's (the fencing token), setting
    ``started_at`` (database clock) and ``last_run_node`` = this worker; the
@@ -24,13 +24,13 @@ arrived:
 3. a message whose move failed (task cancelled, or a stale message from an
    earlier attempt) is logged with the reason, counted, acked, not run;
 4. the started tasks go to their pools; each outcome is written in a batch
-   by :class:`~ax_kombu.results.ResultWriter`, and its message is acked.
+   by :class:`~ax_kombu.worker.results.ResultWriter`, and its message is acked.
 
 A message is acked only after its RUNNING move committed, and normally
 stays unacked while its task runs: the broker's prefetch (``pool ×
 multiplier``) then bounds exactly what a lane holds, so a worker is only
 handed work it can start and nothing waits in an unbounded queue. See
-:mod:`ax_kombu.lanes` for the runs that hold a slot without a message
+:mod:`ax_kombu.worker.lanes` for the runs that hold a slot without a message
 (timed-out threads, tasks allowed over ten minutes) and how the prefetch
 shrinks for them.
 
@@ -68,17 +68,18 @@ from kombu.exceptions import OperationalError
 from kombu.serialization import prepare_accept_content
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import intake, states
-from .broker import TaskMessage, connection, task_queues
-from .config import PRIORITIES, Settings, redact_url
-from .exceptions import StoreError
-from .lanes import ACK_AT_START_MS, Delivery, Lane, parse_queues, plan
-from .nodes import Heartbeat, default_node_id
-from .pools import Outcome
-from .processors import Context, Resolver, split_names
-from .receipts import Batch, ReceiptWriter, account
-from .results import Counters, HeldConnection, ResultWriter
-from .store import Store
+from ax_kombu.broker import redis_pull as intake
+from ax_kombu.broker.connection import connection, task_queues
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.exceptions import StoreError
+from ax_kombu.store import Store, transitions
+from ax_kombu.store.nodes import Heartbeat, default_node_id
+from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, parse_queues, plan
+from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.processors import Context, Resolver, split_names
+from ax_kombu.worker.receipts import Batch, ReceiptWriter, account
+from ax_kombu.worker.results import Counters, HeldConnection, ResultWriter
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class Worker:
     def _attach(self, conn: Any) -> None:
         self._generation += 1
         self._global_qos = conn.transport.driver_type == "amqp"
-        if self.settings.redis_pull and intake.supported(conn):  # batches (ax_kombu.intake)
+        if self.settings.redis_pull and intake.supported(conn):  # batches (ax_kombu.broker.redis_pull)
             self._released = [0] * len(self.lanes)
             self._puller = intake.Puller(conn.channel(), [lane.queue.name for lane in self.lanes],
                                          prepare_accept_content(["json"]), self._poke)
@@ -323,7 +324,7 @@ class Worker:
             timeout = POLL_S
 
     def _take_pulled(self, puller: intake.Puller) -> None:
-        """Take what the puller popped (see :mod:`ax_kombu.intake`); wait if nothing."""
+        """Take what the puller popped (see :mod:`ax_kombu.broker.redis_pull`); wait if nothing."""
         if puller.error is not None:
             raise puller.error
         if not puller.inbox:
@@ -480,7 +481,7 @@ class Worker:
             return
         try:
             with self._db.begin() as conn:
-                states.release_many(conn, [d.pair for d in unstarted])
+                transitions.release_many(conn, [d.pair for d in unstarted])
         except SQLAlchemyError:
             log.warning("could not hand work back to READY; returning it to the broker",
                         exc_info=True, extra={"count": len(unstarted)})

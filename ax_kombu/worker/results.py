@@ -2,7 +2,7 @@
 
 Pool threads hand every outcome to :meth:`ResultWriter.put` (a lock-free
 queue append). One writer thread turns them into state changes and writes
-them with :func:`ax_kombu.states.finish_many` — one statement per batch of at
+them with :func:`ax_kombu.store.transitions.finish_many` — one statement per batch of at
 most ``worker_batch_size`` results, at least every ``worker_batch_ms`` —
 instead of one transaction per task.
 
@@ -42,15 +42,17 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import metrics, states
-from .backoff import Uniform, backoff_ms, default_rng
-from .broker import TaskMessage
-from .config import Settings
-from .exceptions import ProcessorRefused
-from .pools import Outcome
-from .states import Finish, Status
-from .store import Store
-from .store.tasks import wake_schedulers
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.config import Settings
+from ax_kombu.core import states
+from ax_kombu.core.backoff import Uniform, backoff_ms, default_rng
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import ProcessorRefused
+from ax_kombu.observability import metrics
+from ax_kombu.store import Store, transitions
+from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.store.transitions import Finish
+from ax_kombu.worker.pools import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +248,7 @@ class ResultWriter:
         while True:
             try:
                 with self._db.begin() as conn:
-                    moved = set(states.finish_many(conn, finishes))
+                    moved = set(transitions.finish_many(conn, finishes))
                     retries = [f.at_ms for f in finishes
                                if f.status is states.Status.DELAYED and f.task_id in moved]
                     if retries:  # due soon: schedulers load it now, not at the next preload

@@ -24,17 +24,17 @@ body encoding, compression, another content type) are decoded by Kombu
 (``channel.Message(...).decode()``), which enforces the ``accept`` list.
 
 Flow control is the worker's own: a lane's room is its prefetch (free slots
-× multiplier, :mod:`ax_kombu.lanes`) minus the messages popped for it and not
+× multiplier, :mod:`ax_kombu.worker.lanes`) minus the messages popped for it and not
 acked yet, counted here under one lock, so nothing waits in an unbounded
 queue and the worker is never handed more than it can start.
 
 Scope: ax's queues carry ax's task messages only, published at priority 0
-(:meth:`ax_kombu.broker.Publisher.publish`), so only each queue's base list is
+(:meth:`ax_kombu.broker.messages.Publisher.publish`), so only each queue's base list is
 read. A message a plain Kombu producer sends there with another priority sits
 in Kombu's per-priority list and is not seen here.
 
 Guarantees are those of Kombu's consumer with ack emulation off (see
-:mod:`ax_kombu.worker`): a popped message is gone from Redis; if the worker
+:mod:`ax_kombu.worker.node`): a popped message is gone from Redis; if the worker
 dies before its task is RUNNING, the task is still DISPATCHING, and the
 scheduler's ack timeout dispatches it again.
 """

@@ -17,9 +17,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, delete, insert, select, update
 
-from .store import Store
-from .store.engine import db_now_ms
-from .store.schema import nodes
+from ax_kombu.store import Store
+from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.schema import nodes
 
 
 def default_node_id(kind: str) -> str:

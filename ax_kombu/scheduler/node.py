@@ -6,7 +6,7 @@ One node runs four threads, one per stage, so that no stage waits on another's I
   wheel and never touches the database or the broker: it adds the ids it is
   handed, fires what is due and sleeps until the next id is due;
 * the **claimer** claims fired ids in the database;
-* the **dispatcher** (:class:`ax_kombu.dispatch.Dispatcher`) publishes claimed batches;
+* the **dispatcher** (:class:`ax_kombu.scheduler.dispatcher.Dispatcher`) publishes claimed batches;
 * the **housekeeper** preloads, heartbeats, recovers and re-measures the
   database clock.
 
@@ -15,9 +15,9 @@ The stages, on the database clock:
 1. **Preload** (housekeeper; every ``preload_interval_ms``, at once on a
    producer's wake-up, and again straight away while it keeps finding full
    batches): takes tasks due within ``preload_window_ms`` into memory —
-   CREATED rows and rows nobody holds (:mod:`ax_kombu.store.scan`). Memory is
+   CREATED rows and rows nobody holds (:mod:`ax_kombu.store.recovery`). Memory is
    bounded by the window and ``max_held``, never by how many future tasks exist.
-2. **Timing wheel** (timing loop; :class:`ax_kombu.wheel.TriggerTimer`): an
+2. **Timing wheel** (timing loop; :class:`ax_kombu.core.wheel.TriggerTimer`): an
    8 s millisecond wheel in front of a delay queue for the rest of the window.
    Due ids come out in trigger order; firing is a slot lookup. The loop reads
    the clock locally (:meth:`ax_kombu.store.clock.DbClock.local_ms`), so a
@@ -26,7 +26,7 @@ The stages, on the database clock:
    are due, so that the claim's round trip is over by then; the ids fired
    while the previous claim ran form the next batch (up to ``claim_batch``),
    claimed with one conditional statement
-   (:func:`ax_kombu.states.claim`: ``UPDATE … WHERE status IN (DELAYED,
+   (:func:`ax_kombu.store.claims.claim`: ``UPDATE … WHERE status IN (DELAYED,
    READY) … RETURNING``). On PostgreSQL the statement runs in autocommit:
    one round trip, and the claim is durable when it returns — before any row
    is handed on. Why claim rather than partition: any node may end up
@@ -57,7 +57,7 @@ Guarantees:
   within ``heartbeat_misses × heartbeat_interval_s`` (+ one interval), and a
   claimed-but-unpublished batch returns via the ack timeout.
 * **Execution is at-least-once**: a re-dispatched task may run twice if the
-  first worker did run it (see :mod:`ax_kombu.worker`).
+  first worker did run it (see :mod:`ax_kombu.worker.node`).
 
 Signals (installed by the CLI): the first TERM/INT is a warm stop — stop
 claiming, publish what is claimed, release the rest to other nodes, exit 0.
@@ -77,14 +77,14 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import metrics, nodes
-from .broker import TaskMessage
-from .config import Settings
-from .dispatch import Dispatcher
-from .states import claim
-from .store import Store, scan
-from .store.notify import WakeListener
-from .wheel import TriggerTimer
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.config import Settings
+from ax_kombu.core.wheel import TriggerTimer
+from ax_kombu.observability import metrics
+from ax_kombu.scheduler.dispatcher import Dispatcher
+from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store.claims import claim
+from ax_kombu.store.notify import WakeListener
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ class Scheduler:
             return
         try:
             with self.store.engine.begin() as conn:
-                rows = scan.preload(conn, self.node_id, now,
+                rows = recovery.preload(conn, self.node_id, now,
                                     now + self.settings.preload_window_ms, room)
         except SQLAlchemyError:
             self._wake_pending = True  # try again after the back-off
@@ -397,8 +397,8 @@ class Scheduler:
         self._check_skew()
         with self.store.engine.begin() as conn:
             dead = nodes.claim_dead(conn, self._silence_ms())
-            released = scan.release_held(conn, dead)
-            recovered = scan.recover_running(conn, dead, now)
+            released = recovery.release_held(conn, dead)
+            recovered = recovery.recover_running(conn, dead, now)
         if dead:
             log.warning("nodes stopped heartbeating; recovering their tasks",
                         extra={"nodes": dead, "released": released, "running": len(recovered)})
@@ -409,10 +409,10 @@ class Scheduler:
     def _recover(self, now: int) -> None:
         self._next["recovery"] = now + self._recovery_ms()
         with self.store.engine.begin() as conn:
-            unacked = scan.requeue_unacked(conn, now - self.settings.ack_timeout_ms)
-            orphans = scan.release_orphans(conn, now - self._silence_ms(),
+            unacked = recovery.requeue_unacked(conn, now - self.settings.ack_timeout_ms)
+            orphans = recovery.release_orphans(conn, now - self._silence_ms(),
                                            now - self._silence_ms())
-            running = scan.recover_orphan_running(conn, now, now - self._silence_ms())
+            running = recovery.recover_orphan_running(conn, now, now - self._silence_ms())
         if unacked or orphans or running:
             log.warning("recovery found tasks to dispatch again",
                         extra={"ack_timeouts": len(unacked), "orphans": orphans,
@@ -454,7 +454,7 @@ class Scheduler:
             self._join(self.dispatcher)
         try:
             with self.store.engine.begin() as conn:
-                released = scan.release_held(conn, [self.node_id])
+                released = recovery.release_held(conn, [self.node_id])
             self.heartbeat.stop()
             log.info("scheduler stopped", extra={"node": self.node_id, "released": released})
         except SQLAlchemyError:

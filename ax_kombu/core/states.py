@@ -1,0 +1,78 @@
+"""Task statuses and the transitions allowed between them (pure: no I/O).
+
+::
+
+    CREATED ─▶ DELAYED (future) | READY (due)
+    DELAYED ─▶ READY | DISPATCHING          (claimed by a scheduler node)
+    READY ─▶ DISPATCHING
+    DISPATCHING ─▶ RUNNING (a worker took it) | READY (publish failed, ack timeout,
+                   worker pool full)
+    RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff) | READY (worker lost)
+    FAILED ─▶ READY                          (manual retry)
+    any non-final ─▶ CANCELLED
+
+Every change is one ``UPDATE … WHERE task_id … AND status IN (…)`` statement
+(:mod:`ax_kombu.store.transitions`, :mod:`ax_kombu.store.claims`);
+its rowcount (or RETURNING list) decides who won, so two nodes racing for
+the same task can never both succeed. A claim increments ``attempt``, the
+fencing token: a worker moves a task to RUNNING only when the attempt in its
+message equals the row's, so a stale message from an earlier attempt is
+refused. That makes dispatch exactly-once *per attempt*; execution is
+at-least-once (a task re-dispatched after a lost worker may run again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+
+from ax_kombu.exceptions import IllegalTransition
+
+
+class Status(StrEnum):
+    CREATED = "CREATED"
+    DELAYED = "DELAYED"
+    READY = "READY"
+    DISPATCHING = "DISPATCHING"
+    RUNNING = "RUNNING"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+S = Status
+FINAL = frozenset({S.SUCCESS, S.FAILED, S.CANCELLED})
+ACTIVE = frozenset(Status) - FINAL
+#: states a scheduler may claim from
+CLAIMABLE = (S.DELAYED, S.READY)
+
+TRANSITIONS: Mapping[Status, frozenset[Status]] = {
+    S.CREATED: frozenset({S.DELAYED, S.READY, S.CANCELLED}),
+    S.DELAYED: frozenset({S.READY, S.DISPATCHING, S.CANCELLED}),
+    S.READY: frozenset({S.DISPATCHING, S.CANCELLED}),
+    S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.CANCELLED}),
+    S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.READY, S.CANCELLED}),
+    S.SUCCESS: frozenset(),
+    S.FAILED: frozenset({S.READY}),
+    S.CANCELLED: frozenset(),
+}
+
+
+def check(sources: Iterable[Status], target: Status) -> tuple[Status, ...]:
+    """The sources as a tuple, after checking each may move to ``target``.
+
+    Raises:
+        IllegalTransition: some source may not move to ``target``.
+    """
+    sources = tuple(Status(s) for s in sources)
+    if not sources:
+        raise IllegalTransition(f"no source state given for a move to {target}")
+    for source in sources:
+        if target not in TRANSITIONS[source]:
+            raise IllegalTransition(f"a task cannot go from {source} to {target}")
+    return sources
+
+
+def sources_of(target: Status) -> tuple[Status, ...]:
+    """Every state from which ``target`` may be reached."""
+    return tuple(s for s in Status if target in TRANSITIONS[s])

@@ -1,0 +1,1 @@
+"""What ax tells an operator: Prometheus metrics."""
