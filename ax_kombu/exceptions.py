@@ -71,3 +71,9 @@ class CallbackFailed(AxError):
     """A callback_url answered with a non-2xx status, failed, or did not answer in time."""
 
     exit_code = 1
+
+
+class NodeNameInUse(AxError):
+    """Another live process is registered under this node name (``-n``)."""
+
+    exit_code = 6

@@ -1,9 +1,25 @@
-"""Liveness of scheduler and worker processes: one ``ax_node`` row each, heartbeated.
+"""Liveness of scheduler and worker processes: one ``ax_node`` row per node name, heartbeated.
 
-A node is *dead* when it has not written a heartbeat for
-``heartbeat_misses × heartbeat_interval_s`` and did not stop cleanly. Whoever
-notices first marks it stopped with a compare-and-set, so the tasks it held
-are recovered exactly once (see the scheduler's recovery).
+A node's **name** (``-n``) is stable across restarts; each process start is a
+new **incarnation** of it (a number unique to that start). The row says which
+incarnation is live. Contracts:
+
+* **Registration takes over from the earlier incarnation** in one transaction:
+  what it held is released for adoption (DELAYED/READY), what it had claimed
+  but no worker started goes back to READY (a new attempt fences its message),
+  and what it was running is retried, or FAILED "worker lost" when no retries
+  remain. A process whose registration returns has nothing left over from an
+  earlier life under its name.
+* **Two live processes never share a name**: registering a name whose live
+  incarnation is still heartbeating (and, on the same host, whose pid still
+  runs) raises :class:`~ax_kombu.exceptions.NodeNameInUse`, and changes nothing.
+* **A heartbeat is a compare-and-set on the live incarnation**: it returns
+  False once the node was declared dead or replaced, and the caller must stop
+  acting under that incarnation (see the daemons).
+* A node is *dead* when it has not written a heartbeat for the silence window
+  (``heartbeat_misses × heartbeat_interval_s``) and did not stop cleanly.
+  Whoever notices first marks it stopped with a compare-and-set
+  (:func:`claim_dead`), so its tasks are recovered exactly once.
 """
 
 from __future__ import annotations
@@ -12,11 +28,12 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Row, delete, insert, select, update
+from sqlalchemy import Connection, Row, insert, select, text, update
 
+from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.schema import nodes
@@ -27,37 +44,132 @@ def default_node_id(kind: str) -> str:
     return f"{kind}@{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:4]}"
 
 
-class Heartbeat:
-    """Registers one process in ``ax_node`` and keeps its heartbeat fresh."""
+def pid_running(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
 
-    def __init__(self, store: Store, node_id: str, kind: str) -> None:
+
+class TakeOver(NamedTuple):
+    """What a registration recovered from the earlier incarnation of its name."""
+
+    released: int
+    requeued: int
+    running: int
+
+
+_REQUEUE_DISPATCHING = text(
+    "UPDATE ax_task SET status = 'READY', last_run_node = NULL "
+    "WHERE status = 'DISPATCHING' AND last_run_node = :node")
+_RELEASE_HELD = text(
+    "UPDATE ax_task SET last_run_node = NULL "
+    "WHERE status IN ('DELAYED', 'READY') AND last_run_node = :node")
+
+
+class Heartbeat:
+    """Registers one process (a new incarnation of its name) and keeps its heartbeat fresh.
+
+    Args:
+        store: where ``ax_node`` lives.
+        node_id: the stable node name.
+        kind: ``scheduler`` or ``worker``.
+        silence_ms: how long a live incarnation may go without a heartbeat before
+            another process may take its name over (the dead-node window).
+    """
+
+    def __init__(self, store: Store, node_id: str, kind: str, silence_ms: int = 15_000) -> None:
         self.store = store
         self.node_id = node_id
         self.kind = kind
+        self.silence_ms = silence_ms
+        #: this process's live incarnation (0 until registered)
+        self.incarnation = 0
 
-    def register(self, info: Mapping[str, Any]) -> None:
-        now = self.store.now_ms()
-        with self.store.engine.begin() as conn:
-            conn.execute(delete(nodes).where(nodes.c.node_id == self.node_id))
-            conn.execute(insert(nodes).values(
-                node_id=self.node_id, kind=self.kind, host=socket.gethostname(), pid=os.getpid(),
-                started_at=now, heartbeat_at=now, info=json.dumps(dict(info))))
+    def register(self, info: Mapping[str, Any], keep_running: Sequence[int] = ()) -> TakeOver:
+        """Become the live incarnation of the name, taking over from the earlier one.
 
-    def beat(self, info: Mapping[str, Any]) -> None:
+        Args:
+            info: published in the row.
+            keep_running: task ids this very process is still running (a process
+                re-registering after it was declared dead): left RUNNING.
+        Returns:
+            What was recovered from the earlier incarnation.
+        Raises:
+            NodeNameInUse: another live process has the name; nothing changed.
+        """
         with self.store.engine.begin() as conn:
-            conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
-                         .values(heartbeat_at=self.store.now_ms(), info=json.dumps(dict(info))))
+            now = db_now_ms(conn)
+            self._check_free(conn, now)
+            incarnation = max(now, self.incarnation + 1)
+            self._upsert(conn, now, incarnation, info)
+            took = _take_over(conn, self.node_id, now, keep_running)
+        self.incarnation = incarnation
+        return took
+
+    def _check_free(self, conn: Connection, now: int) -> None:
+        row = conn.execute(select(nodes).where(nodes.c.node_id == self.node_id)
+                           .with_for_update()).first()
+        if row is None or row.stopped_at is not None or row.incarnation == self.incarnation:
+            return
+        same_host = row.host == socket.gethostname()
+        if same_host and (row.pid == os.getpid() or not pid_running(row.pid)):
+            return  # that process is gone: no need to wait for its heartbeat to go stale
+        if row.heartbeat_at >= now - self.silence_ms:
+            raise NodeNameInUse(
+                f"node name {self.node_id!r} is in use by a live {row.kind} "
+                f"(pid {row.pid} on {row.host}, heartbeat {now - row.heartbeat_at} ms ago); "
+                f"give this process another -n, or stop that one")
+
+    def _upsert(self, conn: Connection, now: int, incarnation: int,
+                info: Mapping[str, Any]) -> None:
+        values = {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
+                  "incarnation": incarnation, "started_at": now, "heartbeat_at": now,
+                  "stopped_at": None, "info": json.dumps(dict(info))}
+        moved = conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
+                             .values(**values)).rowcount
+        if not moved:
+            conn.execute(insert(nodes).values(node_id=self.node_id, **values))
+
+    def beat(self, info: Mapping[str, Any]) -> bool:
+        """Refresh the heartbeat; False if this incarnation is no longer the live one."""
+        with self.store.engine.begin() as conn:
+            moved = conn.execute(
+                update(nodes).where(nodes.c.node_id == self.node_id,
+                                    nodes.c.incarnation == self.incarnation,
+                                    nodes.c.stopped_at.is_(None))
+                .values(heartbeat_at=db_now_ms(conn), info=json.dumps(dict(info)))).rowcount
+        return bool(moved)
 
     def stop(self) -> None:
+        """Mark this incarnation stopped (a clean exit)."""
         with self.store.engine.begin() as conn:
-            conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
-                         .values(stopped_at=self.store.now_ms()))
+            conn.execute(update(nodes).where(nodes.c.node_id == self.node_id,
+                                             nodes.c.incarnation == self.incarnation)
+                         .values(stopped_at=db_now_ms(conn)))
+
+
+def _take_over(conn: Connection, node: str, now_ms: int, keep: Sequence[int]) -> TakeOver:
+    """Recover what tasks an earlier incarnation of ``node`` left (see the module docstring)."""
+    from ax_kombu.store.recovery import recover_running  # recovery imports this module
+
+    released = conn.execute(_RELEASE_HELD, {"node": node}).rowcount
+    requeued = conn.execute(_REQUEUE_DISPATCHING, {"node": node}).rowcount
+    running = recover_running(conn, [node], now_ms, keep=keep)
+    return TakeOver(int(released), int(requeued), len(running))
 
 
 def claim_dead(conn: Connection, max_silence_ms: int, kind: str | None = None) -> list[str]:
-    """Mark nodes silent for longer than ``max_silence_ms`` as stopped; returns their ids.
+    """Mark nodes silent for longer than ``max_silence_ms`` as stopped; returns their names.
 
-    A node id is returned to exactly one caller, however many race.
+    A node is returned to exactly one caller, however many race. Call this only
+    from a process whose own heartbeats have been succeeding for at least
+    ``max_silence_ms`` (a process just back from a database outage would judge
+    everyone dead).
     """
     now = db_now_ms(conn)
     stmt = (update(nodes)
@@ -74,3 +186,21 @@ def live_nodes(conn: Connection, max_silence_ms: int) -> list[Row[Any]]:
     return list(conn.execute(select(nodes).where(
         nodes.c.stopped_at.is_(None), nodes.c.heartbeat_at >= now - max_silence_ms)
         .order_by(nodes.c.kind, nodes.c.node_id)))
+
+
+def consumed_queues(conn: Connection, max_silence_ms: int) -> set[str]:
+    """The queue names some live worker consumes (from the ``queues`` in its heartbeat)."""
+    names: set[str] = set()
+    for row in live_nodes(conn, max_silence_ms):
+        if row.kind != "worker":
+            continue
+        try:
+            queues = json.loads(row.info or "{}").get("queues", [])
+        except (ValueError, AttributeError):
+            continue
+        names.update(q for q in queues if isinstance(q, str))
+    return names
+
+
+__all__ = ["Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
+           "default_node_id", "live_nodes", "pid_running"]

@@ -15,6 +15,7 @@ moves from.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import Connection, bindparam, text
 
@@ -106,14 +107,63 @@ def release_held(conn: Connection, nodes: Sequence[str]) -> int:
 
 
 def requeue_unacked(conn: Connection, dispatched_before_ms: int) -> list[int]:
-    """DISPATCHING tasks no worker started since ``dispatched_before_ms`` → READY, unheld.
-
-    The next claim gives them a new attempt, so the message of the old
-    attempt, if it is ever delivered, is refused by the worker.
-    """
+    """Unbounded form kept until the scheduler moves to :func:`redispatch_unacked`."""
     stmt = text("UPDATE ax_task SET status = 'READY', last_run_node = NULL "
                 "WHERE status = 'DISPATCHING' AND dispatched_at < :cutoff RETURNING task_id")
     return [r[0] for r in conn.execute(stmt, {"cutoff": dispatched_before_ms})]
+
+
+#: the ack timeout doubles with each re-dispatch of a task, up to 2**MAX_BACKOFF_STEPS times
+MAX_BACKOFF_STEPS = 5
+
+_UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACKOFF_STEPS} "
+                f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
+_REQUEUE_UNACKED = f"""
+UPDATE ax_task
+   SET status = CASE WHEN redispatches + 1 < :max_dispatches THEN 'READY' ELSE 'FAILED' END,
+       redispatches = redispatches + 1,
+       finished_at = CASE WHEN redispatches + 1 < :max_dispatches THEN NULL ELSE :now END,
+       last_error = CASE WHEN redispatches + 1 < :max_dispatches THEN last_error
+                         ELSE :gave_up END,
+       last_run_node = NULL
+ WHERE status = 'DISPATCHING' AND {_UNACKED_AGE} AND priority IN :priorities
+RETURNING task_id, status"""
+
+
+def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
+                    priorities: Sequence[str], max_dispatches: int) -> list[tuple[int, str]]:
+    """DISPATCHING tasks no worker started in time → READY (unheld), or FAILED past the limit.
+
+    Bounded re-dispatch: a task's n-th re-dispatch waits ``ack_timeout_ms × 2**n``
+    (n capped at MAX_BACKOFF_STEPS) after its last dispatch, and a task sent
+    out ``max_dispatches`` times without a start fails with a clear
+    ``last_error``. Only tasks of ``priorities`` are looked at: the caller
+    passes those whose queue some live worker consumes, so a queue without a
+    consumer keeps its one message per task and is never re-published to.
+    The next claim gives a requeued task a new attempt, so the message of the
+    old attempt, if it is ever delivered, is refused by the worker.
+
+    Returns:
+        ``(task_id, new_status)`` pairs.
+    """
+    if not priorities:
+        return []
+    stmt = text(_REQUEUE_UNACKED).bindparams(bindparam("priorities", expanding=True))
+    gave_up = (f"dispatched {max_dispatches} times and never started by a worker "
+               f"(ack timeout {ack_timeout_ms} ms, doubling per dispatch); see AX_MAX_DISPATCHES")
+    params = {"now": now_ms, "ack_ms": ack_timeout_ms, "priorities": list(priorities),
+              "max_dispatches": max_dispatches, "gave_up": gave_up}
+    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+
+
+def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dict[str, int]:
+    """Per priority among ``priorities``: tasks DISPATCHING or due READY (what waits for a worker)."""
+    if not priorities:
+        return {}
+    stmt = text("SELECT priority, count(*) FROM ax_task WHERE status IN ('DISPATCHING', 'READY') "
+                "AND priority IN :priorities GROUP BY priority"
+                ).bindparams(bindparam("priorities", expanding=True))
+    return {r[0]: int(r[1]) for r in conn.execute(stmt, {"priorities": list(priorities)})}
 
 
 _RECOVER_RUNNING = """
@@ -131,16 +181,23 @@ _NOT_ALIVE = ("last_run_node NOT IN (SELECT node_id FROM ax_node WHERE stopped_a
               "AND heartbeat_at >= :alive)")
 
 
-def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int) -> list[tuple[int, str]]:
+def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
+                    keep: Sequence[int] = ()) -> list[tuple[int, str]]:
     """RUNNING tasks of dead workers: retried now if retries remain, else FAILED.
 
+    ``keep``: task ids left alone (still running in the calling process).
     Returns ``(task_id, new_status)`` pairs.
     """
     if not nodes:
         return []
-    stmt = text(_RECOVER_RUNNING.format(which="last_run_node IN :nodes")).bindparams(
-        bindparam("nodes", expanding=True))
-    params = {"nodes": list(nodes), "now": now_ms, "error": "worker lost"}
+    which = "last_run_node IN :nodes"
+    if keep:
+        which += " AND task_id NOT IN :keep"
+    stmt = text(_RECOVER_RUNNING.format(which=which)).bindparams(
+        bindparam("nodes", expanding=True), *([bindparam("keep", expanding=True)] if keep else []))
+    params: dict[str, Any] = {"nodes": list(nodes), "now": now_ms, "error": "worker lost"}
+    if keep:
+        params["keep"] = list(keep)
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 

@@ -65,6 +65,8 @@ tasks = Table(
     Column("started_at", BigInteger),
     Column("finished_at", BigInteger),
     Column("last_error", Text),
+    #: times the ack timeout sent the task out again unstarted (bounded by max_dispatches)
+    Column("redispatches", Integer, nullable=False, server_default="0"),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -93,6 +95,8 @@ nodes = Table(
     Column("kind", String(16), nullable=False),
     Column("host", String(255), nullable=False),
     Column("pid", Integer, nullable=False),
+    #: which process start this is: a heartbeat only counts for the live incarnation
+    Column("incarnation", BigInteger, nullable=False, server_default="0"),
     Column("started_at", BigInteger, nullable=False),
     Column("heartbeat_at", BigInteger, nullable=False),
     Column("stopped_at", BigInteger),

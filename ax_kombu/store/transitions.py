@@ -80,9 +80,20 @@ def _run_batch(conn: Connection, columns: tuple[str, ...], template: str,
 
 _START = """
     UPDATE ax_task AS t SET status = 'RUNNING', started_at = :now, last_run_node = :node
-      FROM {source}
-     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
+      FROM {{source}}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND {moves}{fence}
  RETURNING task_id"""
+_FROM_DISPATCHING = "COALESCE(t.status, '') = 'DISPATCHING'"
+# the retry of a start whose reply was lost: rows it did move are RUNNING, by this node,
+# with the started_at it wrote (no other start writes that node and that instant)
+_OR_STARTED_BY_ME = ("(COALESCE(t.status, '') = 'DISPATCHING' OR (t.status = 'RUNNING' "
+                     "AND t.last_run_node = :node AND t.started_at = :now))")
+# only the live incarnation of the node starts anything (see store.nodes)
+_FENCE = (" AND EXISTS (SELECT 1 FROM ax_node AS n WHERE n.node_id = :node "
+          "AND n.incarnation = :inc AND n.stopped_at IS NULL)")
+_STARTS = {(resume, fenced): _START.format(moves=_OR_STARTED_BY_ME if resume else _FROM_DISPATCHING,
+                                           fence=_FENCE if fenced else "")
+           for resume in (False, True) for fenced in (False, True)}
 
 _RELEASE = """
     UPDATE ax_task AS t SET status = 'READY', last_run_node = NULL
@@ -104,16 +115,24 @@ _FINISH = """
 
 
 def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
-               now_ms: int) -> list[int]:
+               now_ms: int, *, incarnation: int | None = None,
+               resume: bool = False) -> list[int]:
     """DISPATCHING → RUNNING for each ``(task_id, attempt)`` whose row is at that attempt.
 
     Sets ``started_at = now_ms`` and ``last_run_node = node`` (the worker).
     A cancelled task, or a stale message from an earlier attempt, does not move.
 
+    Args:
+        incarnation: if given, nothing moves unless it is ``node``'s live
+            incarnation (a worker declared dead starts nothing).
+        resume: this repeats a call with the same ``now_ms`` whose outcome is
+            unknown (the reply was lost): rows that call moved count as moved.
     Returns:
         The ids that moved (each once, even if a pair was given twice).
     """
-    return _run_batch(conn, ("id", "att"), _START, pairs, now=now_ms, node=node)
+    template = _STARTS[(resume, incarnation is not None)]
+    return _run_batch(conn, ("id", "att"), template, pairs, now=now_ms, node=node,
+                      **({"inc": incarnation} if incarnation is not None else {}))
 
 
 def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int]:

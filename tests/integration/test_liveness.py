@@ -1,0 +1,164 @@
+"""Node incarnations, fenced heartbeats and starts, bounded re-dispatch — on both stores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import select, update
+
+from ax_kombu.api import Client
+from ax_kombu.config import Settings
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import NodeNameInUse
+from ax_kombu.store import claims, nodes, recovery, transitions
+from ax_kombu.store.schema import nodes as node_table
+from ax_kombu.store.schema import tasks
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[Client]:
+    c = Client(settings)
+    yield c
+    c.close()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(10)
+    return proc.pid
+
+
+def statuses(client: Client, ids: list[int]) -> dict[int, tuple[str, str | None]]:
+    with client.store.engine.connect() as conn:
+        rows = conn.execute(select(tasks.c.task_id, tasks.c.status, tasks.c.last_run_node)
+                            .where(tasks.c.task_id.in_(ids)))
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def claimed(client: Client, node: str, n: int, **enqueue: object) -> list[int]:
+    """``n`` due tasks claimed (DISPATCHING, attempt 1) by ``node``."""
+    ids = [int(client.enqueue("t", {"i": i, **enqueue})) for i in range(n)]
+    with client.store.engine.begin() as conn:
+        transitions.transition(conn, ids, [Status.CREATED], Status.READY)
+        rows = claims.claim(conn, ids, node, client.store.now_ms(), due_before=2**62)
+    assert len(rows) == n
+    return ids
+
+
+def test_a_new_incarnation_takes_over_what_the_dead_one_left(client: Client) -> None:
+    old = nodes.Heartbeat(client.store, "w0", "worker")
+    old.register({})
+    with client.store.engine.begin() as conn:  # that process was kill -9'd
+        conn.execute(update(node_table).values(pid=dead_pid()))
+    held = [int(client.enqueue("t", {"held": i}, delay=60)) for i in range(2)]
+    with client.store.engine.begin() as conn:
+        conn.execute(update(tasks).where(tasks.c.task_id.in_(held))
+                     .values(status="DELAYED", last_run_node="w0"))
+    dispatching = claimed(client, "w0", 2, kind="dispatching")
+    running = claimed(client, "s", 3, kind="running")
+    with client.store.engine.begin() as conn:
+        transitions.start_many(conn, [(t, 1) for t in running], "w0", client.store.now_ms())
+
+    new = nodes.Heartbeat(client.store, "w0", "worker")
+    took = new.register({})
+
+    assert took == nodes.TakeOver(released=2, requeued=2, running=3)
+    after = statuses(client, held + dispatching + running)
+    assert all(after[t] == ("DELAYED", None) for t in held)
+    assert all(after[t] == ("READY", None) for t in dispatching)
+    assert all(after[t] == ("DELAYED", None) for t in running)  # retried (max_retry 3)
+    assert new.incarnation > old.incarnation and new.beat({}) and not old.beat({})
+
+
+def test_a_live_name_is_refused_and_nothing_changes(client: Client) -> None:
+    live = nodes.Heartbeat(client.store, "s0", "scheduler")
+    live.register({})
+    held = int(client.enqueue("t", {"a": 1}, delay=60))
+    with client.store.engine.begin() as conn:  # the live one runs on another host
+        conn.execute(update(node_table).values(host="elsewhere"))
+        conn.execute(update(tasks).values(status="DELAYED", last_run_node="s0"))
+
+    with pytest.raises(NodeNameInUse, match="'s0' is in use"):
+        nodes.Heartbeat(client.store, "s0", "scheduler").register({})
+
+    assert statuses(client, [held])[held] == ("DELAYED", "s0")
+    assert live.beat({})
+
+
+def test_a_node_declared_dead_learns_it_from_its_next_beat(client: Client) -> None:
+    hb = nodes.Heartbeat(client.store, "w1", "worker", silence_ms=0)
+    hb.register({})
+    assert hb.beat({})
+    with client.store.engine.begin() as conn:
+        conn.execute(update(node_table).values(heartbeat_at=0))
+        assert nodes.claim_dead(conn, 1000) == ["w1"]
+    assert not hb.beat({})
+    hb.register({})  # the same process comes back as a new incarnation
+    assert hb.beat({})
+
+
+def test_a_worker_declared_dead_starts_nothing(client: Client) -> None:
+    hb = nodes.Heartbeat(client.store, "w2", "worker")
+    hb.register({})
+    ids = claimed(client, "s", 2)
+    with client.store.engine.begin() as conn:
+        conn.execute(update(node_table).values(stopped_at=1))
+        moved = transitions.start_many(conn, [(t, 1) for t in ids], "w2",
+                                       client.store.now_ms(), incarnation=hb.incarnation)
+    assert moved == []
+    hb.register({})
+    with client.store.engine.begin() as conn:
+        moved = transitions.start_many(conn, [(t, 1) for t in ids], "w2",
+                                       client.store.now_ms(), incarnation=hb.incarnation)
+    assert sorted(moved) == sorted(ids)
+
+
+def test_a_start_whose_reply_was_lost_is_resumed_not_refused(client: Client) -> None:
+    ids = claimed(client, "s", 3)
+    now = client.store.now_ms()
+    pairs = [(t, 1) for t in ids]
+    with client.store.engine.begin() as conn:
+        assert sorted(transitions.start_many(conn, pairs, "w3", now)) == sorted(ids)
+    with client.store.engine.begin() as conn:  # the retry after a lost reply
+        assert transitions.start_many(conn, pairs, "w3", now) == []
+        assert sorted(transitions.start_many(conn, pairs, "w3", now, resume=True)) == sorted(ids)
+        assert transitions.start_many(conn, pairs, "other", now, resume=True) == []
+        assert transitions.start_many(conn, pairs, "w3", now + 1, resume=True) == []
+
+
+def test_re_dispatch_backs_off_per_attempt_and_stops_at_the_maximum(client: Client) -> None:
+    (task,) = claimed(client, "s", 1)
+    (slow,) = claimed(client, "s", 1, priority="slow")
+    with client.store.engine.begin() as conn:
+        conn.execute(update(tasks).where(tasks.c.task_id == slow).values(priority="slow"))
+    ack = 1000
+
+    def redispatch(at: int) -> list[tuple[int, str]]:
+        with client.store.engine.begin() as conn:
+            return recovery.redispatch_unacked(conn, at, ack, ["high", "default"], 3)
+
+    def dispatch_again() -> int:
+        now = client.store.now_ms()
+        with client.store.engine.begin() as conn:
+            assert len(claims.claim(conn, [task], "s", now, due_before=2**62)) == 1
+        return now
+
+    with client.store.engine.connect() as conn:
+        first = conn.execute(select(tasks.c.dispatched_at).where(tasks.c.task_id == task)).scalar()
+    assert first is not None
+    assert redispatch(first + ack - 1) == []
+    assert redispatch(first + ack + 1) == [(task, "READY")]  # 1st: after 1 × ack
+    second = dispatch_again()
+    assert redispatch(second + ack + 1) == []  # 2nd: after 2 × ack
+    assert redispatch(second + 2 * ack + 1) == [(task, "READY")]
+    third = dispatch_again()
+    assert redispatch(third + 4 * ack + 1) == [(task, "FAILED")]  # the 3rd dispatch was the last
+    with client.store.engine.connect() as conn:
+        error = conn.execute(select(tasks.c.last_error).where(tasks.c.task_id == task)).scalar()
+    assert "dispatched 3 times" in str(error)
+    # the slow queue has no consumer: its task keeps its one message, never re-dispatched
+    assert statuses(client, [slow])[slow][0] == "DISPATCHING"
