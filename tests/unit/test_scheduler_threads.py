@@ -128,7 +128,7 @@ def test_the_local_clock_reading_never_asks_the_database() -> None:
         asked.append(wall[0])
         return int(wall[0]) + 250
 
-    clock = DbClock(read_db, wall_ms=lambda: wall[0], refresh_s=1e-9)
+    clock = DbClock(read_db, mono_ms=lambda: wall[0], wall_ms=lambda: wall[0], refresh_s=1e-9)
     assert clock.now_ms() == 10_250 and len(asked) == 3  # measured: three samples
     wall[0] += 40
     assert clock.local_ms() == 10_290.0

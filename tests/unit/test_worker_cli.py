@@ -67,8 +67,9 @@ def test_status_shows_live_nodes_tasks_and_no_password(tmp_path: Path) -> None:
         "stuck": {"high": 0, "slow": 1}, "running": 2})
     Heartbeat(store, "scheduler@h.2.ef01", "scheduler").register(
         {"broker": "amqp://guest:s3cret@rabbit:5672/ax", "held": 12})
-    Heartbeat(store, "worker@gone", "worker").register({})
-    Heartbeat(store, "worker@gone", "worker").stop()
+    gone = Heartbeat(store, "worker@gone", "worker")
+    gone.register({})
+    gone.stop()
     store.close()
     result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker",
                                            "--broker", "redis://:hunter2@r:6379/0"])
