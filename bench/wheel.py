@@ -11,7 +11,7 @@ import random
 import time
 
 from ax_kombu.core.wheel import TriggerTimer
-from ax_kombu.scheduler.node import WHEEL_LEVELS
+from ax_kombu.scheduler.timing import WHEEL_LEVELS
 
 from .common import machine
 

@@ -5,7 +5,9 @@ its stages on their own threads: the timing loop
 (:mod:`~ax_kombu.scheduler.timing`), the claimer
 (:mod:`~ax_kombu.scheduler.claimer`), the dispatcher
 (:mod:`~ax_kombu.scheduler.dispatcher`) and the housekeeper
-(:mod:`~ax_kombu.scheduler.housekeeper`: preload, heartbeat, recovery).
+(:mod:`~ax_kombu.scheduler.housekeeper`: preload, heartbeat, recovery). They
+meet only at hand-offs and share one stage thread shape
+(:mod:`~ax_kombu.scheduler.stage`).
 """
 
 from __future__ import annotations

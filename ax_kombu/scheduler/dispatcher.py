@@ -2,7 +2,7 @@
 
 Claimed rows arrive in claim order (sorted by trigger time within a batch).
 A task may have been claimed up to ``claim_lead_ms`` before it is due; it is
-published once it is due, never before (see :mod:`ax_kombu.scheduler.node`). A
+published once it is due, never before (see :mod:`ax_kombu.scheduler.timing`). A
 batch that does not certainly reach the broker goes back to READY
 (compare-and-set from DISPATCHING), and the ids are handed back to the
 timing loop to be fired again.
@@ -56,16 +56,34 @@ class Dispatcher(threading.Thread):
         self.broker_ok = threading.Event()
         self.published = 0
         self._on_returned = on_returned
+        #: why the broker was last found unreachable (None: not down, or not known to be)
+        self._down_cause: str | None = None
 
     def probe(self) -> bool:
-        """Try the broker now; True if it answers."""
+        """Try the broker now; True if it answers.
+
+        Called again and again while the broker is down, it logs a warning only
+        when the cause changes (the first failure, then a different error), and
+        an info line once the broker answers again.
+        """
         try:
             self.publisher.connect()
         except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-            log.warning("broker unreachable; holding due tasks", extra={"error": repr(exc)})
+            self._report_down(repr(exc))
             return False
+        self._report_up()
         self.broker_ok.set()
         return True
+
+    def _report_down(self, cause: str) -> None:
+        if cause != self._down_cause:
+            log.warning("broker unreachable; holding due tasks", extra={"error": cause})
+            self._down_cause = cause
+
+    def _report_up(self) -> None:
+        if self._down_cause is not None:
+            log.info("broker reachable again; dispatching", extra={"was": self._down_cause})
+            self._down_cause = None
 
     def run(self) -> None:
         while (rows := self.inbox.get()) is not None:

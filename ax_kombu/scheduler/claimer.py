@@ -1,0 +1,162 @@
+"""The claimer: fired ids → one conditional claim per batch → the dispatcher.
+
+Contracts:
+
+* **One claim statement per batch** (:func:`ax_kombu.store.claims.claim`:
+  ``UPDATE … WHERE status IN (DELAYED, READY) … RETURNING``): the ids fired
+  while the previous claim ran form the next batch, up to ``claim_batch``. A
+  row moves to DISPATCHING for exactly one node, with a new attempt number, and
+  only the claimed rows are handed to the dispatcher (sorted by trigger time).
+  Why claim rather than partition: any node may end up holding any task
+  (adoption after a node dies), and the database stays the one arbiter.
+* **Durable before it is handed on**: on PostgreSQL the statement runs in
+  autocommit on the claimer's own connection (one round trip; the claim is
+  committed when it returns). That connection is never returned to the pool,
+  and is replaced after any error. On SQLite it runs in a ``BEGIN IMMEDIATE``
+  transaction (see :mod:`ax_kombu.store.engine`).
+* **Skipped ids are not lost**: ids the claim did not move that this node
+  still holds (row locked by a racing claim) fire again shortly; those no
+  longer ours (cancelled, claimed elsewhere, released) are dropped. A failed
+  claim puts the whole batch back.
+* **Broker down → no claims**: while the dispatcher reports the broker
+  unreachable, fired ids go back to the wheel for ``republish_delay_ms`` and
+  nothing is claimed, so no task is moved to DISPATCHING that cannot be sent.
+* On :meth:`~ax_kombu.scheduler.stage.Stage.stop` the claimer ends after the
+  batch in hand; what is fired but unclaimed stays held by the node and is
+  released by its shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, text
+from sqlalchemy.exc import SQLAlchemyError
+
+from ax_kombu.config import Settings
+from ax_kombu.observability import metrics
+from ax_kombu.scheduler.dispatcher import Dispatcher
+from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
+from ax_kombu.scheduler.timing import TimingLoop
+from ax_kombu.store import Store
+from ax_kombu.store.claims import claim
+
+#: of the ids a claim skipped, those still held by this node (and when they are due)
+_STILL_OURS = text("SELECT task_id, trigger_time FROM ax_task WHERE task_id IN :ids "
+                   "AND status IN ('DELAYED', 'READY') AND last_run_node = :node"
+                   ).bindparams(bindparam("ids", expanding=True))
+
+
+class Claimer(Stage):
+    """Claims fired ids batch after batch and puts the claimed rows in the dispatcher's inbox.
+
+    Args:
+        settings: ``claim_batch``, ``claim_lead_ms`` and ``republish_delay_ms`` are read.
+        store: the task store.
+        node_id: the node the claims are made for.
+        fired: the hand-off the timing loop fires ids into; read by this stage alone.
+        timing: where ids that must fire again are handed back.
+        dispatcher: where claimed rows go; also says whether the broker answers.
+    """
+
+    def __init__(self, settings: Settings, store: Store, node_id: str, fired: HandOff[int],
+                 timing: TimingLoop, dispatcher: Dispatcher) -> None:
+        super().__init__("ax-claimer", fired.ready)
+        self._batch = settings.claim_batch
+        self._lead_ms = settings.claim_lead_ms
+        self._hold_s = settings.republish_delay_ms / 1000.0
+        self._store = store
+        self._node_id = node_id
+        self._fired = fired
+        self._timing = timing
+        self._dispatcher = dispatcher
+        self._pg = store.engine.dialect.name == "postgresql"
+        self._conn: Connection | None = None  # PostgreSQL: this stage's own, in autocommit
+
+    @property
+    def due(self) -> int:
+        """How many fired ids wait to be claimed."""
+        return len(self._fired)
+
+    def run(self) -> None:
+        try:
+            while not self.stopping:
+                self._step()
+        finally:
+            self._drop_connection()
+
+    def _step(self) -> None:
+        """Claim the next batch; or hold the fired ids while the broker is down; or sleep."""
+        fired = self._fired.items
+        if not fired:
+            self._fired.wait(MAX_SLEEP_S)
+            return
+        broker = self._dispatcher
+        if not broker.broker_ok.is_set() and not broker.probe():
+            self._hold_fired()
+            return
+        self._claim([fired.popleft() for _ in range(min(len(fired), self._batch))])
+
+    def _claim(self, batch: list[int]) -> None:
+        """Claim ``batch`` and hand what was claimed to the dispatcher."""
+        try:
+            rows = self._claim_rows(batch)
+        except SQLAlchemyError as exc:
+            self._fired.items.extendleft(reversed(batch))  # nothing was claimed: try again
+            self.db_failed("claim", exc)
+            return
+        metrics.schedule_batch_size.observe(len(rows))
+        if rows:
+            rows.sort(key=lambda r: r.trigger_time)  # RETURNING has no order
+            self._dispatcher.inbox.put(rows)
+        if len(rows) < len(batch):
+            self._keep_unclaimed(batch, rows)
+
+    def _claim_rows(self, batch: list[int]) -> list[Any]:
+        """One claim statement, for ids due up to ``claim_lead_ms`` from now (they fire that
+        far ahead, see :mod:`ax_kombu.scheduler.timing`)."""
+        now = self._local_ms()
+        due_before = now + self._lead_ms
+        if not self._pg:
+            with self._store.engine.begin() as conn:
+                return claim(conn, batch, self._node_id, now, due_before)
+        if self._conn is None:
+            conn = self._store.engine.connect()
+            self._conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            return claim(self._conn, batch, self._node_id, now, due_before)
+        except SQLAlchemyError:
+            self._drop_connection()  # a new one next time
+            raise
+
+    def _drop_connection(self) -> None:
+        """Discard (never pool) the claimer's connection: it may be broken, and it is in
+        autocommit, which the pool's other users do not expect."""
+        if self._conn is not None:
+            self._conn.invalidate()
+            self._conn.close()
+            self._conn = None
+
+    def _hold_fired(self) -> None:
+        """Broker down: fired ids go back to the wheel to be tried again shortly."""
+        fired = self._fired.items
+        self._timing.retry_later([fired.popleft() for _ in range(len(fired))])
+        self.pause(self._hold_s)
+
+    def _keep_unclaimed(self, batch: list[int], rows: Sequence[Any]) -> None:
+        """Ids the claim skipped that are still ours fire again soon; the rest are dropped."""
+        claimed = {r.task_id for r in rows}
+        missing = [t for t in batch if t not in claimed]
+        try:
+            with self._store.engine.connect() as conn:
+                ours = list(conn.execute(_STILL_OURS, {"ids": missing, "node": self._node_id}))
+        except SQLAlchemyError as exc:
+            self._timing.retry_later(missing)  # the next claim sorts out which are still ours
+            self.db_failed("claim", exc)
+            return
+        soon = self._local_ms() + 10
+        self._timing.hand([(task_id, max(trigger, soon)) for task_id, trigger in ours])
+
+    def _local_ms(self) -> int:
+        return int(self._store.clock.local_ms())

@@ -1,0 +1,126 @@
+"""The timing loop: the wheel's only user; fires due ids to the claimer, never waits on I/O.
+
+Contracts:
+
+* The loop owns the :class:`~ax_kombu.core.wheel.TriggerTimer` — an 8 s
+  millisecond wheel (``WHEEL_LEVELS``) in front of a delay queue for the rest
+  of the preload window. Only the loop adds to it or advances it; other
+  threads may read its sizes.
+* Other threads hand it ``(task_id, due_ms)`` pairs with
+  :meth:`TimingLoop.hand`; the loop adds them ``ABSORB_CHUNK`` at a time
+  between two firings, so a large preload never holds firing up for long.
+* An id fires ``claim_lead_ms`` before it is due, in trigger order, into the
+  claimer's hand-off (:mod:`ax_kombu.scheduler.claimer`), so that the claim's
+  round trip is over by the due time; the dispatcher still publishes nothing
+  before it is due. Firing is a slot lookup, never a scan.
+* The loop reads the database clock locally
+  (:meth:`ax_kombu.store.clock.DbClock.local_ms`) and never touches the
+  database or the broker, so a slow preload, claim or clock re-measurement
+  never makes it late. It sleeps until the next id is due, ids are handed
+  over, or a stop.
+* :meth:`TimingLoop.stop` sets a flag and an event, nothing else: safe from a
+  signal handler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ax_kombu.config import Settings
+from ax_kombu.core.wheel import TriggerTimer
+from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff
+from ax_kombu.store.clock import DbClock
+
+#: the wheel's levels: 256 × 32 one-millisecond ticks ≈ 8.2 s; later tasks wait in the delay queue
+WHEEL_LEVELS = (256, 32)
+#: most ids the timing loop adds to the wheel between two firings (bounds its pause)
+ABSORB_CHUNK = 2000
+
+#: (task_id, due_ms) pairs handed to the timing loop
+Pairs = Sequence[tuple[int, int]]
+
+
+class TimingLoop:
+    """Adds handed-over ids to the wheel and fires due ids into ``fired``; :meth:`run` until
+    :meth:`stop`, on the caller's thread.
+
+    Args:
+        settings: ``claim_lead_ms`` and ``republish_delay_ms`` are read.
+        clock: the database clock, read locally only.
+        fired: the claimer's hand-off.
+    """
+
+    def __init__(self, settings: Settings, clock: DbClock, fired: HandOff[int]) -> None:
+        self._lead_ms = settings.claim_lead_ms
+        self._republish_delay_ms = settings.republish_delay_ms
+        self._clock = clock
+        self._fired = fired
+        now = int(time.time() * 1000)  # replaced by database time in start_at()
+        self.timer: TriggerTimer[int] = TriggerTimer(now, level_sizes=WHEEL_LEVELS)
+        #: ids for the wheel; read by this loop alone (``ready`` also wakes it for a stop)
+        self.incoming: HandOff[Pairs] = HandOff()
+        self._stopping = False
+
+    # -- control (any thread) ------------------------------------------------------------
+
+    def start_at(self, now_ms: int) -> None:
+        """Begin the wheel afresh at ``now_ms`` (database time); before :meth:`run`."""
+        self.timer = TriggerTimer(now_ms, level_sizes=WHEEL_LEVELS)
+
+    def stop(self) -> None:
+        """End :meth:`run` after the current pass. Signal-safe: sets a flag and an event."""
+        self._stopping = True
+        self.incoming.ready.set()
+
+    def idle(self, seconds: float) -> None:
+        """Before :meth:`run`: sleep ``seconds``, less if :meth:`stop` is called meanwhile."""
+        self.incoming.ready.wait(seconds)
+
+    def hand(self, pairs: Pairs) -> None:
+        """From any thread: have the loop schedule ``(task_id, due_ms)`` pairs."""
+        if pairs:
+            self.incoming.put(pairs[start:start + ABSORB_CHUNK]
+                              for start in range(0, len(pairs), ABSORB_CHUNK))
+
+    def retry_later(self, ids: Sequence[int]) -> None:
+        """Fire ``ids`` again after ``republish_delay_ms`` (they are still held by this node)."""
+        due = int(self._clock.local_ms()) + self._republish_delay_ms
+        self.hand([(task_id, due) for task_id in ids])
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Fire ids until :meth:`stop`."""
+        while not self._stopping:
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One pass: take in handed-over ids, fire what is due to the claimer, sleep."""
+        self._absorb()
+        now = self._clock.local_ms()
+        fired = self.timer.advance(int(now) + self._lead_ms)  # the claim's lead, see above
+        if fired:
+            self._fired.put(fired)
+        self._sleep(now)
+
+    def _absorb(self) -> None:
+        """Add handed-over ids to the wheel, about ``ABSORB_CHUNK`` per pass so firing goes on."""
+        incoming = self.incoming.items
+        taken = 0
+        while incoming and taken < ABSORB_CHUNK:
+            pairs = incoming.popleft()
+            for task_id, due in pairs:
+                self.timer.add(task_id, due)
+            taken += len(pairs)
+
+    def _sleep(self, now: float) -> None:
+        """Until the next id is due, ids are handed over, or a stop (at most MAX_SLEEP_S)."""
+        if self.incoming.items or self._stopping:
+            return
+        timeout = MAX_SLEEP_S
+        next_due = self.timer.next_due_ms()
+        if next_due is not None:
+            timeout = min(timeout, (next_due - self._lead_ms - now) / 1000.0)
+        if timeout > 0:
+            self.incoming.wait(timeout)
