@@ -142,8 +142,7 @@ class Pool:
             labels: structured log fields for this job (task_id, trace_id).
         """
         now = self._clock()
-        job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s,
-                   labels or {})
+        job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s, labels or {})
         with self._lock:
             if self._closed or len(self._running) >= self.size:
                 return False
@@ -178,7 +177,7 @@ class Pool:
                 self.late_returns += 1
         if first:
             try:
-                self._report(job, outcome)
+                _report(self.name, job, outcome)
             finally:
                 with self._lock:
                     self._reporting -= 1
@@ -190,12 +189,6 @@ class Pool:
                            **job.labels})
         if self._on_release is not None:
             self._on_release()
-
-    def _report(self, job: _Job, outcome: Outcome) -> None:
-        try:
-            job.done(outcome)
-        except Exception:  # a broken callback must not kill the pool thread
-            log.exception("outcome callback failed", extra={"pool": self.name, **job.labels})
 
     # -- timeouts -------------------------------------------------------------------------
 
@@ -209,7 +202,7 @@ class Pool:
                     self._cond.wait(self._wait_s())
                     continue
             for job in expired:
-                self._report(job, Outcome(False, timed_out=True,
+                _report(self.name, job, Outcome(False, timed_out=True,
                                           duration_s=self._clock() - job.started))
 
     def _expired(self, now: float) -> list[_Job]:
@@ -235,18 +228,12 @@ class Pool:
 
     def join(self, timeout_s: float) -> bool:
         """Wait until no job is :attr:`active`; False if some still are after ``timeout_s``."""
-        stop = time.monotonic() + timeout_s
         with self._cond:
             self._joiners += 1
             try:
-                while self.active:
-                    left = stop - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._cond.wait(left)
+                return self._cond.wait_for(lambda: not self.active, timeout_s)
             finally:
                 self._joiners -= 1
-        return True
 
     def abandon(self, reason: str) -> int:
         """Report every active job as abandoned now; returns how many.
@@ -261,7 +248,7 @@ class Pool:
             if jobs and self._joiners:
                 self._cond.notify_all()  # no longer active: join() may return
         for job in jobs:
-            self._report(job, Outcome(False, abandoned=reason,
+            _report(self.name, job, Outcome(False, abandoned=reason,
                                       duration_s=self._clock() - job.started))
         return len(jobs)
 
@@ -274,3 +261,11 @@ class Pool:
             self._cond.notify_all()
         for _ in self._threads:
             self._inbox.put(None)
+
+
+def _report(pool: str, job: _Job, outcome: Outcome) -> None:
+    """Call the job's ``done``; a broken callback must not kill the pool thread."""
+    try:
+        job.done(outcome)
+    except Exception:
+        log.exception("outcome callback failed", extra={"pool": pool, **job.labels})

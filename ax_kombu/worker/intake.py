@@ -1,0 +1,230 @@
+"""The intake: received messages → receipt batches → pool runs → acks, on the consuming thread.
+
+The consumer (:mod:`ax_kombu.worker.consumer`) appends what it receives to
+:attr:`Intake.pending`; once per loop the intake plans it and settles what
+came back:
+
+1. each message is planned into a free slot of its lane's pool; what cannot
+   start waits in the lane's backlog (only with ``prefetch_multiplier`` > 1,
+   at most ``pool × (multiplier − 1)``), else is handed back
+   (:func:`~ax_kombu.worker.lanes.plan`);
+2. the receipt stage (:mod:`ax_kombu.worker.receipts`, its own threads) moves the
+   startable tasks DISPATCHING → RUNNING in ONE statement, only where the
+   row's attempt equals the message's (the fencing token), setting
+   ``started_at`` (database clock) and ``last_run_node`` = this worker; the
+   handed-back ones go DISPATCHING → READY with ``last_run_node`` NULL.
+   Meanwhile the consuming thread keeps draining, so the next batch is what
+   arrived during this one's round trip (at most ``worker_batch_size``);
+3. a message whose move failed (task cancelled, or a stale message from an
+   earlier attempt) is logged with the reason, counted, acked, not run;
+4. the started tasks go to their pools; each outcome is written in a batch
+   by :class:`~ax_kombu.worker.results.ResultWriter`, and its message is acked.
+
+A message is acked only after its RUNNING move committed, and normally
+stays unacked while its task runs: the broker's prefetch (``pool ×
+multiplier``) then bounds exactly what a lane holds, so a worker is only
+handed work it can start and nothing waits in an unbounded queue. See
+:mod:`ax_kombu.worker.lanes` for the runs that hold a slot without a message
+(timed-out threads, tasks allowed over ten minutes) and how the prefetch
+shrinks for them.
+
+Acks are only valid on the connection a message came on: each connection is
+a *generation* (:meth:`Intake.connected`), and an ack for an earlier one is
+skipped. Everything here runs on the consuming thread except
+:meth:`Intake._done`, which pool threads call.
+"""
+
+from __future__ import annotations
+
+import queue
+from functools import partial
+from typing import Any
+
+from ax_kombu.broker import redis_pull
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
+from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.processors import Context, Resolver
+from ax_kombu.worker.receipts import Batch, ReceiptWriter, account
+from ax_kombu.worker.results import Counters, ResultWriter
+
+
+class Intake:
+    """Plans received deliveries, starts the receipted ones, acks what has ended.
+
+    Args:
+        lanes: the lanes consumed, in the order the consumer and puller number them.
+        receipts: the receipt stage the batches go to.
+        results: where each run's outcome goes.
+        resolver: how a task's processor name resolves to a function.
+        wakeup: rung when a run ends.
+        flags: while stopping, lanes' prefetch is left as it is (consumers stay cancelled).
+    """
+
+    def __init__(self, lanes: list[Lane], receipts: ReceiptWriter, results: ResultWriter,
+                 resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags) -> None:
+        self.lanes = lanes
+        self.receipts = receipts
+        self._results = results
+        self._resolver = resolver
+        self._stats = stats
+        self._wakeup = wakeup
+        self._flags = flags
+        #: received and not planned yet; the consumer appends, this list object stays the same
+        self.pending: list[Delivery] = []
+        #: submitted to a pool and not settled yet
+        self.running: set[Delivery] = set()
+        self._completed: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        #: the current broker connection (acks for an earlier one are void)
+        self.generation = 0
+        self.global_qos = False
+        self._puller: redis_pull.Puller | None = None
+        #: acks per lane not yet reported to the puller
+        self._released = [0] * len(lanes)
+
+    # -- the connection ------------------------------------------------------------------------
+
+    def connected(self, global_qos: bool, puller: redis_pull.Puller | None) -> int:
+        """A new broker connection: returns its generation, which its deliveries carry.
+
+        Args:
+            global_qos: set the prefetch per channel (RabbitMQ).
+            puller: when a puller receives, it is told of the room acks free.
+        """
+        self.generation += 1
+        self.global_qos = global_qos
+        self._puller = puller
+        self._released = [0] * len(self.lanes)
+        return self.generation
+
+    def disconnected(self) -> None:
+        """The connection is closed: no more room is reported to its puller."""
+        self._puller = None
+
+    def connection_lost(self) -> None:
+        """After a lost connection: unacked messages are the broker's again."""
+        self.generation += 1  # acks for the lost connection's messages are void from now on
+        while self.receipts.in_flight:
+            batch = self.receipts.take(timeout_s=60.0)
+            if batch is None:
+                break
+            self.receipted(batch)
+        self.pending.clear()
+        for lane in self.lanes:
+            lane.backlog.clear()
+        for delivery in self.running:
+            if not delivery.acked:
+                delivery.acked = True  # its run goes on, holding a slot without a message
+                delivery.lane.acked_running += 1
+
+    # -- handing batches to the receipt stage --------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Plan what arrived and send it to the receipt stage, if that is free."""
+        if self.receipts.full:
+            return
+        if not self.pending and not any(lane.backlog and lane.free() for lane in self.lanes):
+            return
+        start, release, dupes = plan(self.lanes, self.pending)  # plan keeps no reference
+        self.pending.clear()
+        if start or release or dupes:
+            self.receipts.send(Batch(start, release, dupes))
+
+    def receipted(self, batch: Batch) -> None:
+        """A batch's RUNNING move committed: ack what will not run, start the rest."""
+        for delivery in batch.start:
+            delivery.lane.reserved -= 1
+        if batch.started is None:
+            return  # given up while stopping: unacked, the broker gets them back
+        started = batch.started
+        refused = [d for d in batch.start if d.task.task_id not in started]
+        for delivery in batch.release + batch.dupes + refused:
+            self.ack(delivery)
+        account(batch, refused, self._stats)
+        running = [d for d in batch.start if d.task.task_id in started]
+        self._ack_long(running)
+        for delivery in running:
+            self._submit(delivery)
+
+    def take_unstarted(self) -> list[Delivery]:
+        """Remove and return what was received and not started (pending and backlogs)."""
+        unstarted = self.pending + [d for lane in self.lanes for d in lane.backlog]
+        self.pending.clear()
+        for lane in self.lanes:
+            lane.backlog.clear()
+        return unstarted
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _ack_long(self, running: list[Delivery]) -> None:
+        """Ack at start the messages of tasks allowed over ACK_AT_START_MS (lanes.py)."""
+        long_runs = [d for d in running if d.task.timeout_ms > ACK_AT_START_MS]
+        for delivery in long_runs:
+            delivery.lane.acked_running += 1
+        for lane in {d.lane for d in long_runs}:
+            lane.apply(self.global_qos)  # the prefetch shrinks before the acks land
+        for delivery in long_runs:
+            self.ack(delivery)
+
+    def _submit(self, delivery: Delivery) -> None:
+        task = delivery.task
+        ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
+                      task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
+                      delivery.shard)
+        done = partial(self._done, delivery)
+        self.running.add(delivery)
+        if not delivery.lane.pool.try_submit(partial(self._execute, task, ctx), done,
+                                             timeout_s=task.timeout_ms / 1000.0,
+                                             labels=delivery.labels):
+            done(Outcome(False, abandoned="no free slot in the pool"))  # planned: cannot happen
+
+    def _execute(self, task: TaskMessage, ctx: Context) -> Any:
+        func = self._resolver.resolve(task.processor, task.callback_url)
+        return func(task.payload, ctx)
+
+    def _done(self, delivery: Delivery, outcome: Outcome) -> None:
+        """A run's outcome (pool thread): to the result writer, and back to us for the ack."""
+        self._results.put(delivery.task, outcome)
+        self._completed.put(delivery)
+        self._wakeup.poke()
+
+    # -- settling ------------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Start written batches; ack ended runs; bring every lane's prefetch up to date."""
+        while (batch := self.receipts.take()) is not None:
+            self.receipted(batch)
+        ended: list[Delivery] = []
+        while True:
+            try:
+                ended.append(self._completed.get_nowait())
+            except queue.Empty:
+                break
+        for delivery in ended:
+            self.running.discard(delivery)
+            if delivery.acked:
+                delivery.lane.acked_running -= 1
+        if not self._flags.stopping:
+            for lane in self.lanes:  # before the acks: a stuck slot lowers the prefetch
+                lane.apply(self.global_qos)
+        for delivery in ended:
+            self.ack(delivery)
+
+    def ack(self, delivery: Delivery) -> None:
+        """Ack a delivery's message once, if it came on the current connection."""
+        if delivery.acked or delivery.generation != self.generation:
+            return
+        delivery.acked = True
+        delivery.lane.held -= 1
+        delivery.message.ack()
+        if self._puller is not None:
+            self._released[self.lanes.index(delivery.lane)] += 1
+
+    def give_room(self) -> None:
+        """Tell the puller, once per loop, how much room the acks since the last call freed."""
+        if self._puller is not None:
+            for index, n in enumerate(self._released):
+                if n:
+                    self._puller.release(index, n)
+        self._released = [0] * len(self.lanes)

@@ -1,0 +1,106 @@
+"""The worker's stop steps: hand unstarted work back to READY, let running tasks finish.
+
+Run on the consuming thread once a stop was requested
+(:class:`~ax_kombu.worker.control.StopFlags`), after the consumer stopped
+consuming (:meth:`~ax_kombu.worker.consumer.Consumer.stop_consuming`):
+
+1. :meth:`Shutdown.hand_back` — receipt batches in flight are started (or
+   given up: their messages stay unacked and the broker gets them back); what
+   was received but not started goes DISPATCHING → READY in one statement and
+   its messages are acked. If the database cannot be reached they are rejected
+   with requeue instead, so the broker redelivers them.
+2. :meth:`Shutdown.finish_running` — running tasks may end within
+   ``worker_grace_s`` (a cold stop does not wait); the rest are reported as
+   abandoned (a failure that may retry; their threads cannot be killed).
+   While still connected, ended runs are settled and acked as they end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from ax_kombu.config import Settings
+from ax_kombu.store import Store, transitions
+from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
+from ax_kombu.worker.intake import Intake
+from ax_kombu.worker.lanes import Delivery
+from ax_kombu.worker.results import Counters, HeldConnection
+
+log = logging.getLogger(__name__)
+
+
+class Shutdown:
+    """The warm/cold stop steps, on the consuming thread; see the module docstring.
+
+    Args:
+        store: where unstarted work is handed back (on a connection held for it).
+        flags: :attr:`StopFlags.cold` skips waiting for running tasks.
+    """
+
+    def __init__(self, settings: Settings, store: Store, intake: Intake, stats: Counters,
+                 wakeup: Wakeup, flags: StopFlags) -> None:
+        self._grace_s = settings.worker_grace_s
+        self._intake = intake
+        self._stats = stats
+        self._wakeup = wakeup
+        self._flags = flags
+        self._db = HeldConnection(store.engine)
+
+    def hand_back(self) -> None:
+        """Start the batches in flight, then hand received-but-unstarted work back to READY."""
+        intake = self._intake
+        while intake.receipts.in_flight:  # batches in flight start (or are given up) first
+            batch = intake.receipts.take(timeout_s=TICK_S)
+            if batch is not None:
+                intake.receipted(batch)
+        unstarted = intake.take_unstarted()
+        if not unstarted:
+            return
+        if not self._release(unstarted):
+            for delivery in unstarted:
+                delivery.message.reject(requeue=True)
+            return
+        for delivery in unstarted:
+            intake.ack(delivery)
+        self._stats.add("handed_back", len(unstarted))
+        log.info("unstarted work handed back to READY", extra={"count": len(unstarted)})
+
+    def _release(self, unstarted: list[Delivery]) -> bool:
+        """DISPATCHING → READY for ``unstarted``; False if the database failed."""
+        try:
+            with self._db.begin() as conn:
+                transitions.release_many(conn, [d.pair for d in unstarted])
+        except SQLAlchemyError:
+            log.warning("could not hand work back to READY; returning it to the broker",
+                        exc_info=True, extra={"count": len(unstarted)})
+            return False
+        return True
+
+    def finish_running(self, connected: bool) -> None:
+        """Let running tasks end within the grace period (not if cold); abandon the rest.
+
+        Args:
+            connected: the broker connection is still up: ended runs are settled
+                (and acked) on it. Without it, outcomes are still recorded.
+        """
+        lanes = self._intake.lanes
+        stop = time.monotonic() + self._grace_s
+        while (not self._flags.cold and time.monotonic() < stop
+               and any(lane.pool.active for lane in lanes)):
+            self._wakeup.clear()
+            if connected:
+                self._intake.settle()
+            self._wakeup.wait(TICK_S * 5)
+        abandoned = sum(lane.pool.abandon("worker shut down before the task finished")
+                        for lane in lanes)
+        if abandoned:
+            log.warning("running tasks abandoned at shutdown", extra={"count": abandoned})
+        if connected:
+            self._intake.settle()
+
+    def close(self) -> None:
+        """Release the held database connection."""
+        self._db.close()
