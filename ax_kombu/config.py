@@ -80,8 +80,11 @@ class Settings:
     #: scheduler: claim tasks up to this long before they are due, so the claim's round
     #: trip is not part of their lateness; each is still published at its due time.
     claim_lead_ms: int = 20
-    #: scheduler: a task DISPATCHING longer than this goes back to READY.
+    #: scheduler: a task DISPATCHING longer than this goes back to READY; the wait doubles
+    #: with each re-dispatch of the same task.
     ack_timeout_ms: int = 30_000
+    #: scheduler: a task dispatched this many times without a worker starting it fails.
+    max_dispatches: int = 10
     #: scheduler: how often orphaned due tasks are looked for.
     recovery_interval_s: float = 30.0
     #: every process: how often it writes its heartbeat.
@@ -135,7 +138,7 @@ class Settings:
             raise ConfigurationError("broker_url is empty")
         for name in ("dedup_window_ms", "max_payload_bytes", "node_lease_s", "preload_window_ms",
                      "preload_batch", "claim_batch", "preload_interval_ms", "max_held",
-                     "ack_timeout_ms", "heartbeat_misses", "claim_lead_ms"):
+                     "ack_timeout_ms", "heartbeat_misses", "claim_lead_ms", "max_dispatches"):
             zero_ok = name in ("dedup_window_ms", "claim_lead_ms")
             if getattr(self, name) < 0 or (not zero_ok and getattr(self, name) == 0):
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
@@ -157,6 +160,11 @@ class Settings:
             raise ConfigurationError("retry_backoff_jitter must be within [0, 1]")
         if self.worker_grace_s < 0:
             raise ConfigurationError("worker_grace_s must be >= 0")
+
+    @property
+    def silence_ms(self) -> int:
+        """How long a node may go without a heartbeat before it counts as dead."""
+        return int(self.heartbeat_interval_s * 1000 * self.heartbeat_misses)
 
     def pool_size(self, priority: str) -> int:
         """The worker pool size for the queue of ``priority``."""

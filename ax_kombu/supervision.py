@@ -2,10 +2,10 @@
 
 A daemon whose claimer, dispatcher or result writer died would otherwise keep
 heartbeating while doing nothing, and no supervisor (systemd, Kubernetes)
-would ever restart it. Every long-lived thread of ``ax-scheduler`` and
-``ax-worker`` is started through :func:`supervised`: if its target raises,
-the error is logged with its traceback and ``on_crash`` is called, which
-makes the node stop cold and its process exit with :data:`EXIT_CRASHED`.
+would ever restart it. While ``ax-scheduler`` or ``ax-worker`` runs,
+:func:`watch_threads` routes an exception that ends any of its threads to the
+node: the error is logged with its traceback, the node stops cold, and the
+process exits with :data:`EXIT_CRASHED`.
 """
 
 from __future__ import annotations
@@ -22,21 +22,30 @@ EXIT_CRASHED = 70
 OnCrash = Callable[[str, BaseException], None]
 
 
-def supervised(target: Callable[[], None], name: str, on_crash: OnCrash) -> threading.Thread:
-    """A daemon thread running ``target``; if it raises, ``on_crash(name, error)`` is called.
+def watch_threads(on_crash: OnCrash) -> Callable[[], None]:
+    """Call ``on_crash(thread_name, error)`` when any thread ends with an exception.
 
-    The thread is returned unstarted.
+    Returns:
+        A function that puts the previous ``threading.excepthook`` back.
     """
+    previous = threading.excepthook
 
-    def run() -> None:
-        try:
-            target()
-        except BaseException as exc:  # noqa: BLE001 — any death of the thread is reported
-            on_crash(name, exc)
-            log.critical("a daemon thread died; stopping the process",
-                         exc_info=exc, extra={"thread_name": name})
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit or args.exc_value is None:
+            previous(args)
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        on_crash(name, args.exc_value)
+        log.critical("a daemon thread died; stopping the process",
+                     exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+                     extra={"thread_name": name})
 
-    return threading.Thread(target=run, name=name, daemon=True)
+    threading.excepthook = hook
+
+    def undo() -> None:
+        threading.excepthook = previous
+
+    return undo
 
 
 class CrashFlag:

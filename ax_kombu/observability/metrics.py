@@ -31,6 +31,12 @@ ack_timeout_total = Counter("ax_ack_timeout_total",
 preload_total = Counter("ax_preload_total", "Tasks taken into memory by the preload.")
 recovered_total = Counter("ax_recovered_total", "Tasks recovered from dead nodes.", ["kind"])
 clock_skew = Gauge("ax_clock_skew_seconds", "This node's clock offset to the database clock.")
+clock_steps_total = Counter("ax_clock_steps_total",
+                            "Steps of the wall clock noticed (database time is unaffected).")
+fenced_total = Counter("ax_node_fenced_total",
+                       "Times this process learned it had been declared dead and re-registered.")
+redispatch_failed_total = Counter("ax_redispatch_failed_total",
+                                  "Tasks failed after AX_MAX_DISPATCHES dispatches without a start.")
 execute_total = Counter("ax_execute_total", "Task runs by outcome.", ["queue", "result"])
 execute_duration = Histogram("ax_execute_duration_seconds", "Run time of one task.", ["queue"],
                              buckets=_FINE)

@@ -56,6 +56,7 @@ class Dispatcher(threading.Thread):
         self.broker_ok = threading.Event()
         self.published = 0
         self._on_returned = on_returned
+        self._publisher_lock = threading.Lock()
         #: why the broker was last found unreachable (None: not down, or not known to be)
         self._down_cause: str | None = None
 
@@ -67,7 +68,8 @@ class Dispatcher(threading.Thread):
         an info line once the broker answers again.
         """
         try:
-            self.publisher.connect()
+            with self._publisher_lock:
+                self.publisher.connect()
         except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
             self._report_down(repr(exc))
             return False
@@ -88,7 +90,8 @@ class Dispatcher(threading.Thread):
     def run(self) -> None:
         while (rows := self.inbox.get()) is not None:
             self._dispatch(rows)
-        self.publisher.close()
+        with self._publisher_lock:
+            self.publisher.close()
 
     def _now(self) -> int:
         return int(self.store.clock.local_ms())  # never waits on the database
@@ -113,7 +116,8 @@ class Dispatcher(threading.Thread):
         started = time.monotonic()
         now = self._now()
         messages = [to_message(r, self.node, now) for r in rows]
-        failed = self.publisher.publish(messages)
+        with self._publisher_lock:
+            failed = self.publisher.publish(messages)
         done = self._now()
         failed_ids = {m.task_id for m in failed}
         sent = [m for m in messages if m.task_id not in failed_ids]

@@ -12,16 +12,20 @@ database clock (every pass re-measures it when due, see
   (:func:`ax_kombu.store.recovery.preload`) — are handed to the timing loop.
   Memory is bounded by the window and ``max_held``, never by how many future
   tasks exist; no preload starts before the last one is in the wheel.
-* **Heartbeat** — every ``heartbeat_interval_s``: the node's row is refreshed,
-  the clock skew is checked (a skew above ``clock_skew_warn_ms`` is logged once
-  per excursion; the gauge always shows it), and nodes silent for
-  ``heartbeat_misses`` intervals are claimed dead exactly once (a
-  compare-and-set): their held tasks are released for adoption and a dead
-  worker's RUNNING tasks are retried or failed.
-* **Recovery** — every ``recovery_interval_s``: DISPATCHING tasks older than
-  ``ack_timeout_ms`` go back to READY, due tasks held by nobody alive are
-  released, and RUNNING tasks of workers not alive are retried or failed.
-  Whatever recovery frees triggers a preload at once.
+  A preload that failed may have committed without its reply reaching us:
+  the next one also takes back every row the database says this node holds
+  (:func:`ax_kombu.store.recovery.held_by`), so none is stranded.
+* **Heartbeat** — every ``heartbeat_interval_s``: the node's row is refreshed
+  (fenced by incarnation), the clock skew is checked (a skew above
+  ``clock_skew_warn_ms`` is logged once per excursion; the gauge always shows
+  it), and nodes silent for ``heartbeat_misses`` intervals are claimed dead
+  exactly once — but only by a node whose own beats have been landing for a
+  whole window (:mod:`ax_kombu.scheduler.liveness`).
+* **Recovery** — every ``recovery_interval_s``: unstarted DISPATCHING tasks
+  are re-dispatched with a doubling ack timeout (bounded, never to a queue
+  without consumer), due tasks held by nobody alive are released, and RUNNING
+  tasks of workers not alive are retried or failed. Whatever recovery frees
+  triggers a preload at once.
 
 A database error backs the housekeeper off and it tries again; it never ends the node.
 """
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +41,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
+from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, Stage
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
@@ -61,24 +65,26 @@ class Housekeeper(Stage):
     """
 
     def __init__(self, settings: Settings, store: Store, heartbeat: nodes.Heartbeat,
-                 timing: TimingLoop, info: Callable[[], dict[str, Any]]) -> None:
+                 timing: TimingLoop, info: Callable[[], dict[str, Any]],
+                 on_fenced: Callable[[], None]) -> None:
         super().__init__("ax-housekeeper", threading.Event())
         self._settings = settings
         self._store = store
         self._heartbeat = heartbeat
         self._node_id = heartbeat.node_id
         self._timing = timing
-        self._info = info
+        self.liveness = Liveness(settings, store, heartbeat, info, on_fenced, self.wake)
         self._wake_pending = True
+        self._reconcile = False  # a preload failed: its rows may be held without our knowing
         self._poll_ms = settings.preload_interval_ms
         self._listener: WakeListener | None = None
         if store.engine.dialect.name == "postgresql":
             self._listener = WakeListener(store.engine, self.wake)
         else:
             self._poll_ms = min(self._poll_ms, POLL_WITHOUT_WAKEUPS_MS)
-        now = int(time.time() * 1000)
-        self._next = {"preload": 0, "beat": 0, "recovery": now + self._recovery_ms()}
+        self._next = {"preload": 0, "beat": 0, "recovery": 0}
         self._skew_warned = False
+        self._clock_steps = 0
 
     # -- control -------------------------------------------------------------------------
 
@@ -107,6 +113,7 @@ class Housekeeper(Stage):
             try:
                 timeout = self._housekeeping(self._store.now_ms())  # re-measures the clock
             except SQLAlchemyError as exc:
+                self.liveness.database_failed()
                 self.db_failed("housekeeping", exc)
                 continue
             if timeout > 0 and self._wake.wait(timeout):
@@ -122,9 +129,12 @@ class Housekeeper(Stage):
         if preload_due and not handing:  # the last preload is in the wheel: max_held holds
             self._preload(now)
         if now >= self._next["beat"]:
-            self._beat(now)
+            self._next["beat"] = now + int(self._settings.heartbeat_interval_s * 1000)
+            self.liveness.beat(now)
+            self._check_skew()
         if now >= self._next["recovery"]:
-            self._recover(now)
+            self._next["recovery"] = now + int(self._settings.recovery_interval_s * 1000)
+            self.liveness.recover(now)
         if self._wake_pending or self._next["preload"] <= now:
             return 0.001 if self._timing.incoming.items else 0.0
         wake_at = min(self._next.values())
@@ -138,62 +148,30 @@ class Housekeeper(Stage):
         if room <= 0:
             self._next["preload"] = now + self._poll_ms
             return
+        horizon = now + settings.preload_window_ms
         try:
             with self._store.engine.begin() as conn:
-                rows = recovery.preload(conn, self._node_id, now,
-                                        now + settings.preload_window_ms, room)
+                rows = recovery.preload(conn, self._node_id, now, horizon, room)
+                if self._reconcile:  # re-adding an id the wheel has only reschedules it
+                    rows += recovery.held_by(conn, self._node_id, horizon, room)
         except SQLAlchemyError:
             self._wake_pending = True  # try again after the back-off
+            self._reconcile = True
             raise
+        self._reconcile = False
         self._timing.hand(rows)
         metrics.preload_total.inc(len(rows))
         self._next["preload"] = now if len(rows) == room else now + self._poll_ms
 
-    def _beat(self, now: int) -> None:
-        """Heartbeat, check the skew, and recover the tasks of nodes that went silent."""
-        self._next["beat"] = now + int(self._settings.heartbeat_interval_s * 1000)
-        self._heartbeat.beat(self._info())
-        self._check_skew()
-        with self._store.engine.begin() as conn:
-            dead = nodes.claim_dead(conn, self._silence_ms())
-            released = recovery.release_held(conn, dead)
-            recovered = recovery.recover_running(conn, dead, now)
-        if dead:
-            log.warning("nodes stopped heartbeating; recovering their tasks",
-                        extra={"nodes": dead, "released": released, "running": len(recovered)})
-            metrics.recovered_total.labels("held").inc(released)
-            metrics.recovered_total.labels("running").inc(len(recovered))
-            self.wake()
-
-    def _recover(self, now: int) -> None:
-        """The slow scan: unacked dispatches, orphaned held tasks, orphaned running tasks."""
-        self._next["recovery"] = now + self._recovery_ms()
-        silent_since = now - self._silence_ms()
-        with self._store.engine.begin() as conn:
-            unacked = recovery.requeue_unacked(conn, now - self._settings.ack_timeout_ms)
-            orphans = recovery.release_orphans(conn, silent_since, silent_since)
-            running = recovery.recover_orphan_running(conn, now, silent_since)
-        if unacked or orphans or running:
-            log.warning("recovery found tasks to dispatch again",
-                        extra={"ack_timeouts": len(unacked), "orphans": orphans,
-                               "running": len(running)})
-            metrics.ack_timeout_total.inc(len(unacked))
-            metrics.recovered_total.labels("orphan").inc(orphans)
-            metrics.recovered_total.labels("running").inc(len(running))
-            self.wake()
-
     def _check_skew(self) -> None:
         offset = self._store.clock.offset_ms
         metrics.clock_skew.set(offset / 1000.0)
+        steps = self._store.clock.steps
+        if steps > self._clock_steps:
+            metrics.clock_steps_total.inc(steps - self._clock_steps)
+            self._clock_steps = steps
         too_far = abs(offset) > self._settings.clock_skew_warn_ms
         if too_far and not self._skew_warned:
             log.warning("clock differs from the database clock; running on database time",
                         extra={"offset_ms": round(offset, 1)})
         self._skew_warned = too_far
-
-    def _recovery_ms(self) -> int:
-        return int(self._settings.recovery_interval_s * 1000)
-
-    def _silence_ms(self) -> int:
-        s = self._settings
-        return int(s.heartbeat_interval_s * 1000 * s.heartbeat_misses)

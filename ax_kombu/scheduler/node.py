@@ -39,8 +39,16 @@ Guarantees:
   row's current one.
 * **Nothing lost**: a task is always in the database in a state some node
   acts on. If a node is killed (even ``kill -9``), its held tasks are adopted
-  within ``heartbeat_misses × heartbeat_interval_s`` (+ one interval), and a
-  claimed-but-unpublished batch returns via the ack timeout.
+  within ``heartbeat_misses × heartbeat_interval_s`` (+ one interval) by the
+  other nodes, and at once if it is restarted under the same name (a new
+  incarnation takes over what the old one held: :mod:`ax_kombu.store.nodes`);
+  a claimed-but-unpublished batch returns via the ack timeout.
+* **Fenced**: a node told by its heartbeat that it was declared dead drops
+  what it holds and registers anew; a node just back from a database outage
+  judges no one dead until its own beats have landed for a whole window
+  (:mod:`~ax_kombu.scheduler.liveness`).
+* **Supervised**: if any of the node's threads dies, the node stops cold and
+  :meth:`Scheduler.run` returns :data:`~ax_kombu.supervision.EXIT_CRASHED`.
 * **Execution is at-least-once**: a re-dispatched task may run twice if the
   first worker did run it (see :mod:`ax_kombu.worker.node`).
 
@@ -74,6 +82,7 @@ from ax_kombu.scheduler.housekeeper import Housekeeper
 from ax_kombu.scheduler.stage import HandOff
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +109,9 @@ class Scheduler:
         self.settings = settings
         self.store = Store(settings)
         self.node_id = node_id or nodes.default_node_id("scheduler")
-        self.heartbeat = nodes.Heartbeat(self.store, self.node_id, "scheduler")
+        self.heartbeat = nodes.Heartbeat(self.store, self.node_id, "scheduler",
+                                         silence_ms=settings.silence_ms)
+        self.crash = CrashFlag()
         fired: HandOff[int] = HandOff()
         self.timing = TimingLoop(settings, self.store.clock, fired)
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
@@ -108,7 +119,7 @@ class Scheduler:
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
                                self.dispatcher)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
-                                       self._info)
+                                       self._info, self.timing.drop_all)
         self._stop: str | None = None
 
     @property
@@ -135,15 +146,31 @@ class Scheduler:
 
     # -- running -------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Start, run the timing loop until a stop, shut down."""
-        if not self.start():
-            self.store.close()
-            return
+    def run(self) -> int:
+        """Start, run the timing loop until a stop, shut down; returns the exit code.
+
+        0 after a stop, :data:`~ax_kombu.supervision.EXIT_CRASHED` if one of the
+        node's threads died (the node then stops cold).
+
+        Raises:
+            NodeNameInUse: another live process has this node's name.
+        """
+        undo = watch_threads(self._crashed)
         try:
-            self.timing.run()
+            if not self.start():
+                self.store.close()
+                return 0
+            try:
+                self.timing.run()
+            finally:
+                self.shutdown()
         finally:
-            self.shutdown()
+            undo()
+        return EXIT_CRASHED if self.crash.crashed else 0
+
+    def _crashed(self, thread: str, error: BaseException) -> None:
+        self.crash(thread, error)
+        self.request_stop(cold=True)
 
     def run_once(self) -> None:
         """One pass of the timing loop (see :meth:`TimingLoop.run_once`)."""

@@ -20,6 +20,9 @@ Contracts:
   over, or a stop.
 * :meth:`TimingLoop.stop` sets a flag and an event, nothing else: safe from a
   signal handler.
+* :meth:`TimingLoop.drop_all` (a node declared dead stops acting under its old
+  incarnation): the next pass forgets every id in the wheel, every id handed
+  over and every fired id not yet claimed.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class TimingLoop:
         #: ids for the wheel; read by this loop alone (``ready`` also wakes it for a stop)
         self.incoming: HandOff[Pairs] = HandOff()
         self._stopping = False
+        self._drop = False
 
     # -- control (any thread) ------------------------------------------------------------
 
@@ -71,6 +75,11 @@ class TimingLoop:
     def stop(self) -> None:
         """End :meth:`run` after the current pass. Signal-safe: sets a flag and an event."""
         self._stopping = True
+        self.incoming.ready.set()
+
+    def drop_all(self) -> None:
+        """From any thread: forget everything held, at the start of the next pass."""
+        self._drop = True
         self.incoming.ready.set()
 
     def idle(self, seconds: float) -> None:
@@ -97,12 +106,20 @@ class TimingLoop:
 
     def run_once(self) -> None:
         """One pass: take in handed-over ids, fire what is due to the claimer, sleep."""
+        if self._drop:
+            self._drop_now()
         self._absorb()
         now = self._clock.local_ms()
         fired = self.timer.advance(int(now) + self._lead_ms)  # the claim's lead, see above
         if fired:
             self._fired.put(fired)
         self._sleep(now)
+
+    def _drop_now(self) -> None:
+        self._drop = False
+        self.incoming.items.clear()
+        self._fired.items.clear()
+        self.timer = TriggerTimer(int(self._clock.local_ms()), level_sizes=WHEEL_LEVELS)
 
     def _absorb(self) -> None:
         """Add handed-over ids to the wheel, about ``ABSORB_CHUNK`` per pass so firing goes on."""

@@ -227,3 +227,16 @@ def release_orphans(conn: Connection, due_before_ms: int, alive_after_ms: int) -
                                       WHERE stopped_at IS NULL AND heartbeat_at >= :alive)""")
     return int(conn.execute(stmt, {"due_before": due_before_ms,
                                    "alive": alive_after_ms}).rowcount)
+
+
+def held_by(conn: Connection, node: str, horizon_ms: int, limit: int) -> list[tuple[int, int]]:
+    """DELAYED/READY tasks ``node`` holds, due before ``horizon_ms``: ``(task_id, trigger_time)``.
+
+    A preload whose commit reply was lost left rows held by the node that its
+    memory does not have; the node reconciles with this after such an error.
+    """
+    stmt = text("SELECT task_id, trigger_time FROM ax_task WHERE status IN ('DELAYED', 'READY') "
+                "AND last_run_node = :node AND trigger_time < :horizon "
+                "ORDER BY trigger_time LIMIT :n")
+    return [(r[0], r[1]) for r in conn.execute(stmt, {"node": node, "horizon": horizon_ms,
+                                                      "n": limit})]

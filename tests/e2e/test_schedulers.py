@@ -75,10 +75,16 @@ def count(client: Client, status: str | None = None, table: object = tasks) -> i
         return int(conn.execute(stmt).scalar_one())
 
 
+def schedulers(client: Client) -> int:
+    with client.store.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(nodes)
+                                .where(nodes.c.kind == "scheduler")).scalar_one())
+
+
 def run_burst(cfg: Settings, client: Client, procs: list[subprocess.Popen[bytes]],
               kill_at: int | None) -> list[Received]:
     with starting(client.store.engine) as start_task, collecting(cfg, start_task) as got:
-        assert wait_until(lambda: count(client, table=nodes) == 2, 60), "schedulers did not start"
+        assert wait_until(lambda: schedulers(client) == 2, 60), "schedulers did not start"
         client.enqueue_many([{"task_type": "burst", "payload": {"i": i},
                               "delay": 1 + 3 * i / N} for i in range(N)])
         if kill_at is not None:

@@ -14,6 +14,8 @@ from kombu import Consumer
 from ax_kombu.broker.connection import connection, task_queues
 from ax_kombu.config import Settings
 from ax_kombu.scheduler.node import Scheduler
+from ax_kombu.store import Store
+from ax_kombu.store.nodes import Heartbeat
 
 
 def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -43,6 +45,7 @@ class Collector:
     got: list[Received] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _ready: threading.Event = field(default_factory=threading.Event)
+    _heartbeat: Heartbeat | None = None
 
     def run(self) -> None:
         """Consume until stopped; reconnect when the broker goes away (restart tests)."""
@@ -51,8 +54,11 @@ class Collector:
                 self._consume()
             except Exception:  # noqa: BLE001 - broker restarting: try again
                 self._stop.wait(0.2)
+        if self._heartbeat is not None:
+            self._heartbeat.store.close()
 
     def _consume(self) -> None:
+        heartbeat = self._register()
         with connection(self.settings) as conn:
             def handle(body: Any, message: Any) -> None:
                 item = Received(message.delivery_info["routing_key"], body,
@@ -67,10 +73,23 @@ class Collector:
             with Consumer(conn, queues=queues, callbacks=[handle], accept=["json"]):
                 self._ready.set()
                 while not self._stop.is_set():
+                    heartbeat.beat({"queues": self.queue_names()})
                     try:
                         conn.drain_events(timeout=0.2)
                     except TimeoutError:
                         pass
+            heartbeat.stop()
+
+    def queue_names(self) -> list[str]:
+        return [q.name for q in task_queues(self.settings).values()]
+
+    def _register(self) -> Heartbeat:
+        """Stand in for a worker: schedulers re-dispatch only to queues a live worker
+        reports consuming in its heartbeat."""
+        if self._heartbeat is None:
+            self._heartbeat = Heartbeat(Store(self.settings), f"collector-{id(self)}", "worker")
+        self._heartbeat.register({"queues": self.queue_names()})
+        return self._heartbeat
 
     def ids(self) -> list[int]:
         return [r.body["task_id"] for r in self.got]

@@ -1,0 +1,131 @@
+"""Who is alive, for one scheduler node: its own heartbeat, fencing, and judging the others.
+
+Contracts:
+
+* **Fenced heartbeat.** Each beat is a compare-and-set on this process's live
+  incarnation (:class:`ax_kombu.store.nodes.Heartbeat`). When a beat finds the
+  incarnation declared dead, the node stops acting under it at once: it drops
+  every task it holds in memory (``on_fenced``), then registers a new
+  incarnation, which releases whatever the database still says it holds. If
+  another live process has taken the name meanwhile, registering raises
+  :class:`~ax_kombu.exceptions.NodeNameInUse` and the node stops (its thread
+  is supervised: the process exits non-zero).
+* **No judging after being cut off.** Declaring other nodes dead — and every
+  recovery that rests on "that node is not alive" — happens only while this
+  node's own heartbeats have been succeeding for a whole silence window
+  (``heartbeat_misses × heartbeat_interval_s``). A node just back from a
+  database outage (or just started) has not seen the others' beats land yet,
+  so it waits a window first: an outage of the database kills nobody.
+* **Bounded re-dispatch** (the slow recovery scan): DISPATCHING tasks no worker
+  started go out again with a doubling ack timeout, at most
+  ``max_dispatches`` times, and only for queues some live worker consumes
+  (:func:`ax_kombu.store.recovery.redispatch_unacked`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection
+
+from ax_kombu.config import PRIORITIES, Settings
+from ax_kombu.observability import metrics
+from ax_kombu.store import Store, nodes, recovery
+
+log = logging.getLogger(__name__)
+
+
+class Liveness:
+    """Heartbeats this node and recovers the tasks of dead ones.
+
+    Args:
+        settings: heartbeat, ack-timeout and re-dispatch settings.
+        store: the task store.
+        heartbeat: this node's registration (registered before the first beat).
+        info: what the heartbeat publishes about the node.
+        on_fenced: drops everything the node holds in memory.
+        wake: asks for a preload (recovery freed tasks).
+    """
+
+    def __init__(self, settings: Settings, store: Store, heartbeat: nodes.Heartbeat,
+                 info: Callable[[], dict[str, Any]], on_fenced: Callable[[], None],
+                 wake: Callable[[], None]) -> None:
+        self._settings = settings
+        self._store = store
+        self._heartbeat = heartbeat
+        self._info = info
+        self._on_fenced = on_fenced
+        self._wake = wake
+        self.silence_ms = settings.silence_ms
+        #: database time since which this node's beats have all succeeded (None: not now)
+        self._beating_since: int | None = None
+
+    def database_failed(self) -> None:
+        """A database call failed: this node may be cut off, so it stops judging others."""
+        self._beating_since = None
+
+    def trusted(self, now: int) -> bool:
+        """Whether this node may judge others dead (see the module docstring)."""
+        return self._beating_since is not None and now - self._beating_since >= self.silence_ms
+
+    def beat(self, now: int) -> None:
+        """Heartbeat (re-registering if fenced); then, if trusted, recover dead nodes' tasks."""
+        if not self._heartbeat.beat(self._info()):
+            self._fenced(now)
+        if self._beating_since is None:
+            self._beating_since = now
+        if self.trusted(now):
+            self._judge(now)
+
+    def _fenced(self, now: int) -> None:
+        log.warning("this node was declared dead; dropping what it holds and registering anew",
+                    extra={"node": self._heartbeat.node_id})
+        metrics.fenced_total.inc()
+        self._on_fenced()
+        took = self._heartbeat.register(self._info())
+        self._beating_since = now
+        log.info("registered as a new incarnation", extra={
+            "node": self._heartbeat.node_id, "incarnation": self._heartbeat.incarnation,
+            "released": took.released, "requeued": took.requeued, "running": took.running})
+        self._wake()
+
+    def _judge(self, now: int) -> None:
+        with self._store.engine.begin() as conn:
+            dead = nodes.claim_dead(conn, self.silence_ms)
+            released = recovery.release_held(conn, dead)
+            recovered = recovery.recover_running(conn, dead, now)
+        if dead:
+            log.warning("nodes stopped heartbeating; recovering their tasks",
+                        extra={"nodes": dead, "released": released, "running": len(recovered)})
+            metrics.recovered_total.labels("held").inc(released)
+            metrics.recovered_total.labels("running").inc(len(recovered))
+            self._wake()
+
+    def recover(self, now: int) -> None:
+        """The slow scan: unacked dispatches, orphaned held tasks, orphaned running tasks."""
+        if not self.trusted(now):
+            return
+        silent_since = now - self.silence_ms
+        with self._store.engine.begin() as conn:
+            unacked = recovery.redispatch_unacked(
+                conn, now, self._settings.ack_timeout_ms, self._consumed(conn),
+                self._settings.max_dispatches)
+            orphans = recovery.release_orphans(conn, silent_since, silent_since)
+            running = recovery.recover_orphan_running(conn, now, silent_since)
+        if unacked or orphans or running:
+            gave_up = sum(1 for _, status in unacked if status == "FAILED")
+            log.warning("recovery found tasks to dispatch again",
+                        extra={"ack_timeouts": len(unacked) - gave_up, "gave_up": gave_up,
+                               "orphans": orphans, "running": len(running)})
+            metrics.ack_timeout_total.inc(len(unacked) - gave_up)
+            metrics.redispatch_failed_total.inc(gave_up)
+            metrics.recovered_total.labels("orphan").inc(orphans)
+            metrics.recovered_total.labels("running").inc(len(running))
+            self._wake()
+
+    def _consumed(self, conn: Connection) -> list[str]:
+        """The priorities whose queue some live worker consumes."""
+        queues = nodes.consumed_queues(conn, self.silence_ms)
+        return [p for p in PRIORITIES if self._settings.queue_for(p) in queues]
