@@ -3,6 +3,10 @@
 Queues: one per priority — ``high``, ``default``, ``slow`` (names configurable)
 — declared durable and bound to the default exchange, so a publish is a
 single "put on queue" (no exchange lookup round trip).
+
+:func:`check_broker_url` judges a broker URL at start-up the way Kombu will
+when it connects, without connecting, so a URL that cannot work stops a
+daemon at once instead of in its retry loop.
 """
 
 from __future__ import annotations
@@ -10,9 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from kombu import Connection, Queue
+from kombu.transport import TRANSPORT_ALIASES
+from kombu.utils.text import fmatch_best
 
 from ax_kombu.broker.transports import register as register_transports
-from ax_kombu.config import PRIORITIES, Settings
+from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.exceptions import ConfigurationError
+
+_EXAMPLES = "use e.g. redis://host:6379/0, amqp://user:pass@host// or ax+sqlite:///path"
+#: The Kombu extra that installs what a transport imports, where it has one.
+_KOMBU_EXTRA = {"redis": "redis", "rediss": "redis", "sentinel": "redis", "sqla": "sqlalchemy",
+                "sqlalchemy": "sqlalchemy", "sqs": "sqs", "SQS": "sqs", "mongodb": "mongodb",
+                "zookeeper": "zookeeper", "confluentkafka": "confluentkafka",
+                "gcpubsub": "gcpubsub", "pgmq": "pgmq"}
 
 
 def connection(settings: Settings) -> Connection:
@@ -36,3 +50,54 @@ def declare_queues(conn: Connection, settings: Settings) -> None:
     channel = conn.default_channel
     for queue in task_queues(settings).values():
         queue(channel).declare()
+
+
+def check_broker_url(url: str) -> None:
+    """Fail now if Kombu could never use ``url``; reaching its server is not tried.
+
+    Each URL of a ``;``-separated failover list must name a transport Kombu
+    knows (ax's ``ax+sqlite`` alias included), whose module and client library
+    import, and must parse as that transport reads it: Kombu's own
+    resolution builds the transport object, which is everything short of
+    connecting. A server that is down passes here and is met, with retries,
+    when the daemon connects.
+
+    Raises:
+        ConfigurationError: not a URL, an unknown transport, a transport whose
+            modules cannot be imported, or a URL the transport cannot parse.
+            The message shows the URL with its password redacted.
+    """
+    register_transports()
+    for one in url.split(";"):
+        _check_one(one.strip())
+
+
+def _check_one(url: str) -> None:
+    scheme, sep, _ = url.partition("://")
+    if not sep or not scheme:
+        raise ConfigurationError(f"not a broker URL: {redact_url(url)!r} ({_EXAMPLES})")
+    name = scheme.partition("+")[0]  # as Kombu splits ax+sqlite:// or sqla+postgresql://
+    conn = None
+    try:
+        conn = Connection(url)
+        conn.transport  # noqa: B018  -- imports the transport, which parses the URL
+    except KeyError:
+        raise ConfigurationError(_unknown(name)) from None
+    except (ImportError, AttributeError) as exc:
+        extra = _KOMBU_EXTRA.get(name)
+        hint = f" (pip install 'kombu[{extra}]')" if extra else ""
+        raise ConfigurationError(redact_url(f"the {name!r} transport cannot be loaded: "
+                                            f"{exc}{hint}")) from None
+    except ValueError as exc:
+        why = str(exc)  # the ax+sqlite transport's own message already shows the URL
+        shown = why if url in why else f"malformed broker URL {url!r}: {why}"
+        raise ConfigurationError(redact_url(shown)) from None
+    finally:
+        if conn is not None:
+            conn.release()
+
+
+def _unknown(name: str) -> str:
+    guess = fmatch_best(name, TRANSPORT_ALIASES)
+    maybe = f"did you mean {guess}://? " if guess else ""
+    return f"unknown transport {name!r} ({maybe}{_EXAMPLES})"

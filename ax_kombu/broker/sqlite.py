@@ -130,7 +130,8 @@ Storage
 Table ``ax_kombu_message`` (``id``, ``queue``, ``priority``, ``payload``
 JSON, ``visible_at``, ``deliveries``), indexed on
 ``(queue, priority DESC, id)``; created on first use.  The database runs in
-WAL mode, so readers never block the writer.
+WAL mode, so readers never block the writer.  The schema and every statement
+are in :mod:`ax_kombu.broker.sqlite_store`.
 """
 # Kombu's virtual transport API is largely unannotated.
 # mypy: disallow-untyped-calls=False
@@ -141,125 +142,30 @@ import sqlite3
 import threading
 import time
 from queue import Empty
-from typing import Any, NamedTuple
+from typing import Any
 
 from kombu.transport import virtual
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
 
-URL_PREFIX = 'ax+sqlite://'
-_SCHEME = 'sqlite://'
-_TABLE = 'ax_kombu_message'
-_SYNCHRONOUS = frozenset({'OFF', 'NORMAL', 'FULL', 'EXTRA'})
-
-_SCHEMA = (
-    (f'CREATE TABLE IF NOT EXISTS {_TABLE} ('
-     ' id INTEGER PRIMARY KEY AUTOINCREMENT,'
-     ' queue TEXT NOT NULL,'
-     ' priority INTEGER NOT NULL DEFAULT 0,'
-     ' payload TEXT NOT NULL,'
-     ' visible_at REAL NOT NULL DEFAULT 0,'
-     ' deliveries INTEGER NOT NULL DEFAULT 0)'),
-    (f'CREATE INDEX IF NOT EXISTS {_TABLE}_next'
-     f' ON {_TABLE} (queue, priority DESC, id)'),
+from ax_kombu.broker.sqlite_store import (
+    DELETE,
+    INSERT,
+    LEASE,
+    PROBE,
+    PURGE,
+    RELEASE,
+    SETTLE,
+    SIZE,
+    SYNCHRONOUS,
+    TAKE,
+    URL_PREFIX,
+    Taken,
+    open_database,
+    parse_url,
+    unpack,
 )
-# ``id`` never repeats (AUTOINCREMENT), so an ack naming an id cannot hit a
-# newer message.  ``visible_at`` is 0 for a ready message and the lease
-# expiry time for one taken under a visibility timeout.
-_NEXT = (f'SELECT id FROM {_TABLE} WHERE queue = ? AND visible_at <= ?'
-         ' ORDER BY priority DESC, id LIMIT 1')
-_PROBE = f'SELECT 1 FROM {_TABLE} WHERE queue = ? AND visible_at <= ? LIMIT 1'
-_TAKE = (f'DELETE FROM {_TABLE} WHERE id = ({_NEXT})'
-         ' RETURNING payload, deliveries + 1')
-_LEASE = (f'UPDATE {_TABLE} SET visible_at = ?, deliveries = deliveries + 1'
-          f' WHERE id = ({_NEXT}) RETURNING payload, deliveries, id, visible_at')
-_INSERT = f'INSERT INTO {_TABLE} (queue, priority, payload) VALUES (?, ?, ?)'
-_SETTLE = f'DELETE FROM {_TABLE} WHERE id = ?'
-_RELEASE = f'UPDATE {_TABLE} SET visible_at = 0 WHERE id = ? AND visible_at = ?'
-_SIZE = f'SELECT count(*) FROM {_TABLE} WHERE queue = ? AND visible_at <= ?'
-_PURGE = f'DELETE FROM {_TABLE} WHERE queue = ? AND visible_at <= ?'
-_DELETE = f'DELETE FROM {_TABLE} WHERE queue = ?'
-_HAS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 
-
-class _Taken(NamedTuple):
-    """Where an unacked message came from, so it can be settled/restored."""
-
-    queue: str
-    row_id: int | None = None   # set when leased (visibility timeout) ...
-    lease: float | None = None  # ... with the lease's expiry time
-
-
-def parse_url(hostname: str | None) -> str:
-    """Return the absolute database path named by ``sqlite:///<path>``.
-
-    ``hostname`` is what Kombu leaves after splitting ``ax+`` off the URL.
-    """
-    shown = f'ax+{hostname}' if (hostname or '').startswith(_SCHEME) \
-        else str(hostname)
-
-    def bad(why: str) -> ValueError:
-        return ValueError(
-            f'Invalid ax+sqlite URL {shown!r}: {why}; expected '
-            f'{URL_PREFIX}/relative/path.db or {URL_PREFIX}//absolute/path.db')
-
-    if not hostname or not hostname.startswith(_SCHEME):
-        raise bad('not an ax+sqlite:// URL')
-    rest = hostname[len(_SCHEME):]
-    if '?' in rest:
-        raise bad('query strings are not supported, use transport_options')
-    if rest and not rest.startswith('/'):
-        raise bad('a host part is not allowed (use three slashes)')
-    path = rest[1:]
-    if not path.strip('/'):
-        raise bad('the database path is empty')
-    if path.endswith('/'):
-        raise bad('the database path names a directory')
-    if path == ':memory:':
-        raise bad('an in-memory database cannot be shared, use memory://')
-    return os.path.abspath(path)
-
-
-def _open(path: str, busy_timeout: float, synchronous: str) -> sqlite3.Connection:
-    """Open ``path`` in WAL mode, creating the schema if needed."""
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    db = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None,
-                         check_same_thread=False)
-    try:
-        _configure(db, synchronous)
-    except BaseException:
-        db.close()
-        raise
-    return db
-
-
-def _configure(db: sqlite3.Connection, synchronous: str) -> None:
-    mode = db.execute('PRAGMA journal_mode = WAL').fetchall()[0][0]
-    if str(mode).lower() != 'wal':
-        raise sqlite3.OperationalError(
-            f'cannot enable WAL mode (got {mode!r}); '
-            'is the database on a network filesystem?')
-    db.execute(f'PRAGMA synchronous = {synchronous}')
-    if db.execute(_HAS_TABLE, (_TABLE,)).fetchall():
-        return
-    db.execute('BEGIN IMMEDIATE')
-    try:
-        for statement in _SCHEMA:
-            db.execute(statement)
-    except BaseException:
-        db.execute('ROLLBACK')
-        raise
-    db.execute('COMMIT')
-
-
-def _unpack(row: tuple[Any, ...]) -> dict[str, Any]:
-    """Decode a taken row ``(payload, delivery count, ...)``."""
-    payload: dict[str, Any] = loads(row[0])
-    if row[1] > 1 or payload.get('redelivered'):
-        props = payload.setdefault('properties', {})
-        props.setdefault('delivery_info', {})['redelivered'] = True
-    return payload
+__all__ = ['URL_PREFIX', 'Channel', 'Transport', 'parse_url']
 
 
 class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
@@ -278,15 +184,15 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
         self._db: sqlite3.Connection | None = None
         self._db_pid = 0
         self._lock = threading.Lock()
-        self._taken: dict[str, _Taken] = {}  # by delivery tag
+        self._taken: dict[str, Taken] = {}  # by delivery tag
         self._no_ack_queues: set[str] = set()
         super().__init__(connection, **kwargs)
         self._check_options()
 
     def _check_options(self) -> None:
         self.synchronous = str(self.synchronous).upper()
-        if self.synchronous not in _SYNCHRONOUS:
-            raise ValueError(f'synchronous must be one of {sorted(_SYNCHRONOUS)}')
+        if self.synchronous not in SYNCHRONOUS:
+            raise ValueError(f'synchronous must be one of {sorted(SYNCHRONOUS)}')
         if self.visibility_timeout is not None:
             self.visibility_timeout = float(self.visibility_timeout)
             if self.visibility_timeout <= 0:
@@ -301,7 +207,7 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
             _ABANDONED.append(self._db)
             self._db = None
         if self._db is None:
-            self._db = _open(self._path, self.busy_timeout, self.synchronous)
+            self._db = open_database(self._path, self.busy_timeout, self.synchronous)
             self._db_pid = os.getpid()
         return self._db
 
@@ -313,7 +219,7 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
         with self._lock:
             return self._conn().execute(sql, params).rowcount
 
-    def ensure_open(self) -> None:
+    def ensureopen_database(self) -> None:
         """Open the database now (schema included) to surface errors early."""
         with self._lock:
             self._conn()
@@ -322,7 +228,7 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
-        self._write(_INSERT, (queue, priority, dumps(message)))
+        self._write(INSERT, (queue, priority, dumps(message)))
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         return self._take(queue, tracked=queue not in self._no_ack_queues)
@@ -334,28 +240,28 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
         with self._lock:
             db = self._conn()
             # Plain read first: an empty poll never takes the write lock.
-            if not db.execute(_PROBE, (queue, now)).fetchall():
+            if not db.execute(PROBE, (queue, now)).fetchall():
                 raise Empty()
             if lease:
-                rows = db.execute(_LEASE, (now + lease, queue, now)).fetchall()
+                rows = db.execute(LEASE, (now + lease, queue, now)).fetchall()
             else:
-                rows = db.execute(_TAKE, (queue, now)).fetchall()
+                rows = db.execute(TAKE, (queue, now)).fetchall()
         if not rows:
             raise Empty()
-        payload = _unpack(rows[0])
+        payload = unpack(rows[0])
         if tracked:
             tag = payload['properties']['delivery_tag']
-            self._taken[tag] = _Taken(queue, *rows[0][2:])
+            self._taken[tag] = Taken(queue, *rows[0][2:])
         return payload
 
     def _size(self, queue: str) -> int:
-        return int(self._execute(_SIZE, (queue, time.time()))[0][0])
+        return int(self._execute(SIZE, (queue, time.time()))[0][0])
 
     def _purge(self, queue: str) -> int:
-        return self._write(_PURGE, (queue, time.time()))
+        return self._write(PURGE, (queue, time.time()))
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
-        self._write(_DELETE, (queue,))
+        self._write(DELETE, (queue,))
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         """Queues exist implicitly: nothing to create."""
@@ -407,7 +313,7 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
         """Forget an acked message; delete it if it is only leased."""
         taken = self._taken.pop(delivery_tag, None)
         if taken is not None and taken.row_id is not None:
-            self._write(_SETTLE, (taken.row_id,))
+            self._write(SETTLE, (taken.row_id,))
 
     def _restore(self, message: Any) -> None:
         """Make an unacked message available again in its own queue.
@@ -419,7 +325,7 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
         if taken is None:
             super()._restore(message)
         elif taken.row_id is not None:
-            self._write(_RELEASE, (taken.row_id, taken.lease))
+            self._write(RELEASE, (taken.row_id, taken.lease))
         else:
             payload = message.serializable()
             payload['redelivered'] = True
@@ -464,7 +370,7 @@ class Transport(virtual.Transport):  # type: ignore[misc]  # kombu is untyped
         super().establish_connection()
         channel = self._avail_channels[-1]
         try:
-            channel.ensure_open()
+            channel.ensureopen_database()
         except BaseException:
             self._avail_channels.remove(channel)
             channel.close()

@@ -1,4 +1,5 @@
-"""What the two daemons share: logging, the pidfile, and signal handlers that only set flags."""
+"""What the two daemons share: start-up checks, logging, the pidfile, and signal handlers
+that only set flags."""
 
 from __future__ import annotations
 
@@ -12,7 +13,46 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import click
+from click.core import ParameterSource
+
+from ax_kombu.broker.connection import check_broker_url
+from ax_kombu.config import Settings
 from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.store.engine import check_database_url
+
+#: Each URL setting: its field, its variable, its flag, and the check that judges it.
+_URL_CHECKS: tuple[tuple[str, str, str, Callable[[str], None]], ...] = (
+    ("database_url", "AX_DATABASE_URL", "--db", check_database_url),
+    ("broker_url", "AX_BROKER_URL", "--broker", check_broker_url),
+)
+
+
+def check_urls(settings: Settings) -> None:
+    """Fail fast on a store or broker URL this installation can never use.
+
+    Call it before a daemon opens anything or says it is ready. It parses
+    both URLs and loads the database driver and the Kombu transport they
+    name, without connecting: a server that is down is not a configuration
+    error, and the daemons keep retrying it with backoff.
+
+    Raises:
+        ConfigurationError: its message starts with the setting as the user
+            gave it: ``AX_DATABASE_URL`` / ``AX_BROKER_URL``, followed by the
+            flag (``(--db)`` / ``(--broker)``) when the value came from it.
+    """
+    for field, variable, flag, check in _URL_CHECKS:
+        try:
+            check(getattr(settings, field))
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{_given_as(field, variable, flag)}: {exc}") from None
+
+
+def _given_as(field: str, variable: str, flag: str) -> str:
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.get_parameter_source(field) is ParameterSource.COMMANDLINE:
+        return f"{variable} ({flag})"
+    return variable
 
 
 class _TraceFormatter(logging.Formatter):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import click
 
 from ax_kombu.cli.base import Duration, broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
+    check_urls,
     freeze_start_up_objects,
     install_stop_signals,
     pidfile,
@@ -46,6 +48,7 @@ def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_p
 
     setup_logging(loglevel)
     settings = run_guarded(lambda: from_env(**overrides))
+    run_guarded(lambda: check_urls(settings))
     with pidfile(pidfile_path):
         scheduler = run_guarded(lambda: Scheduler(settings, node_id))
         install_stop_signals(lambda cold: scheduler.request_stop(cold))
@@ -54,4 +57,9 @@ def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_p
         log.info("ax-scheduler ready", extra={"node": scheduler.node_id,
                                               "db": redact_url(settings.database_url),
                                               "broker": redact_url(settings.broker_url)})
-        run_guarded(scheduler.run)
+        code = run_guarded(scheduler.run)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

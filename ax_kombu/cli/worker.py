@@ -16,6 +16,7 @@ import click
 
 from ax_kombu.cli.base import broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
+    check_urls,
     freeze_start_up_objects,
     install_stop_signals,
     pidfile,
@@ -94,6 +95,7 @@ def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
 def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: str | None,
          pid_path: str | None, metrics_port: int, overrides: dict[str, Any]) -> int:
     settings = from_env(**overrides, **parse_concurrency(concurrency))
+    check_urls(settings)
     if os.getcwd() not in sys.path:  # -A app.tasks names a module of the current directory
         sys.path.insert(0, os.getcwd())
     modules = split_names(settings.processor_modules) + split_names(apps)

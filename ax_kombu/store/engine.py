@@ -9,14 +9,13 @@ front instead of failing with "database is locked" when it upgrades.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, text
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy import URL, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
 from ax_kombu.config import redact_url
 from ax_kombu.exceptions import ConfigurationError, StoreError
@@ -31,29 +30,85 @@ _NOW_SQL = {
 }
 
 
+#: The driver ax uses for a PostgreSQL URL that names none (SQLAlchemy 2.1's default is
+#: psycopg 3, which ax does not depend on).
+_PG_DRIVER = "psycopg2"
+_USE = "use postgresql://user:pass@host/db or sqlite:///path"
+
+
+def parse_database_url(url: str) -> URL:
+    """Parse ``url`` into the SQLAlchemy URL ax will open, without loading anything.
+
+    ``postgres://`` and ``postgresql://`` without a driver mean
+    ``postgresql+psycopg2://``; a driver given explicitly is kept.
+
+    Raises:
+        ConfigurationError: ``url`` is malformed, names a database other than
+            PostgreSQL or SQLite, or an in-memory SQLite database.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ConfigurationError(f"not a database URL: {redact_url(url)!r} ({_USE})") from None
+    except ValueError:  # make_url raises it for one thing: a port that is not a number
+        raise ConfigurationError(f"malformed database URL {redact_url(url)!r}: the port is "
+                                 "not a number (%-encode ':', '@' and '/' in a user name "
+                                 "or password)") from None
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend in ("postgres", "postgresql"):
+        return parsed.set(drivername=f"postgresql+{driver or _PG_DRIVER}")
+    if backend != "sqlite":
+        raise ConfigurationError(f"unsupported database {backend!r} in "
+                                 f"{redact_url(url)!r} ({_USE})")
+    if parsed.database in (None, "", ":memory:"):
+        raise ConfigurationError("an in-memory SQLite database cannot be shared between "
+                                 "processes; give a file path, e.g. sqlite:///ax.sqlite3")
+    return parsed
+
+
+def check_database_url(url: str) -> None:
+    """Fail now, not at the first query, if ``url`` cannot be opened by this installation.
+
+    Parses the URL (:func:`parse_database_url`), loads its SQLAlchemy dialect
+    and imports the DBAPI module the dialect drives. Nothing connects: an
+    unreachable server passes here and is met, with retries, by the store.
+
+    Raises:
+        ConfigurationError: the URL is malformed or unsupported, its driver is
+            unknown to SQLAlchemy, or the driver's module is not installed.
+    """
+    parsed = parse_database_url(url)
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:
+        raise ConfigurationError(f"unknown database driver {parsed.drivername!r} in "
+                                 f"{redact_url(url)!r} ({_USE})") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigurationError(f"the {parsed.drivername} driver cannot be loaded: {exc}"
+                                 ) from None
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine for ``url`` (``postgresql://…`` or ``sqlite:///path``).
 
     Raises:
-        ConfigurationError: the URL names a database ax does not support.
+        ConfigurationError: the URL is malformed or names a database ax does
+            not support (see :func:`parse_database_url`), or SQLAlchemy
+            refuses its options.
     """
+    parsed = parse_database_url(url)
     try:
-        if url.startswith("sqlite"):
-            return _sqlite_engine(url, **kwargs)
-        if url.startswith("postgres"):
-            url = re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
-            return create_engine(url, pool_size=kwargs.pop("pool_size", 5),
-                                 max_overflow=10, **kwargs)
-    except ArgumentError as exc:
+        if parsed.get_backend_name() == "sqlite":
+            return _sqlite_engine(parsed, **kwargs)
+        return create_engine(parsed, pool_size=kwargs.pop("pool_size", 5),
+                             max_overflow=10, **kwargs)
+    except (ArgumentError, NoSuchModuleError) as exc:
         raise ConfigurationError(f"bad database URL {redact_url(url)}: {exc}") from None
-    raise ConfigurationError(f"unsupported database URL {redact_url(url)} "
-                             "(use postgresql://… or sqlite:///path)")
 
 
-def _sqlite_engine(url: str, **kwargs: Any) -> Engine:
-    if url in ("sqlite://", "sqlite:///:memory:"):
-        raise ConfigurationError("an in-memory SQLite database cannot be shared between "
-                                 "processes; give a file path, e.g. sqlite:///ax.sqlite3")
+def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
     engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False},
                            **kwargs)
 
