@@ -197,3 +197,12 @@ def _copy(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
 def fetch_task(conn: Connection, task_id: int) -> Row[Any] | None:
     """The whole row of ``task_id``, or None."""
     return conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
+
+
+def cancelled_among(conn: Connection, task_ids: Sequence[int]) -> list[int]:
+    """Which of ``task_ids`` are CANCELLED (a worker signals their running processors)."""
+    if not task_ids:
+        return []
+    stmt = select(tasks.c.task_id).where(tasks.c.task_id.in_(list(task_ids)),
+                                         tasks.c.status == "CANCELLED")
+    return [r[0] for r in conn.execute(stmt)]

@@ -37,6 +37,7 @@ skipped. Everything here runs on the consuming thread except
 from __future__ import annotations
 
 import queue
+import time
 from functools import partial
 from typing import Any
 
@@ -45,7 +46,7 @@ from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome
-from ax_kombu.worker.processors import Context, Resolver
+from ax_kombu.worker.processors import Cancellation, Context, Resolver
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, account
 from ax_kombu.worker.results import Counters, ResultWriter
 
@@ -169,14 +170,16 @@ class Intake:
 
     def _submit(self, delivery: Delivery) -> None:
         task = delivery.task
+        timeout_s = task.timeout_ms / 1000.0
+        cancel = delivery.cancel = Cancellation()
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
-                      delivery.shard)
+                      delivery.shard, cancel, time.monotonic() + timeout_s)
         done = partial(self._done, delivery)
         self.running.add(delivery)
         if not delivery.lane.pool.try_submit(partial(self._execute, task, ctx), done,
-                                             timeout_s=task.timeout_ms / 1000.0,
-                                             labels=delivery.labels):
+                                             timeout_s=timeout_s, labels=delivery.labels,
+                                             cancel=cancel):
             done(Outcome(False, abandoned="no free slot in the pool"))  # planned: cannot happen
 
     def _execute(self, task: TaskMessage, ctx: Context) -> Any:

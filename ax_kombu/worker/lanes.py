@@ -38,7 +38,7 @@ from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.worker.pools import Pool
-from ax_kombu.worker.processors import split_names
+from ax_kombu.worker.processors import Cancellation, split_names
 
 #: a task allowed longer than this has its message acked when it starts
 ACK_AT_START_MS = 10 * 60 * 1000
@@ -55,6 +55,8 @@ class Delivery:
     generation: int
     shard: Mapping[str, Any] | None = None
     acked: bool = False
+    #: the run's cancellation signal, once it is submitted
+    cancel: Cancellation | None = None
 
     @property
     def pair(self) -> tuple[int, int]:
@@ -141,6 +143,7 @@ class Lane:
 
     def info(self) -> dict[str, int]:
         return {"size": self.pool.size, "free": self.pool.free, "stuck": self.pool.stuck,
+                "overdue": self.pool.overdue,
                 "backlog": len(self.backlog), "running": self.pool.active}
 
 

@@ -45,8 +45,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from ax_kombu.broker.connection import task_queues
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 from ax_kombu.exceptions import StoreError
+from ax_kombu.observability import metrics
 from ax_kombu.store import Store
 from ax_kombu.store.nodes import Heartbeat, default_node_id
+from ax_kombu.store.tasks import cancelled_among
+from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
@@ -78,9 +81,11 @@ class Worker:
                                              split_names(settings.callback_allow_hosts))
         self.stats = Counters()
         self.results = ResultWriter(self.store, settings, self.stats)
-        self.heartbeat = Heartbeat(self.store, self.node_id, "worker")
+        self.heartbeat = Heartbeat(self.store, self.node_id, "worker",
+                                   silence_ms=settings.silence_ms)
+        self.crash = CrashFlag()
         self.flags = StopFlags()
-        wakeup = Wakeup()
+        wakeup = self._wakeup = Wakeup()
         broker_queues = task_queues(settings)
         self.lanes = [Lane(p, broker_queues[p], settings.pool_size(p),
                            settings.prefetch_multiplier, wakeup.poke)
@@ -89,7 +94,8 @@ class Worker:
         self.ready = threading.Event()
         self.receipts = ReceiptWriter(self.store, self.node_id, wakeup.poke,
                                       lambda: self.flags.stopping,
-                                      settings.worker_receipt_writers)
+                                      settings.worker_receipt_writers,
+                                      lambda: self.heartbeat.incarnation)
         self.intake = Intake(self.lanes, self.receipts, self.results, self.resolver,
                              self.stats, wakeup, self.flags)
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
@@ -122,40 +128,83 @@ class Worker:
                 "free": {p: i["free"] for p, i in lanes.items()},
                 "backlog": {p: i["backlog"] for p, i in lanes.items()},
                 "stuck": {p: i["stuck"] for p, i in lanes.items()},
+                "overdue": {p: i["overdue"] for p, i in lanes.items()},
                 "running": sum(i["running"] for i in lanes.values()),
                 "counts": self.stats.snapshot()}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Consume until stopped (on the calling thread); returns the exit code (0 warm, 1 cold).
+        """Consume until stopped (on the calling thread); returns the exit code.
+
+        0 after a warm stop, 1 after a cold one, and
+        :data:`~ax_kombu.supervision.EXIT_CRASHED` if one of the worker's threads
+        died (it then stops cold).
 
         Raises:
             StoreError: the store cannot be reached at start.
+            NodeNameInUse: another live process has this worker's name.
         """
         try:
-            self.heartbeat.register(self.info())
+            took = self.heartbeat.register(self.info())
         except SQLAlchemyError as exc:
             raise StoreError(f"cannot reach the store {redact_url(self.settings.database_url)}: "
                              f"{getattr(exc, 'orig', exc)}") from None
+        undo = watch_threads(self._crashed)
         self.results.start()
         beat = threading.Thread(target=self._beat, name="ax-heartbeat", daemon=True)
         beat.start()
         log.info("worker started", extra={"node": self.node_id,
                                           "broker": redact_url(self.settings.broker_url),
-                                          "queues": [lane.queue.name for lane in self.lanes]})
+                                          "queues": [lane.queue.name for lane in self.lanes],
+                                          "recovered_from_earlier_run": took.running})
         try:
             self.consumer.run()
         finally:
             self._stop(beat)
+            undo()
+        if self.crash.crashed:
+            return EXIT_CRASHED
         return 1 if self.flags.cold else 0
 
+    def _crashed(self, thread: str, error: BaseException) -> None:
+        self.crash(thread, error)
+        self.request_stop(cold=True)
+        self._wakeup.poke()
+
     def _beat(self) -> None:
+        """Every heartbeat interval: beat (re-registering if declared dead), then signal
+        the runs whose task was cancelled meanwhile. A database error skips one beat;
+        anything else ends the thread, and the worker with it (supervised)."""
         while not self._heart_stop.wait(self.settings.heartbeat_interval_s):
             try:
-                self.heartbeat.beat(self.info())
-            except Exception:  # a missed beat is retried next interval
+                if not self.heartbeat.beat(self.info()):
+                    self._fenced()
+                self._signal_cancelled()
+            except SQLAlchemyError:
                 log.warning("heartbeat failed", exc_info=True, extra={"node": self.node_id})
+
+    def _fenced(self) -> None:
+        """Declared dead while alive (e.g. cut off from the database): no start succeeds
+        under the old incarnation (starts are fenced), running tasks go on, and the
+        worker registers anew, keeping what it is running."""
+        running = [d.task.task_id for d in list(self.intake.running)]
+        log.warning("this worker was declared dead; registering anew",
+                    extra={"node": self.node_id, "running": len(running)})
+        metrics.fenced_total.inc()
+        self.heartbeat.register(self.info(), keep_running=running)
+
+    def _signal_cancelled(self) -> None:
+        """Set the cancellation signal of runs whose task was cancelled (``ax cancel``)."""
+        running = {d.task.task_id: d for d in list(self.intake.running)}
+        if not running:
+            return
+        with self.store.engine.connect() as conn:
+            cancelled = cancelled_among(conn, list(running))
+        for task_id in cancelled:
+            cancel = running[task_id].cancel
+            if cancel is not None:
+                cancel.set("cancelled")
 
     def _stop(self, beat: threading.Thread) -> None:
         """The shutdown order: runs end (or are abandoned), results written, heartbeat

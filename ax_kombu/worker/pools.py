@@ -11,16 +11,19 @@ Guarantees:
 * **One outcome per job.** Each job's ``done`` callback is called exactly
   once: with its result, or with a timeout, or with an "abandoned" outcome
   when the pool is given up on at shutdown — whichever comes first.
-* **Timeouts, and why capacity stays true.** A Python thread cannot be
-  killed. When a job overruns its timeout, a watchdog reports it as timed
-  out at once (so its task is recorded and may be retried elsewhere), but
-  its *slot stays occupied until the thread really returns*: the job is
-  counted in :attr:`Pool.stuck` and :attr:`Pool.free` shrinks by one. The
-  worker derives its broker prefetch from :attr:`Pool.free`, so a pool with
-  a stuck thread is handed less work instead of accepting work it cannot
-  start. Whatever the thread returns later is discarded (and logged). A job
-  that never returns keeps its slot for the life of the process — visible as
-  ``stuck`` in the worker's heartbeat and in ``ax status``.
+* **Timeouts never make a job run twice at once.** A Python thread cannot be
+  killed. When a job overruns its timeout, the watchdog sets the job's
+  cancellation signal (``ctx.cancelled``, reason ``"timeout"``) and counts it
+  *overdue*, but reports nothing yet: the job's outcome — timed out, whatever
+  it returns — is reported only when its thread really returns, so its task
+  cannot be retried while it still runs. Its slot stays occupied meanwhile
+  (:attr:`Pool.overdue` in the worker's heartbeat and ``ax status``). A job
+  that never returns keeps its slot and its task RUNNING for the life of the
+  process; a warm shutdown gives up on it after the grace period.
+* **Abandoned jobs.** At shutdown the pool may be given up on
+  (:meth:`Pool.abandon`): every unreported job is reported abandoned at
+  once and its cancellation signal set; its thread keeps its slot
+  (:attr:`Pool.stuck`) until it returns or the process exits.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,10 @@ class Outcome(NamedTuple):
 Done = Callable[[Outcome], None]
 
 
+class Cancellable(Protocol):
+    def set(self, reason: str) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class _Job:
     fn: Callable[[], Any]
@@ -63,7 +70,10 @@ class _Job:
     started: float
     deadline: float | None
     labels: Mapping[str, Any] = field(default_factory=dict)
+    cancel: Cancellable | None = None
     reported: bool = False
+    #: past its deadline, still running; reported as timed out when it returns
+    overdue: bool = False
 
 
 class Pool:
@@ -92,6 +102,7 @@ class Pool:
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._running: set[_Job] = set()
         self._stuck = 0
+        self._overdue = 0
         #: jobs out of _running whose outcome is being reported (still active)
         self._reporting = 0
         #: threads waiting in join()
@@ -126,6 +137,11 @@ class Pool:
         return self._stuck
 
     @property
+    def overdue(self) -> int:
+        """Jobs past their timeout whose thread has not returned (outcome not reported yet)."""
+        return self._overdue
+
+    @property
     def active(self) -> int:
         """Running jobs whose outcome has not been reported yet."""
         return len(self._running) - self._stuck + self._reporting
@@ -133,16 +149,20 @@ class Pool:
     # -- submitting -----------------------------------------------------------------------
 
     def try_submit(self, fn: Callable[[], Any], done: Done, *, timeout_s: float | None = None,
-                   labels: Mapping[str, Any] | None = None) -> bool:
+                   labels: Mapping[str, Any] | None = None,
+                   cancel: Cancellable | None = None) -> bool:
         """Start ``fn`` in a free slot; False (and nothing done) when none is free.
 
         Args:
             done: called once with the :class:`Outcome`, from a pool thread.
-            timeout_s: report the job as timed out after this long.
+            timeout_s: after this long the job is overdue: ``cancel`` is set, and
+                its outcome will be "timed out" whenever its thread returns.
             labels: structured log fields for this job (task_id, trace_id).
+            cancel: the job's cancellation signal.
         """
         now = self._clock()
-        job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s, labels or {})
+        job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s, labels or {},
+                   cancel)
         with self._lock:
             if self._closed or len(self._running) >= self.size:
                 return False
@@ -172,9 +192,18 @@ class Pool:
             self._running.discard(job)
             if first:
                 self._reporting += 1
+                if job.overdue:
+                    self._overdue -= 1
+                    self.late_returns += 1
             else:
                 self._stuck -= 1
                 self.late_returns += 1
+        if first and job.overdue:
+            log.warning("a timed-out job returned; recording it as timed out",
+                        extra={"pool": self.name, "ran_s": round(outcome.duration_s, 3),
+                               **job.labels})
+            outcome = Outcome(False, error=outcome.error, timed_out=True,
+                              duration_s=outcome.duration_s)
         if first:
             try:
                 _report(self.name, job, outcome)
@@ -184,7 +213,7 @@ class Pool:
                     if self._joiners:
                         self._cond.notify_all()
             return
-        log.warning("a timed-out job returned; its slot is free again",
+        log.warning("an abandoned job returned; its slot is free again",
                     extra={"pool": self.name, "ran_s": round(outcome.duration_s, 3),
                            **job.labels})
         if self._on_release is not None:
@@ -202,23 +231,24 @@ class Pool:
                     self._cond.wait(self._wait_s())
                     continue
             for job in expired:
-                _report(self.name, job, Outcome(False, timed_out=True,
-                                          duration_s=self._clock() - job.started))
+                if job.cancel is not None:
+                    job.cancel.set("timeout")
 
     def _expired(self, now: float) -> list[_Job]:
-        """Jobs past their deadline, marked reported and stuck (caller holds the lock)."""
-        expired = [j for j in self._running
-                   if not j.reported and j.deadline is not None and j.deadline <= now]
+        """Jobs that just passed their deadline, marked overdue (caller holds the lock)."""
+        expired = [j for j in self._running if not j.reported and not j.overdue
+                   and j.deadline is not None and j.deadline <= now]
         for job in expired:
-            job.reported = True
-            self._stuck += 1
+            job.overdue = True
+            self._overdue += 1
             self.timeouts += 1
-            log.warning("job timed out; its thread keeps the slot until it returns",
+            log.warning("job timed out; cancellation signalled, outcome recorded when it returns",
                         extra={"pool": self.name, **job.labels})
         return expired
 
     def _wait_s(self) -> float:
-        pending = [j.deadline for j in self._running if not j.reported and j.deadline is not None]
+        pending = [j.deadline for j in self._running
+                   if not j.reported and not j.overdue and j.deadline is not None]
         self._wake_at = min(pending) if pending else None
         if self._wake_at is None:
             return 1.0
@@ -245,9 +275,13 @@ class Pool:
             for job in jobs:
                 job.reported = True
                 self._stuck += 1
+                if job.overdue:
+                    self._overdue -= 1
             if jobs and self._joiners:
                 self._cond.notify_all()  # no longer active: join() may return
         for job in jobs:
+            if job.cancel is not None:
+                job.cancel.set("shutdown")
             _report(self.name, job, Outcome(False, abandoned=reason,
                                       duration_s=self._clock() - job.started))
         return len(jobs)

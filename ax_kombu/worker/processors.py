@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
@@ -72,6 +73,53 @@ def registered(task_type: str) -> Callable[..., Any] | None:
     return _registry.get(task_type)
 
 
+_cancel_lock = threading.Lock()
+
+
+class Cancellation:
+    """A run's cancellation signal: set when the run should stop early.
+
+    Set (once, with a reason) when the run overruns its ``timeout_ms``
+    (``"timeout"``), when its task is cancelled with ``ax cancel`` while
+    RUNNING (``"cancelled"``), or when the worker stops cold (``"shutdown"``).
+    A Python thread cannot be killed: a long processor should look at
+    ``ctx.cancelled`` (or ``ctx.cancelled.wait(seconds)`` instead of sleeping)
+    and return. Cheap to make: one is made per run.
+    """
+
+    __slots__ = ("_event", "reason")
+
+    def __init__(self) -> None:
+        #: why it was set (None: not set)
+        self.reason: str | None = None
+        self._event: threading.Event | None = None
+
+    def set(self, reason: str) -> None:
+        """Set the signal (the first reason given is kept)."""
+        with _cancel_lock:
+            if self.reason is None:
+                self.reason = reason
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def is_set(self) -> bool:
+        return self.reason is not None
+
+    def __bool__(self) -> bool:
+        return self.reason is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until the signal is set or ``timeout`` seconds pass; True if it is set."""
+        with _cancel_lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self.reason is not None:
+                    self._event.set()
+            event = self._event
+        return event.wait(timeout)
+
+
 class Context(NamedTuple):
     """What a processor knows about the run it is doing (read-only; a NamedTuple, as one is
     made per run)."""
@@ -86,6 +134,11 @@ class Context(NamedTuple):
     timeout_ms: int
     #: ``{"index": i, "total": n}`` for one shard of a broadcast task, else None
     shard: Mapping[str, Any] | None = None
+    #: set when the run should stop (timeout, ``ax cancel``, cold shutdown); the worker
+    #: always gives one
+    cancelled: Cancellation | None = None
+    #: when the run's ``timeout_ms`` ends, on ``time.monotonic()``
+    deadline: float | None = None
 
 
 def split_names(text: str | Iterable[str]) -> list[str]:

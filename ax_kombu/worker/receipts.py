@@ -64,9 +64,11 @@ class ReceiptWriter:
     """
 
     def __init__(self, store: Store, node_id: str, on_done: Callable[[], None],
-                 give_up: Callable[[], bool], writers: int = 2) -> None:
+                 give_up: Callable[[], bool], writers: int = 2,
+                 incarnation: Callable[[], int] | None = None) -> None:
         self.store = store
         self.node_id = node_id
+        self._incarnation = incarnation
         self._on_done = on_done
         self._give_up = give_up
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
@@ -125,33 +127,43 @@ class ReceiptWriter:
         On PostgreSQL each statement commits by itself (one round trip): the
         RUNNING moves, the READY moves and the read explaining refusals touch
         rows independently, each statement is atomic, and nothing is acked or
-        started before the statements returned. Known gap, as with a COMMIT
-        whose answer is lost: if the connection breaks after a RUNNING move
-        committed but before its answer arrived, the retry finds the task
-        RUNNING and refuses it, and it stays RUNNING on this worker until the
-        worker stops and a scheduler recovers it.
+        started before the statements returned. The RUNNING move is fenced by
+        this worker's live incarnation (a worker declared dead starts nothing).
+        If the connection breaks after a RUNNING move committed but before its
+        answer arrived, the retry repeats it with the same start time as a
+        *resume*: the rows it did move count as started by this worker, so none
+        is left RUNNING without running.
         """
         pause = 0.05
+        now: int | None = None  # one start time for every try: a resume looks for it
+        resume = False
         while True:
             try:
-                now = self.store.now_ms()
-                with db.begin() as conn:
-                    batch.started = set(transitions.start_many(
-                        conn, [d.pair for d in batch.start], self.node_id, now))
-                    transitions.release_many(conn, [d.pair for d in batch.release])
-                    refused = [d for d in batch.start if d.task.task_id not in batch.started]
-                    batch.refusals = _explain(conn, refused)
-                metrics.observe_many(metrics.start_delay, [
-                    max(0, now - d.task.trigger_time) / 1e3 for d in batch.start
-                    if d.task.task_id in batch.started])
+                if now is None:
+                    now = self.store.now_ms()
+                self._write_once(db, batch, now, resume)
                 return
             except SQLAlchemyError:
                 log.warning("could not record received tasks; retrying", exc_info=True,
                             extra={"count": len(batch.start) + len(batch.release)})
                 if self._give_up():
                     return
+                resume = now is not None
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
+
+    def _write_once(self, db: HeldConnection, batch: Batch, now: int, resume: bool) -> None:
+        incarnation = self._incarnation() if self._incarnation is not None else None
+        with db.begin() as conn:
+            batch.started = set(transitions.start_many(
+                conn, [d.pair for d in batch.start], self.node_id, now,
+                incarnation=incarnation, resume=resume))
+            transitions.release_many(conn, [d.pair for d in batch.release])
+            refused = [d for d in batch.start if d.task.task_id not in batch.started]
+            batch.refusals = _explain(conn, refused)
+        metrics.observe_many(metrics.start_delay, [
+            max(0, now - d.task.trigger_time) / 1e3 for d in batch.start
+            if d.task.task_id in batch.started])
 
 
 def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:

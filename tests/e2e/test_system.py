@@ -142,7 +142,8 @@ def test_failing_twice_then_succeeding_retries_with_backoff(system: System,
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_task_over_its_timeout_is_recorded_as_timed_out(system: System, tmp_path: Path) -> None:
+def test_a_task_over_its_timeout_is_signalled_and_never_runs_twice_at_once(
+        system: System, tmp_path: Path) -> None:
     log = RunLog(tmp_path / "runs.jsonl")
     system.env = BACKOFF
     system.scheduler("sched-0")
@@ -154,20 +155,23 @@ def test_a_task_over_its_timeout_is_recorded_as_timed_out(system: System, tmp_pa
          "priority": "slow"},
         {**_task(log, 1, sleep=sleep_s), "delay": 0.3, "timeout_ms": timeout_ms, "max_retry": 1},
         {**_task(log, 2, sleep=0.1), "delay": 0.3, "timeout_ms": 3000, "max_retry": 0}])
-    # the timed-out thread cannot be killed: it keeps its slot ("stuck") until it returns
-    system.wait_for(lambda: system.node_info("worker-0").get("stuck", {}).get("slow") == 1, 10,
-                    "the slow pool reporting its timed-out slot as stuck")
+    # the timed-out thread cannot be killed: it keeps its slot ("overdue") until it returns
+    system.wait_for(lambda: system.node_info("worker-0").get("overdue", {}).get("slow") == 1,
+                    10, "the slow pool reporting its timed-out run as overdue")
     system.wait_final(3, 30)
-    system.wait_for(lambda: system.node_info("worker-0").get("stuck", {}).get("slow") == 0, 10,
-                    "the stuck slot free again once its thread returned")
+    system.wait_for(lambda: system.node_info("worker-0").get("overdue", {}).get("slow") == 0,
+                    10, "the overdue slot free again once its thread returned")
     rows = system.tasks()
     message = f"timed out after {timeout_ms} ms"
     for task_id, retries in ((final, 0), (retried, 1)):
         row = rows[task_id]
         assert (row.status, row.retry_count, row.last_error) == ("FAILED", retries, message), row
-        # recorded when the timeout expired, not when the sleeping thread returned
-        assert timeout_ms <= row.finished_at - row.started_at < sleep_s * 1000, row
-        assert [r.attempt for r in log.by_task()[task_id]] == list(range(1, retries + 2))
+        # recorded when the sleeping thread returned, so no retry could overlap it
+        assert row.finished_at - row.started_at >= sleep_s * 1000 - CLOCK_TOLERANCE_MS, row
+        runs = log.by_task()[task_id]
+        assert [r.attempt for r in runs] == list(range(1, retries + 2))
+        for earlier, later in itertools.pairwise(runs):
+            assert later.start >= earlier.start + sleep_s * 1000, (earlier, later)
     assert (rows[quick].status, rows[quick].last_error) == ("SUCCESS", None)
 
 

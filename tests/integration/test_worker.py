@@ -229,24 +229,27 @@ def test_a_cancelled_task_is_not_run(settings: Settings, dispatch: Dispatch) -> 
     assert dispatch.queue_depth("default") == 0
 
 
-def test_a_timeout_is_recorded_and_the_slot_stays_held_until_the_thread_returns(
+def test_a_timeout_is_signalled_and_recorded_only_when_the_thread_returns(
         settings: Settings, dispatch: Dispatch) -> None:
-    task_id = dispatch.enqueue("t.hang", timeout_ms=300, max_retry=0, priority="slow")
+    """A timed-out run is never retried while its thread still runs (no two copies at once)."""
+    task_id = dispatch.enqueue("t.hang", timeout_ms=300, max_retry=3, priority="slow")
     with running(settings) as worker:
         lane = next(lane for lane in worker.lanes if lane.priority == "slow")
         dispatch.dispatch([task_id])
-        eventually(lambda: dispatch.status(task_id) is Status.FAILED)
-        view = dispatch.view(task_id)
-        assert view.last_error == "timed out after 300 ms"
-        assert view.finished_at is not None and view.started_at is not None
-        assert view.finished_at - view.started_at >= 300
-        assert worker.stats["timed_out"] == 1
-        assert lane.pool.stuck == 1 and lane.pool.free == lane.pool.size - 1
-        eventually(lambda: lane.prefetch == lane.window - 1, what="prefetch lowered")
+        eventually(lambda: lane.pool.overdue == 1, what="the run is overdue")
+        ctx = procs_worker.contexts[task_id]
+        assert ctx.cancelled is not None and ctx.cancelled.reason == "timeout"
+        assert ctx.deadline is not None
+        assert dispatch.status(task_id) is Status.RUNNING  # not retried while it runs
+        assert lane.pool.free == lane.pool.size - 1 and lane.held == 1  # slot and message kept
         procs_worker.release.set()
-        eventually(lambda: lane.pool.stuck == 0 and lane.prefetch == lane.window,
+        eventually(lambda: dispatch.status(task_id) is Status.DELAYED, what="retry scheduled")
+        view = dispatch.view(task_id)
+        assert view.last_error == "timed out after 300 ms" and view.retry_count == 1
+        assert worker.stats["timed_out"] == 1 and lane.pool.overdue == 0
+        eventually(lambda: lane.pool.free == lane.pool.size and lane.prefetch == lane.window,
                    what="slot and prefetch back")
-    assert dispatch.status(task_id) is Status.FAILED  # the late return changed nothing
+    assert procs_worker.calls[task_id] == 1
 
 
 def test_a_long_task_is_acked_at_start_and_its_slot_lowers_the_prefetch(

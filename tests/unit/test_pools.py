@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from ax_kombu.worker.pools import Outcome, Pool
+from ax_kombu.worker.processors import Cancellation
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,24 +86,33 @@ def test_an_exception_is_the_jobs_outcome_and_the_thread_survives() -> None:
     pool.close()
 
 
-def test_a_timed_out_job_is_reported_at_once_but_holds_its_slot_until_it_returns(
+def test_a_timed_out_job_is_signalled_and_reported_only_when_its_thread_returns(
         gate: threading.Event) -> None:
-    pool, seen = Pool("t", 2), Outcomes()
+    """Its task must not be retried while it still runs: no outcome before it returns."""
+    pool, seen, cancel = Pool("t", 2), Outcomes(), Cancellation()
     started = time.monotonic()
-    assert pool.try_submit(blocker(gate), seen.done("slow"), timeout_s=0.1)
-    eventually(lambda: len(seen.of("slow")) == 1)
-    outcome = seen.of("slow")[0]
-    assert outcome.timed_out and not outcome.ok
-    assert 0.1 <= time.monotonic() - started < 2.0
-    # still running: one slot stays occupied, and is counted as stuck
-    assert pool.busy == 1 and pool.free == 1 and pool.stuck == 1 and pool.active == 0
-    assert pool.timeouts == 1
+    assert pool.try_submit(blocker(gate), seen.done("slow"), timeout_s=0.1, cancel=cancel)
+    eventually(lambda: cancel.is_set())
+    assert cancel.reason == "timeout" and 0.1 <= time.monotonic() - started < 2.0
+    assert pool.overdue == 1 and pool.timeouts == 1
+    assert seen.of("slow") == []  # still running: nothing reported, the slot stays taken
+    assert pool.busy == 1 and pool.free == 1 and pool.active == 1
     assert pool.try_submit(blocker(gate), seen.done("other"))
-    assert not pool.try_submit(lambda: None, seen.done("refused"))  # full: 1 stuck + 1 running
+    assert not pool.try_submit(lambda: None, seen.done("refused"))  # full: 1 overdue + 1 running
     gate.set()
-    eventually(lambda: pool.free == 2)
-    assert pool.stuck == 0 and pool.late_returns == 1
-    assert len(seen.of("slow")) == 1  # the late return is not reported a second time
+    eventually(lambda: pool.free == 2 and len(seen.of("slow")) == 1)
+    outcome = seen.of("slow")[0]
+    assert outcome.timed_out and not outcome.ok  # what it returned late is not a success
+    assert pool.overdue == 0 and pool.late_returns == 1
+    pool.close()
+
+
+def test_a_job_that_watches_its_cancellation_returns_at_its_timeout() -> None:
+    pool, seen, cancel = Pool("t", 1), Outcomes(), Cancellation()
+    assert pool.try_submit(lambda: cancel.wait(10), seen.done("polite"), timeout_s=0.05,
+                           cancel=cancel)
+    eventually(lambda: len(seen.of("polite")) == 1, timeout=2.0)
+    assert seen.of("polite")[0].timed_out and pool.free == 1
     pool.close()
 
 
@@ -159,15 +169,17 @@ def test_the_slot_is_free_when_the_outcome_is_reported() -> None:
     pool.close()
 
 
-def test_release_hook_runs_when_a_timed_out_job_returns(gate: threading.Event) -> None:
+def test_release_hook_runs_when_an_abandoned_job_returns(gate: threading.Event) -> None:
     freed: list[int] = []
     pool, seen = Pool("t", 1, on_release=lambda: freed.append(pool.free)), Outcomes()
     assert pool.try_submit(lambda: None, seen.done("quick"))
     eventually(lambda: len(seen.of("quick")) == 1 and pool.free == 1)
     assert freed == []  # a reported outcome wakes its caller through done, not the hook
-    assert pool.try_submit(blocker(gate), seen.done("slow"), timeout_s=0.05)
-    eventually(lambda: len(seen.of("slow")) == 1)
-    assert seen.of("slow")[0].timed_out and pool.free == 0 and freed == []
+    cancel = Cancellation()
+    assert pool.try_submit(blocker(gate), seen.done("slow"), cancel=cancel)
+    assert pool.abandon("shutdown") == 1
+    assert seen.of("slow")[0].abandoned and cancel.reason == "shutdown"
+    assert pool.free == 0 and pool.stuck == 1 and freed == []
     gate.set()
     eventually(lambda: freed == [1])
     pool.close()
