@@ -37,12 +37,6 @@ class IllegalTransition(AxError):
     exit_code = 4
 
 
-class StaleState(AxError):
-    """A compare-and-set lost: the row was no longer in the expected state."""
-
-    exit_code = 4
-
-
 class StoreError(AxError):
     """The task store could not be reached or refused an operation."""
 

@@ -2,12 +2,12 @@
 
 ::
 
-    CREATED ─▶ DELAYED (future) | READY (due)
-    DELAYED ─▶ READY | DISPATCHING          (claimed by a scheduler node)
-    READY ─▶ DISPATCHING
+    CREATED ─▶ DELAYED (future) | READY (due)   (preload)
+    DELAYED | READY ─▶ DISPATCHING             (claimed by a scheduler node)
     DISPATCHING ─▶ RUNNING (a worker took it) | READY (publish failed, ack timeout,
-                   worker pool full)
-    RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff) | READY (worker lost)
+                   worker pool full, an earlier incarnation's claim)
+                 | FAILED (dispatched AX_MAX_DISPATCHES times, never started)
+    RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff, also "worker lost")
     FAILED ─▶ READY                          (manual retry)
     any non-final ─▶ CANCELLED
 
@@ -48,10 +48,10 @@ CLAIMABLE = (S.DELAYED, S.READY)
 
 TRANSITIONS: Mapping[Status, frozenset[Status]] = {
     S.CREATED: frozenset({S.DELAYED, S.READY, S.CANCELLED}),
-    S.DELAYED: frozenset({S.READY, S.DISPATCHING, S.CANCELLED}),
+    S.DELAYED: frozenset({S.DISPATCHING, S.CANCELLED}),
     S.READY: frozenset({S.DISPATCHING, S.CANCELLED}),
-    S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.CANCELLED}),
-    S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.READY, S.CANCELLED}),
+    S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.FAILED, S.CANCELLED}),
+    S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.CANCELLED}),
     S.SUCCESS: frozenset(),
     S.FAILED: frozenset({S.READY}),
     S.CANCELLED: frozenset(),

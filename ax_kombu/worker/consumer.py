@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from threading import Event
 from typing import Any
@@ -292,9 +292,7 @@ class Consumer:
             message.ack()
             lane.held -= 1
             return
-        shard = body.get("shard")
-        self._pending.append(Delivery(lane, task, message, generation,
-                                      shard if isinstance(shard, Mapping) else None))
+        self._pending.append(Delivery(lane, task, message, generation))
 
     def _on_decode_error(self, message: Any, exc: Exception) -> None:
         self._stats.add("malformed")

@@ -174,7 +174,7 @@ class Intake:
         cancel = delivery.cancel = Cancellation()
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
-                      delivery.shard, cancel, time.monotonic() + timeout_s)
+                      cancel, time.monotonic() + timeout_s)
         done = partial(self._done, delivery)
         self.running.add(delivery)
         if not delivery.lane.pool.try_submit(partial(self._execute, task, ctx), done,

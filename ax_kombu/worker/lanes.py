@@ -28,7 +28,7 @@ thread-safe: only the worker's consuming thread touches a lane's consumer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,6 @@ class Delivery:
     message: Any
     #: which broker connection it came on (acks are only valid there)
     generation: int
-    shard: Mapping[str, Any] | None = None
     acked: bool = False
     #: the run's cancellation signal, once it is submitted
     cancel: Cancellation | None = None

@@ -30,7 +30,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
@@ -132,8 +132,6 @@ class Context(NamedTuple):
     retry_count: int
     max_retry: int
     timeout_ms: int
-    #: ``{"index": i, "total": n}`` for one shard of a broadcast task, else None
-    shard: Mapping[str, Any] | None = None
     #: set when the run should stop (timeout, ``ax cancel``, cold shutdown); the worker
     #: always gives one
     cancelled: Cancellation | None = None
