@@ -1,7 +1,9 @@
 """``ax status`` — live nodes, queue depths, and tasks by status.
 
 A node is live when it heartbeated within ``heartbeat_misses ×
-heartbeat_interval_s`` and did not stop. Passwords in any URL shown (store,
+heartbeat_interval_s`` and did not stop. Each queue shows how many live
+workers consume it; a queue nobody consumes shows how many tasks wait for it
+(``slow: no consumer, 120 waiting``): the scheduler does not re-publish to it. Passwords in any URL shown (store,
 broker, or inside a node's heartbeat info) are replaced by ``***``.
 """
 
@@ -22,6 +24,7 @@ from ax_kombu.exceptions import StoreError
 from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.nodes import live_nodes
+from ax_kombu.store.recovery import waiting_without_consumer
 from ax_kombu.store.schema import tasks
 
 
@@ -41,10 +44,11 @@ def _store_view(settings: Settings) -> dict[str, Any]:
     try:
         with store.engine.connect() as conn:
             now = db_now_ms(conn)
-            silence = int(settings.heartbeat_interval_s * settings.heartbeat_misses * 1000)
-            rows = live_nodes(conn, silence)
+            rows = live_nodes(conn, settings.silence_ms)
             counts: dict[str, int] = dict(conn.execute(select(tasks.c.status, func.count())
                                                        .group_by(tasks.c.status)).all())
+            consumers = _consumers(settings, rows)
+            waiting = waiting_without_consumer(conn, [p for p, n in consumers.items() if not n])
     except SQLAlchemyError as exc:
         raise StoreError(f"cannot read the store {redact_url(settings.database_url)}: "
                          f"{type(exc).__name__}") from None
@@ -53,7 +57,20 @@ def _store_view(settings: Settings) -> dict[str, Any]:
     found = [{"node_id": r.node_id, "kind": r.kind, "host": r.host, "pid": r.pid,
               "heartbeat_age_s": round((now - r.heartbeat_at) / 1000, 1),
               "info": _redacted(json.loads(r.info or "{}"))} for r in rows]
-    return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status}}
+    return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status},
+            "consumers": consumers, "waiting_without_consumer": waiting}
+
+
+def _consumers(settings: Settings, rows: list[Any]) -> dict[str, int]:
+    """Per priority, how many live workers report consuming its queue."""
+    found = dict.fromkeys(PRIORITIES, 0)
+    for row in rows:
+        if row.kind != "worker":
+            continue
+        queues = json.loads(row.info or "{}").get("queues", [])
+        for priority in PRIORITIES:
+            found[priority] += settings.queue_for(priority) in queues
+    return found
 
 
 def _queue_depths(settings: Settings) -> dict[str, Any]:
@@ -107,7 +124,15 @@ def _print(view: dict[str, Any]) -> None:
     queues = view["queues"]
     click.echo("queues  " + (queues["error"] if "error" in queues else
                              "  ".join(f"{p} {queues[p]}" for p in PRIORITIES)))
+    click.echo("workers " + "  ".join(_consumed(view, p) for p in PRIORITIES))
     click.echo("tasks   " + "  ".join(f"{s} {n}" for s, n in view["tasks"].items()))
+
+
+def _consumed(view: dict[str, Any], priority: str) -> str:
+    count = view["consumers"][priority]
+    if count:
+        return f"{priority} {count}"
+    return f"{priority}: no consumer, {view['waiting_without_consumer'].get(priority, 0)} waiting"
 
 
 @click.command()

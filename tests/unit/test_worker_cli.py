@@ -8,13 +8,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import update
 
+from ax_kombu.api import Client
 from ax_kombu.cli import main as cli_main
 from ax_kombu.cli.worker import main, node_name, parse_concurrency
 from ax_kombu.config import from_env
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.store import Store
 from ax_kombu.store.nodes import Heartbeat
+from ax_kombu.store.schema import tasks
 from ax_kombu.worker.lanes import parse_queues
 
 
@@ -100,3 +103,21 @@ def test_start_up_objects_are_frozen_out_of_garbage_collection() -> None:
                        for o in built_at_start_up[:3])
     finally:
         gc.unfreeze()
+
+
+def test_status_names_a_queue_without_consumer_and_what_waits_for_it(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ax.db'}"
+    settings = from_env({}, database_url=url)
+    store = Store(settings)
+    Heartbeat(store, "worker@a", "worker").register({"queues": ["high", "default"]})
+    store.close()
+    client = Client(settings)
+    ids = [int(client.enqueue("push", {"i": i}, priority="slow")) for i in range(3)]
+    client.enqueue("push", {"other": 1}, priority="high")
+    with client.store.engine.begin() as conn:
+        conn.execute(update(tasks).where(tasks.c.task_id.in_(ids[:2])).values(status="DISPATCHING"))
+        conn.execute(update(tasks).where(tasks.c.task_id == ids[2]).values(status="READY"))
+    client.close()
+    result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker"])
+    assert result.exit_code == 0, result.output
+    assert "high 1  default 1  slow: no consumer, 3 waiting" in result.output
