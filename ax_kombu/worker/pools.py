@@ -115,8 +115,8 @@ class Pool:
                          for i in range(size)]
         for thread in self._threads:
             thread.start()
-        self._watchdog = threading.Thread(target=self._watch, name=f"ax-{name}-watchdog",
-                                          daemon=True)
+        self._watchdog = threading.Thread(target=_Watchdog(self).run,
+                                          name=f"ax-{name}-watchdog", daemon=True)
         self._watchdog.start()
 
     # -- accounting -----------------------------------------------------------------------
@@ -219,41 +219,6 @@ class Pool:
         if self._on_release is not None:
             self._on_release()
 
-    # -- timeouts -------------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed and not self._running:
-                    return
-                expired = self._expired(self._clock())
-                if not expired:
-                    self._cond.wait(self._wait_s())
-                    continue
-            for job in expired:
-                if job.cancel is not None:
-                    job.cancel.set("timeout")
-
-    def _expired(self, now: float) -> list[_Job]:
-        """Jobs that just passed their deadline, marked overdue (caller holds the lock)."""
-        expired = [j for j in self._running if not j.reported and not j.overdue
-                   and j.deadline is not None and j.deadline <= now]
-        for job in expired:
-            job.overdue = True
-            self._overdue += 1
-            self.timeouts += 1
-            log.warning("job timed out; cancellation signalled, outcome recorded when it returns",
-                        extra={"pool": self.name, **job.labels})
-        return expired
-
-    def _wait_s(self) -> float:
-        pending = [j.deadline for j in self._running
-                   if not j.reported and not j.overdue and j.deadline is not None]
-        self._wake_at = min(pending) if pending else None
-        if self._wake_at is None:
-            return 1.0
-        return max(0.0, min(1.0, self._wake_at - self._clock()))
-
     # -- stopping -------------------------------------------------------------------------
 
     def join(self, timeout_s: float) -> bool:
@@ -295,6 +260,56 @@ class Pool:
             self._cond.notify_all()
         for _ in self._threads:
             self._inbox.put(None)
+
+
+class _Watchdog:
+    """Marks a pool's jobs overdue at their deadline and sets their cancellation signal.
+
+    It shares the pool's lock and state (a part of the pool on its own thread).
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def run(self) -> None:
+        pool = self.pool
+        while True:
+            with pool._cond:
+                if pool._closed and not pool._running:
+                    return
+                expired = self._expired(pool._clock())
+                if not expired:
+                    pool._cond.wait(self._wait_s())
+                    continue
+            for job in expired:
+                if job.cancel is not None:
+                    job.cancel.set("timeout")
+
+    def _expired(self, now: float) -> list[_Job]:
+        """Jobs that just passed their deadline, marked overdue (caller holds the lock)."""
+        pool = self.pool
+        expired = [j for j in pool._running
+                   if (due := _deadline_ahead(j)) is not None and due <= now]
+        for job in expired:
+            job.overdue = True
+            pool._overdue += 1
+            pool.timeouts += 1
+            log.warning("job timed out; cancellation signalled, outcome recorded when it returns",
+                        extra={"pool": pool.name, **job.labels})
+        return expired
+
+    def _wait_s(self) -> float:
+        pool = self.pool
+        pending = [due for j in pool._running if (due := _deadline_ahead(j)) is not None]
+        pool._wake_at = min(pending) if pending else None
+        if pool._wake_at is None:
+            return 1.0
+        return max(0.0, min(1.0, pool._wake_at - pool._clock()))
+
+
+def _deadline_ahead(job: _Job) -> float | None:
+    """The job's deadline if the watchdog still waits for it (not reported, not overdue)."""
+    return None if job.reported or job.overdue else job.deadline
 
 
 def _report(pool: str, job: _Job, outcome: Outcome) -> None:
