@@ -1,0 +1,401 @@
+"""Fault injection under a steady load (issue 10): real processes, real signals, loopback only.
+
+Each test starts 2 schedulers and 2 workers (``s0 s1 w0 w1``) on PostgreSQL + Redis
+(or a private RabbitMQ), runs a steady producer, injects one fault, and judges from
+the ledger and the table (see :mod:`tests.faults.harness`): every task final, none
+lost, none run twice (except tasks RUNNING on a SIGKILLed process, each counted and
+printed), none published twice for one attempt, no two runs of a task at once, none
+started early, tasks enqueued after the fault run exactly once; after a clock step,
+tasks due after it are on time too. Lateness is otherwise reported, not asserted.
+
+Run: ``.venv/bin/pytest tests/faults -p no:cacheprovider -q`` (the summary table is
+printed at the end; see docs/reliability.md for today's figures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ..services import unavailable
+from .harness import (
+    DEAD_WINDOW_MS,
+    Cluster,
+    Faketime,
+    PrivateRabbit,
+    PrivateRedis,
+    Producer,
+    TcpProxy,
+    conclude,
+    judge,
+    now_ms,
+    poll,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.integration]
+
+#: tasks per second of the steady load
+RATE = 100
+#: how long after a node's death the cluster may take to act on it (dead window + recovery)
+TAKEOVER_MS = DEAD_WINDOW_MS + 2000
+#: restart scenarios: a node is dead after 8 s of silence, so the restarted process
+#: registers while the others still count the dead one as alive (as with the default
+#: 5 s x 3 and a supervisor restarting within seconds)
+RESTART_ENV = {"heartbeat_misses": 8}
+RESTART_WINDOW_MS = 8000
+
+
+def load_then(cluster: Cluster, duration: float, fault_after: float,
+              inject: Callable[[], tuple[int, int]]) -> tuple[Producer, int, int]:
+    """Run the steady load for ``duration`` s; once it has run ``fault_after`` s and the
+    workers are running its tasks, ``inject()`` the fault, which returns its window."""
+    load = Producer(cluster, rate=RATE, duration=duration).start()
+    t0 = time.monotonic()
+    try:
+        reached = poll(lambda: time.monotonic() - t0 >= fault_after
+                       and cluster.ledger.lines() >= RATE // 2, fault_after + 20, 0.1)
+        assert reached, f"the load never reached the workers\n{cluster.tails()}"
+        window = inject()
+    except BaseException:
+        load.stop()
+        raise
+    load.join()
+    assert not load.errors, f"the producer failed: {load.errors[:3]}"
+    return load, *window
+
+
+def running_on_pid(cluster: Cluster, name: str, at_least: int, timeout: float = 15) -> bool:
+    """Until ``name``'s current process is in the middle of ``at_least`` runs."""
+    pid = cluster.daemon(name).proc.pid
+
+    def busy() -> bool:
+        return sum(1 for r in cluster.ledger.runs() if r.pid == pid and r.end is None) >= at_least
+    return bool(poll(busy, timeout, 0.02))
+
+
+# -- nodes killed ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_sigkill_a_scheduler(cluster: Cluster) -> None:
+    cluster.standard()
+
+    def kill() -> tuple[int, int]:
+        at = cluster.kill_node("s0")
+        return at, at + TAKEOVER_MS
+
+    load, start, end = load_then(cluster, 10, 3, kill)
+    verdict = judge(cluster, "SIGKILL a scheduler", load.planned, fault_start=start,
+                    fault_end=end)
+    conclude(cluster, verdict)
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_a_worker_mid_task(cluster: Cluster) -> None:
+    cluster.standard()
+
+    def kill() -> tuple[int, int]:
+        assert running_on_pid(cluster, "w0", 2), "w0 never ran two tasks at once"
+        at = cluster.kill_node("w0")
+        return at, at + TAKEOVER_MS
+
+    load, start, end = load_then(cluster, 10, 3, kill)
+    verdict = judge(cluster, "SIGKILL a worker mid-task", load.planned, fault_start=start,
+                    fault_end=end)
+    verdict.extra["RUNNING on w0 when killed / runs cut short"] = (
+        f"{len(cluster.running_at_kill)} / "
+        f"{sum(1 for r in cluster.ledger.runs() if r.end is None and r.pid in cluster.killed)}")
+    conclude(cluster, verdict, allow_twice_on_killed_pid=True)
+
+
+@pytest.mark.timeout(150)
+def test_restart_a_scheduler_under_the_same_name(cluster: Cluster) -> None:
+    cluster.env = {**cluster.env, **RESTART_ENV}
+    cluster.standard()
+    notes: list[str] = []
+
+    def restart() -> tuple[int, int]:
+        at = cluster.kill_node("s0")
+        cluster.start("s0")
+        cluster.wait_registered(["s0"])
+        back = now_ms()
+        notes.append(f"s0 back {back - at} ms after the kill"
+                     + ("" if back - at < RESTART_WINDOW_MS else
+                        " (after the dead window: the others may have recovered it first)"))
+        return at, back + 2000
+
+    load, start, end = load_then(cluster, 10, 3, restart)
+    verdict = judge(cluster, "SIGKILL + restart a scheduler (same -n)", load.planned,
+                    fault_start=start, fault_end=end)
+    verdict.notes += notes
+    conclude(cluster, verdict)
+
+
+@pytest.mark.timeout(150)
+def test_restart_a_worker_under_the_same_name(cluster: Cluster) -> None:
+    cluster.env = {**cluster.env, **RESTART_ENV}
+    cluster.standard()
+    notes: list[str] = []
+
+    def restart() -> tuple[int, int]:
+        assert running_on_pid(cluster, "w0", 2), "w0 never ran two tasks at once"
+        at = cluster.kill_node("w0")
+        cluster.start("w0")
+        cluster.wait_registered(["w0"])
+        back = now_ms()
+        notes.append(f"w0 back {back - at} ms after the kill"
+                     + ("" if back - at < RESTART_WINDOW_MS else
+                        " (after the dead window: the others may have recovered it first)"))
+        return at, back + 2000
+
+    load, start, end = load_then(cluster, 10, 3, restart)
+    verdict = judge(cluster, "SIGKILL + restart a worker (same -n)", load.planned,
+                    fault_start=start, fault_end=end)
+    verdict.notes += notes
+    verdict.extra["RUNNING on w0 when killed / runs cut short"] = (
+        f"{len(cluster.running_at_kill)} / "
+        f"{sum(1 for r in cluster.ledger.runs() if r.end is None and r.pid in cluster.killed)}")
+    conclude(cluster, verdict, allow_twice_on_killed_pid=True)
+
+
+# -- the database ------------------------------------------------------------------------------
+
+def cut_database(cluster: Cluster, proxy: TcpProxy, seconds: float) -> Callable[[],
+                                                                                 tuple[int, int]]:
+    def cut() -> tuple[int, int]:
+        at = now_ms()
+        proxy.cut(seconds)
+        back = poll(lambda: not proxy.refusing, seconds + 5, 0.1)
+        assert back
+        return at, now_ms()
+    return cut
+
+
+@pytest.mark.timeout(200)
+def test_database_cut_for_20s(proxied_cluster: Cluster, proxy: TcpProxy) -> None:
+    cluster = proxied_cluster
+    cluster.standard()
+    load, start, end = load_then(cluster, 29, 3, cut_database(cluster, proxy, 20))
+    verdict = judge(cluster, "database cut 20 s (proxy)", load.planned, fault_start=start,
+                    fault_end=end + 2000, deadline_s=30)
+    verdict.extra["connections cut / refused"] = f"{proxy.cut_connections} / {proxy.refused}"
+    conclude(cluster, verdict)
+
+
+@pytest.mark.timeout(150)
+def test_postgresql_restart(proxied_cluster: Cluster, proxy: TcpProxy) -> None:
+    """A restart of PostgreSQL as clients see it (every connection closed, none accepted
+    for 4 s), simulated by the proxy: the shared server is never stopped."""
+    cluster = proxied_cluster
+    cluster.standard()
+    load, start, end = load_then(cluster, 12, 3, cut_database(cluster, proxy, 4))
+    verdict = judge(cluster, "PostgreSQL restart (proxy cut 4 s)", load.planned,
+                    fault_start=start, fault_end=end + 2000)
+    verdict.extra["connections cut / refused"] = f"{proxy.cut_connections} / {proxy.refused}"
+    conclude(cluster, verdict)
+
+
+# -- the brokers -------------------------------------------------------------------------------
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    try:
+        server = PrivateRedis(tmp_path)
+        server.start()
+    except (RuntimeError, OSError) as exc:
+        unavailable("a private redis-server", exc)
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(150)
+def test_redis_restart(pg_url: str, private_redis: PrivateRedis, tmp_path: Path) -> None:
+    """A private redis-server (no persistence) stopped for 3 s and started again: the
+    messages it held are gone; the ack timeout must dispatch those tasks again."""
+    broker = {"broker_url": private_redis.url, "broker_key_prefix": "axfault:"}
+    cluster = Cluster(pg_url, broker, tmp_path)
+    try:
+        cluster.standard()
+
+        def restart() -> tuple[int, int]:
+            at = now_ms()
+            private_redis.stop()
+            time.sleep(3)  # the outage itself
+            private_redis.start()
+            return at, now_ms() + 1000
+
+        load, start, end = load_then(cluster, 10, 3, restart)
+        verdict = judge(cluster, "Redis restart (private, 3 s down, data lost)", load.planned,
+                        fault_start=start, fault_end=end)
+        conclude(cluster, verdict)
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
+    (tmp_path / "rabbit").mkdir()
+    try:
+        server = PrivateRabbit(tmp_path / "rabbit")
+    except RuntimeError as exc:
+        unavailable("a private RabbitMQ node", exc)
+    try:
+        server.start()
+    except (RuntimeError, OSError) as exc:
+        server.stop()
+        unavailable("a private RabbitMQ node", exc)
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(200)
+def test_rabbitmq_restart(pg_url: str, private_rabbit: PrivateRabbit, tmp_path: Path) -> None:
+    """A private RabbitMQ node (own name, ports and data) whose broker application is
+    stopped for 3 s (``rabbitmqctl stop_app`` / ``start_app``); the shared server is
+    never touched."""
+    cluster = Cluster(pg_url, {"broker_url": private_rabbit.url}, tmp_path)
+    try:
+        cluster.standard()
+
+        def restart() -> tuple[int, int]:
+            at = now_ms()
+            stopped = private_rabbit.ctl("stop_app")
+            assert stopped.returncode == 0, stopped.stderr
+            time.sleep(3)  # the outage itself
+            started = private_rabbit.ctl("start_app")
+            assert started.returncode == 0, started.stderr
+            return at, now_ms() + 1000
+
+        load, start, end = load_then(cluster, 10, 3, restart)
+        verdict = judge(cluster, "RabbitMQ restart (private, stop_app 3 s)", load.planned,
+                        fault_start=start, fault_end=end)
+        conclude(cluster, verdict)
+    finally:
+        cluster.close()
+
+
+# -- a queue without consumer ------------------------------------------------------------------
+
+NO_CONSUMER_S = 60
+SLOW_TASKS = 50
+#: most messages the broker may hold per task of a queue without consumer
+MAX_MESSAGES_PER_TASK = 2
+
+
+def queued(cluster: Cluster, queue: str) -> int:
+    """Messages waiting in Redis list ``queue`` (under the cluster's key prefix)."""
+    import redis
+
+    client = redis.Redis.from_url(cluster.settings.broker_url)
+    try:
+        return int(client.llen(cluster.settings.broker_key_prefix + queue))
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(220)
+def test_a_queue_without_consumer_for_60s(cluster: Cluster) -> None:
+    cluster.standard(queues="high,default")
+    slow = Producer(cluster, lead=(1.0, 2.0), options={"priority": "slow"}, tag="slow",
+                    work=lambda i: 0.02)
+    slow_ids = set(slow.enqueue(SLOW_TASKS))
+    load = Producer(cluster, rate=RATE, duration=10).start()
+    start = min(p.trigger for p in slow.planned)
+    samples: list[int] = []
+    queue = cluster.settings.queue_slow
+    until = time.monotonic() + NO_CONSUMER_S + 2
+    while time.monotonic() < until:  # sampling the broker for the whole window
+        samples.append(queued(cluster, queue))
+        time.sleep(0.5)
+    load.join()
+    attempts_before = {r.task_id: r.attempt for r in cluster.task_rows(slow_ids).values()}
+    cluster.worker("w2", queues="slow")
+    end = now_ms()
+    verdict = judge(cluster, f"queue without consumer {NO_CONSUMER_S} s", slow.planned
+                    + load.planned, fault_start=start, fault_end=end)
+    most = max(samples)
+    verdict.extra["slow tasks"] = SLOW_TASKS
+    verdict.extra["most messages queued for them"] = (
+        f"{most} ({most / SLOW_TASKS:.1f} per task), at the end {samples[-1]}")
+    verdict.extra["attempts per slow task when the consumer came"] = (
+        f"max {max(attempts_before.values())}, total {sum(attempts_before.values())}")
+    problems_extra = []
+    if most > MAX_MESSAGES_PER_TASK * SLOW_TASKS:
+        problems_extra.append(f"the broker held {most} messages for {SLOW_TASKS} tasks "
+                              f"(> {MAX_MESSAGES_PER_TASK} per task)")
+    verdict.extra["broker bound"] = problems_extra or "held"
+    verdict.broker_per_task = most / SLOW_TASKS
+    conclude(cluster, verdict, max_late_after_ms=None)
+    assert not problems_extra, problems_extra
+
+
+# -- a processor over its timeout --------------------------------------------------------------
+
+#: fewer than the workers' slow slots (2 x 4): a timed-out run keeps its slot until its
+#: thread returns, so a retry can only overlap it if another slot is free
+TIMEOUT_TASKS = 4
+
+
+@pytest.mark.timeout(150)
+def test_a_processor_over_its_timeout_never_runs_twice_at_once(cluster: Cluster) -> None:
+    cluster.standard()
+    over = Producer(cluster, lead=(1.0, 1.5), tag="over", work=lambda i: 1.5,
+                    options={"priority": "slow", "timeout_ms": 300, "max_retry": 2})
+
+    def enqueue_overrunning() -> tuple[int, int]:
+        over.enqueue(TIMEOUT_TASKS)
+        return min(p.trigger for p in over.planned), max(p.trigger for p in over.planned) + 6000
+
+    load, start, end = load_then(cluster, 10, 2, enqueue_overrunning)
+    ids = over.ids
+    verdict = judge(cluster, "processor over its timeout_ms", over.planned + load.planned,
+                    fault_start=start, fault_end=end, expect_failed=ids, retried_by_design=ids)
+    rows = cluster.task_rows(ids)
+    verdict.extra["over-timeout tasks: statuses"] = dict(cluster.status_of(ids))
+    verdict.extra["over-timeout tasks: last_error"] = sorted({str(r.last_error)
+                                                              for r in rows.values()})
+    conclude(cluster, verdict)
+
+
+# -- a wall-clock step on one scheduler --------------------------------------------------------
+
+#: most lateness tolerated for tasks due after a clock step (the step itself is 10 s)
+CLOCK_LATE_MS = 2000
+#: a dead window longer than the step: a node whose heartbeats are written 10 s in the
+#: past is not declared dead (and its tasks taken over) before its own lateness shows
+CLOCK_ENV = {"heartbeat_misses": 15}
+
+@pytest.fixture
+def faketime(tmp_path: Path) -> Faketime:
+    ft = Faketime(tmp_path)
+    why = ft.unavailable()
+    if why:
+        pytest.skip(f"libfaketime unusable here: {why}")
+    return ft
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("step_s", [10, -10], ids=["plus10s", "minus10s"])
+def test_wall_clock_step_on_one_scheduler(cluster: Cluster, faketime: Faketime,
+                                          step_s: int) -> None:
+    """s1 runs under libfaketime (monotonic time not faked: an NTP step); its wall clock
+    steps by ``step_s``. Early starts are judged from the workers' (unfaked) clocks."""
+    cluster.env = {**cluster.env, **CLOCK_ENV}
+    cluster.standard(scheduler_raw={"s1": faketime.env()})
+
+    def step() -> tuple[int, int]:
+        at = now_ms()
+        faketime.step(step_s)
+        return at, at + 1000
+
+    load, start, end = load_then(cluster, 10, 3, step)
+    verdict = judge(cluster, f"wall clock {step_s:+d} s on one scheduler", load.planned,
+                    fault_start=start, fault_end=end)
+    with contextlib.suppress(Exception):
+        info = cluster.node_info("s1")
+        verdict.extra["s1 clock_offset_ms (heartbeat)"] = info.get("clock_offset_ms")
+    # "never early or late by more than the claim lead": 2 s leaves room for a busy host
+    conclude(cluster, verdict, max_late_after_ms=CLOCK_LATE_MS)
