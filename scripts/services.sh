@@ -51,12 +51,19 @@ start_rabbitmq() {
   wait_port RabbitMQ 5672 120
 }
 
+# libfaketime, for the fault suite's wall-clock steps (those tests skip, saying so, without it)
+ensure_faketime() {
+  [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || ls /usr/lib/*/faketime/libfaketime.so.1 \
+    >/dev/null 2>&1 || ensure_pkg faketime faketime || echo "services: faketime missing" >&2
+}
+
 case "${1:-start}" in
   start)
     rc=0
     start_postgres || rc=1
     start_redis || rc=1
     start_rabbitmq || rc=1
+    ensure_faketime
     exit $rc ;;
   status)
     for pair in PostgreSQL:5432 Redis:6379 RabbitMQ:5672; do
