@@ -129,3 +129,33 @@ def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings
     assert client.get(retry).retry_count == 1 and client.get(retry).last_run_node is None
     assert client.get(last).last_error == "worker lost"
     assert client.get(alive).status is Status.RUNNING  # alive: never rescued by age
+
+
+def test_a_preload_whose_commit_reply_was_lost_strands_nothing(
+        cfg: Settings, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first preload commits in the database but its caller sees an error (as when the
+    connection breaks after COMMIT): the rows are held by the node without being in its
+    memory. The next preload must take them back, or they would never be dispatched."""
+    from sqlalchemy.exc import OperationalError
+
+    from ax_kombu.store import recovery
+
+    real_preload = recovery.preload
+    lost: list[int] = []
+
+    def preload_reply_lost(conn: object, node: str, *args: object) -> list[tuple[int, int]]:
+        if lost:
+            return real_preload(conn, node, *args)  # type: ignore[arg-type]
+        with client.store.engine.begin() as own:  # commits, whatever happens to `conn`
+            rows = real_preload(own, node, *args)  # type: ignore[arg-type]
+        lost.extend(task_id for task_id, _ in rows)
+        raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(recovery, "preload", preload_reply_lost)
+    ids = [int(i) for i in client.enqueue_many(
+        [{"task_type": "t", "payload": {"i": i}, "delay": 1.5} for i in range(20)])]
+    with collecting(cfg) as got, scheduler_running(cfg):
+        assert got.wait_for(lambda: len(got.got) >= 20, timeout=30), \
+            f"only {len(got.got)} of 20 dispatched"
+    assert sorted(lost) == sorted(ids)  # the first preload did take every one
+    assert sorted(got.ids()) == sorted(ids)
