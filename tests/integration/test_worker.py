@@ -457,3 +457,29 @@ def test_redis_is_pulled_in_batches_unless_turned_off(settings: Settings, dispat
         consumers = [lane.consumer is not None for lane in worker.lanes]
     expect_pull = pull and settings.broker_url.startswith("redis")
     assert pulled == [expect_pull] * 3 and consumers == [not expect_pull] * 3
+
+
+def test_a_start_whose_commit_reply_was_lost_still_runs_once(
+        settings: Settings, dispatch: Dispatch, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RUNNING move commits but the worker sees an error (the connection broke after
+    COMMIT): the retry must take the task as started by this worker, not refuse it and leave
+    it RUNNING for ever."""
+    from sqlalchemy.exc import OperationalError
+
+    real_start = transitions.start_many
+    lost: list[int] = []
+
+    def start_reply_lost(conn: Any, pairs: Any, node: str, now_ms: int,
+                         **kwargs: Any) -> list[int]:
+        if lost:
+            return real_start(conn, pairs, node, now_ms, **kwargs)
+        with dispatch.client.store.engine.begin() as own:  # commits, whatever happens to conn
+            lost.extend(real_start(own, pairs, node, now_ms, **kwargs))
+        raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(transitions, "start_many", start_reply_lost)
+    task_id = dispatch.enqueue("t.noop")
+    with running(settings):
+        dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
+    assert lost == [task_id] and procs_worker.calls[task_id] == 1
