@@ -133,3 +133,21 @@ def test_the_local_clock_reading_never_asks_the_database() -> None:
     wall[0] += 40
     assert clock.local_ms() == 10_290.0
     assert len(asked) == 3  # due for a re-measurement, yet local_ms did not do it
+
+
+def test_a_stage_thread_that_dies_stops_the_node_with_exit_code_70(
+        cfg: Settings, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ax_kombu.scheduler.claimer import Claimer
+    from ax_kombu.supervision import EXIT_CRASHED
+
+    def broken(self: Claimer) -> None:
+        raise RuntimeError("claimer broke")
+
+    monkeypatch.setattr(Claimer, "run", broken)
+    scheduler = Scheduler(cfg, "sched-crash")
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(scheduler.run()), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and codes == [EXIT_CRASHED]
+    assert scheduler.crash.thread == "ax-claimer" and scheduler.stopping == "cold"
