@@ -18,7 +18,10 @@ import pytest
 
 from tests.e2e.system import REPO
 
-from .harness import RESULTS, Cluster, TcpProxy, table
+from .cluster import Cluster
+from .judge import RESULTS
+from .proxy import TcpProxy
+from .verdict import table
 
 
 @pytest.fixture

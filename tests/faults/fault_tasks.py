@@ -2,7 +2,7 @@
 (``-A tests.faults.fault_tasks``): ``fault.task`` writes the **ledger**.
 
 Every run appends two JSON lines to the file named by ``FAULT_LEDGER`` (set
-by :class:`tests.faults.harness.Cluster` in each daemon's environment):
+by :class:`tests.faults.cluster.Cluster` in each daemon's environment):
 
 * ``{"ev": "start", ...}`` *before doing anything else*: task id, attempt,
   retry_count, the message's trigger time, the producer's planned trigger

@@ -2,7 +2,7 @@
 
 Each test starts 2 schedulers and 2 workers (``s0 s1 w0 w1``) on PostgreSQL + Redis
 (or a private RabbitMQ), runs a steady producer, injects one fault, and judges from
-the ledger and the table (see :mod:`tests.faults.harness`): every task final, none
+the ledger and the table (see :mod:`tests.faults.judge`): every task final, none
 lost, none run twice (except tasks RUNNING on a SIGKILLed process, each counted and
 printed), none published twice for one attempt, no two runs of a task at once, none
 started early, tasks enqueued after the fault run exactly once; after a clock step,
@@ -22,19 +22,13 @@ from pathlib import Path
 import pytest
 
 from ..services import unavailable
-from .harness import (
-    DEAD_WINDOW_MS,
-    Cluster,
-    Faketime,
-    PrivateRabbit,
-    PrivateRedis,
-    Producer,
-    TcpProxy,
-    conclude,
-    judge,
-    now_ms,
-    poll,
-)
+from .cluster import DEAD_WINDOW_MS, Cluster
+from .faketime import Faketime
+from .judge import conclude, judge
+from .producer import Producer
+from .proxy import TcpProxy
+from .servers import PrivateRabbit, PrivateRedis
+from .timing import now_ms, poll
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.integration]
 
