@@ -105,54 +105,44 @@ def test_sigkill_a_worker_mid_task(cluster: Cluster) -> None:
     conclude(cluster, verdict, allow_twice_on_killed_pid=True)
 
 
-@pytest.mark.timeout(150)
-def test_restart_a_scheduler_under_the_same_name(cluster: Cluster) -> None:
+def restart_under_same_name(cluster: Cluster, name: str, title: str,
+                            mid_task: bool) -> None:
+    """SIGKILL ``name`` under load and start it again at once under the same ``-n``."""
     cluster.env = {**cluster.env, **RESTART_ENV}
     cluster.standard()
     notes: list[str] = []
 
     def restart() -> tuple[int, int]:
-        at = cluster.kill_node("s0")
-        cluster.start("s0")
-        cluster.wait_registered(["s0"])
+        if mid_task:
+            assert running_on_pid(cluster, name, 2), f"{name} never ran two tasks at once"
+        at = cluster.kill_node(name)
+        cluster.start(name)
+        cluster.wait_registered([name])
         back = now_ms()
-        notes.append(f"s0 back {back - at} ms after the kill"
+        notes.append(f"{name} back {back - at} ms after the kill"
                      + ("" if back - at < RESTART_WINDOW_MS else
                         " (after the dead window: the others may have recovered it first)"))
         return at, back + 2000
 
     load, start, end = load_then(cluster, 10, 3, restart)
-    verdict = judge(cluster, "SIGKILL + restart a scheduler (same -n)", load.planned,
-                    fault_start=start, fault_end=end)
+    verdict = judge(cluster, title, load.planned, fault_start=start, fault_end=end)
     verdict.notes += notes
-    conclude(cluster, verdict)
+    if mid_task:
+        verdict.extra[f"RUNNING on {name} when killed / runs cut short"] = (
+            f"{len(cluster.running_at_kill)} / "
+            f"{sum(1 for r in cluster.ledger.runs() if r.end is None and r.pid in cluster.killed)}")
+    conclude(cluster, verdict, allow_twice_on_killed_pid=mid_task)
+
+
+@pytest.mark.timeout(150)
+def test_restart_a_scheduler_under_the_same_name(cluster: Cluster) -> None:
+    restart_under_same_name(cluster, "s0", "SIGKILL + restart a scheduler (same -n)",
+                            mid_task=False)
 
 
 @pytest.mark.timeout(150)
 def test_restart_a_worker_under_the_same_name(cluster: Cluster) -> None:
-    cluster.env = {**cluster.env, **RESTART_ENV}
-    cluster.standard()
-    notes: list[str] = []
-
-    def restart() -> tuple[int, int]:
-        assert running_on_pid(cluster, "w0", 2), "w0 never ran two tasks at once"
-        at = cluster.kill_node("w0")
-        cluster.start("w0")
-        cluster.wait_registered(["w0"])
-        back = now_ms()
-        notes.append(f"w0 back {back - at} ms after the kill"
-                     + ("" if back - at < RESTART_WINDOW_MS else
-                        " (after the dead window: the others may have recovered it first)"))
-        return at, back + 2000
-
-    load, start, end = load_then(cluster, 10, 3, restart)
-    verdict = judge(cluster, "SIGKILL + restart a worker (same -n)", load.planned,
-                    fault_start=start, fault_end=end)
-    verdict.notes += notes
-    verdict.extra["RUNNING on w0 when killed / runs cut short"] = (
-        f"{len(cluster.running_at_kill)} / "
-        f"{sum(1 for r in cluster.ledger.runs() if r.end is None and r.pid in cluster.killed)}")
-    conclude(cluster, verdict, allow_twice_on_killed_pid=True)
+    restart_under_same_name(cluster, "w0", "SIGKILL + restart a worker (same -n)", mid_task=True)
 
 
 # -- the database ------------------------------------------------------------------------------
