@@ -12,6 +12,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .cluster import Cluster
@@ -78,42 +79,10 @@ def judge(cluster: Cluster, fault: str, planned: Sequence[Planned], *, fault_sta
     rows = cluster.task_rows()
     by_task = cluster.ledger.by_task()
     corrupt = list(cluster.ledger.corrupt)
-    expect_failed, retried_by_design = set(expect_failed), set(retried_by_design)
+    retried_by_design = set(retried_by_design)
 
-    lost, never_ran, stuck = [], [], Counter[str]()
-    why_lost = Counter[str]()
-    for task_id in ids:
-        row = rows.get(task_id)
-        status = row.status if row is not None else "MISSING"
-        if status not in FINAL:
-            stuck[status] += 1
-        if status != "SUCCESS" and not (task_id in expect_failed and status == "FAILED"):
-            lost.append(task_id)
-            why_lost[f"{status}" + (f" ({row.last_error})" if row is not None
-                                    and row.last_error else "")] += 1
-        if task_id not in by_task:
-            never_ran.append(task_id)
-
-    ran_twice: dict[int, list[Run]] = {}
-    dead_pid: set[int] = set()
-    published_twice: list[tuple[int, int]] = []
-    overlapping: dict[int, list[Run]] = {}
-    early: dict[int, int] = {}
-    for task_id in ids:
-        runs = by_task.get(task_id, [])
-        attempts = Counter(r.attempt for r in runs)
-        published_twice += [(task_id, a) for a, n in attempts.items() if n > 1]
-        if len(runs) > 1 and task_id not in retried_by_design:
-            ran_twice[task_id] = runs
-            if task_id in cluster.running_at_kill or any(
-                    r.end is None and r.pid in cluster.killed for r in runs):
-                dead_pid.add(task_id)
-        for a, b in itertools.pairwise(runs):
-            if (a.end is None and a.pid not in cluster.killed) or (a.end or 0) > b.start:
-                overlapping[task_id] = runs
-        for r in runs:
-            if r.start < r.trigger - EARLY_TOLERANCE_MS:
-                early[task_id] = max(early.get(task_id, 0), r.trigger - r.start)
+    lost, never_ran, stuck, why_lost = _endings(ids, rows, by_task, set(expect_failed))
+    runs = _runs(cluster, ids, by_task, set(retried_by_design))
 
     def late(select: Callable[[Planned], bool]) -> int | None:
         values = [by_task[p.task_id][0].start - p.trigger for p in planned
@@ -125,14 +94,64 @@ def judge(cluster: Cluster, fault: str, planned: Sequence[Planned], *, fault_sta
                       if len(by_task.get(t, [])) != 1 and t not in retried_by_design}
     return Verdict(
         fault=fault, tasks=len(ids), lost=lost, never_ran=never_ran, stuck=stuck,
-        ran_twice=ran_twice, ran_twice_dead_pid=dead_pid, published_twice=published_twice,
-        early=early, late_before_ms=late(lambda p: p.trigger < fault_start),
+        ran_twice=runs.ran_twice, ran_twice_dead_pid=runs.dead_pid,
+        published_twice=runs.published_twice, early=runs.early, late_before_ms=late(lambda p: p.trigger < fault_start),
         late_during_ms=late(lambda p: fault_start <= p.trigger <= fault_end),
         late_after_ms=late(lambda p: p.trigger > fault_end), later=len(later),
-        later_not_once=later_not_once, overlapping=overlapping, settled_s=waited,
+        later_not_once=later_not_once, overlapping=runs.overlapping, settled_s=waited,
         extra={"lost by status (last_error)": dict(why_lost)} if why_lost else {},
         notes=[f"{len(corrupt)} unreadable ledger lines, e.g. {corrupt[:2]}"] if corrupt else [],
         ledger_corrupt=len(corrupt))
+
+
+def _endings(ids: Sequence[int], rows: dict[int, Any], by_task: dict[int, list[Run]],
+             expect_failed: set[int]) -> tuple[list[int], list[int], Counter[str], Counter[str]]:
+    """How the tasks ended: lost (not SUCCESS, unless meant to fail), never ran, stuck
+    (not final, by status), and why the lost were lost."""
+    lost, never_ran, stuck, why_lost = [], [], Counter[str](), Counter[str]()
+    for task_id in ids:
+        row = rows.get(task_id)
+        status = row.status if row is not None else "MISSING"
+        if status not in FINAL:
+            stuck[status] += 1
+        if status != "SUCCESS" and not (task_id in expect_failed and status == "FAILED"):
+            lost.append(task_id)
+            why_lost[f"{status}" + (f" ({row.last_error})" if row is not None
+                                    and row.last_error else "")] += 1
+        if task_id not in by_task:
+            never_ran.append(task_id)
+    return lost, never_ran, stuck, why_lost
+
+
+@dataclass
+class _RunFindings:
+    ran_twice: dict[int, list[Run]] = field(default_factory=dict)
+    dead_pid: set[int] = field(default_factory=set)
+    published_twice: list[tuple[int, int]] = field(default_factory=list)
+    overlapping: dict[int, list[Run]] = field(default_factory=dict)
+    early: dict[int, int] = field(default_factory=dict)
+
+
+def _runs(cluster: Cluster, ids: Sequence[int], by_task: dict[int, list[Run]],
+          retried_by_design: set[int]) -> _RunFindings:
+    """What the ledger says of each task's runs: twice, twice for one attempt, at once, early."""
+    found = _RunFindings()
+    for task_id in ids:
+        runs = by_task.get(task_id, [])
+        attempts = Counter(r.attempt for r in runs)
+        found.published_twice += [(task_id, a) for a, n in attempts.items() if n > 1]
+        if len(runs) > 1 and task_id not in retried_by_design:
+            found.ran_twice[task_id] = runs
+            if task_id in cluster.running_at_kill or any(
+                    r.end is None and r.pid in cluster.killed for r in runs):
+                found.dead_pid.add(task_id)
+        for a, b in itertools.pairwise(runs):
+            if (a.end is None and a.pid not in cluster.killed) or (a.end or 0) > b.start:
+                found.overlapping[task_id] = runs
+        for r in runs:
+            if r.start < r.trigger - EARLY_TOLERANCE_MS:
+                found.early[task_id] = max(found.early.get(task_id, 0), r.trigger - r.start)
+    return found
 
 
 def record(verdict: Verdict) -> Verdict:
