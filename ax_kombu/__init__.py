@@ -85,17 +85,20 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
     """Schedule one task.
 
     Args:
-        task_type: what kind of task; also the default processor name.
-        payload: any JSON-serialisable value, passed to the processor.
-        run_at: an aware datetime to run at; or
+        task_type: what kind of task (≤ 128 characters); also the default processor name.
+        payload: any JSON value passed to the processor: string keys, no NaN/Infinity,
+            integers within 64 bits, ≤ 32 levels deep, ≤ AX_MAX_PAYLOAD_BYTES encoded.
+        run_at: an aware datetime to run at (a past one means now); or
         delay: seconds (or a timedelta) from now on the database clock. Neither: now.
+            Either reaches at most 3650 days ahead.
         priority: "high", "default" or "slow" — the queue it is dispatched to.
-        biz_key: makes enqueue idempotent per (task_type, biz_key).
-        max_retry: retries after a failure (default AX_DEFAULT_MAX_RETRY).
-        timeout_ms: how long one run may take (default AX_DEFAULT_TIMEOUT_MS).
-        processor: a registered name or ``package.module:function``; or
-        callback_url: an http(s) URL to POST the payload to.
-        trace_id: carried into logs and messages (default: a new one).
+        biz_key: makes enqueue idempotent per (task_type, biz_key); ≤ 255 characters.
+        max_retry: retries after a failure, 0..1000 (default AX_DEFAULT_MAX_RETRY).
+        timeout_ms: how long one run may take, 1 ms..7 days (default AX_DEFAULT_TIMEOUT_MS).
+        processor: a registered name or ``package.module:function`` (≤ 255); or
+        callback_url: an http(s) URL with a host to POST the payload to (≤ 2048).
+        trace_id: carried into logs and messages (default: a new one); ≤ 32 of
+            ``[A-Za-z0-9._:-]``.
     Returns:
         The task id, an int; ``.created`` is False if it duplicated an existing task.
     Raises:
@@ -107,7 +110,11 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
 
 
 def enqueue_many(items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
-    """Schedule many tasks in one transaction; each item holds :func:`enqueue`'s arguments."""
+    """Schedule many tasks in one transaction; each item holds :func:`enqueue`'s arguments.
+
+    Raises:
+        ValidationError: any item is invalid (the message names it); nothing was written.
+    """
     return client().enqueue_many(items)
 
 

@@ -204,6 +204,42 @@ def from_env(environ: Mapping[str, str] | None = None, /, **overrides: Any) -> S
     return Settings().replace(**values)
 
 
+#: a URL inside any text: scheme://… up to whitespace or a quote
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+#: ``user:password@`` (greedy to the last ``@``: a password with a stray ``@`` is still hidden)
+_USERINFO = re.compile(r"(://[^:/@]*:)[^@]*@")
+#: one ``key=value`` of a query string
+_QUERY_PAIR = re.compile(r"(^|[&;])([^=&;]*)=([^&;]*)")
+#: query keys whose values are never secret and help an operator (TLS mode, timeouts)
+SAFE_QUERY_KEYS = frozenset({"sslmode", "ssl_cert_reqs", "ssl_check_hostname", "connect_timeout",
+                             "application_name", "target_session_attrs", "heartbeat", "timeout",
+                             "socket_timeout", "socket_connect_timeout", "ssl", "tls"})
+#: ``password=…`` outside a URL (a libpq key/value DSN)
+_KV_PASSWORD = re.compile(r"(\bpassword\s*=\s*)(?!\*\*\*)[^\s'\"&;,)]+", re.IGNORECASE)
+
+
+def _redact_pair(match: re.Match[str]) -> str:
+    sep, key, _value = match.groups()
+    return match.group(0) if key.lower() in SAFE_QUERY_KEYS else f"{sep}{key}=***"
+
+
+def _redact_one(match: re.Match[str]) -> str:
+    url = _USERINFO.sub(r"\1***@", match.group(0))
+    head, question, rest = url.partition("?")
+    if not question:
+        return url
+    query, hash_, fragment = rest.partition("#")
+    return f"{head}?{_QUERY_PAIR.sub(_redact_pair, query)}{hash_}{fragment}"
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (safe for logs and CLI output)."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """``url`` safe for logs, CLI output and ``last_error``: any password and every
+    query-string value (except :data:`SAFE_QUERY_KEYS`) replaced by ``***``.
+
+    ``url`` may also be any text that contains URLs (a log line, an error message):
+    each URL in it is redacted, and so is a ``password=…`` pair outside a URL::
+
+        >>> redact_url("redis://:pw@h:6379/0 and https://x/cb?token=t&sslmode=require")
+        'redis://:***@h:6379/0 and https://x/cb?token=***&sslmode=require'
+    """
+    return _KV_PASSWORD.sub(r"\1***", _URL_IN_TEXT.sub(_redact_one, url))

@@ -10,6 +10,7 @@ import click
 
 from ax_kombu.cli.base import AxGroup, db_option
 from ax_kombu.cli.cancel import cancel
+from ax_kombu.cli.daemon import RedactingFormatter
 from ax_kombu.cli.db import db
 from ax_kombu.cli.enqueue import enqueue
 from ax_kombu.cli.inspect import inspect
@@ -24,8 +25,9 @@ from ax_kombu.cli.status import status
 @click.pass_context
 def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     """ax: a distributed timed-task scheduler on Kombu."""
-    logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=loglevel.upper(), handlers=[handler])
     obj: dict[str, Any] = {}
     if database_url:
         obj["database_url"] = database_url

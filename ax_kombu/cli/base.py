@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ax_kombu.config import Settings, from_env, parse_duration_ms
+from ax_kombu.config import Settings, from_env, parse_duration_ms, redact_url
 from ax_kombu.exceptions import AxError
 
 
@@ -20,7 +20,7 @@ class AxGroup(click.Group):
         try:
             return super().invoke(ctx)
         except AxError as exc:
-            click.echo(f"ax: error: {exc}", err=True)
+            click.echo(f"ax: error: {redact_url(str(exc))}", err=True)
             sys.exit(exc.exit_code)
 
 
@@ -29,7 +29,7 @@ def run_guarded(func: Callable[[], Any]) -> Any:
     try:
         return func()
     except AxError as exc:
-        click.echo(f"ax: error: {exc}", err=True)
+        click.echo(f"ax: error: {redact_url(str(exc))}", err=True)
         sys.exit(exc.exit_code)
 
 

@@ -17,7 +17,7 @@ import click
 from click.core import ParameterSource
 
 from ax_kombu.broker.connection import check_broker_url
-from ax_kombu.config import Settings
+from ax_kombu.config import Settings, redact_url
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.store.engine import check_database_url
 
@@ -55,18 +55,27 @@ def _given_as(field: str, variable: str, flag: str) -> str:
     return variable
 
 
-class _TraceFormatter(logging.Formatter):
-    """Constant messages, then the structured fields passed in ``extra``."""
+class RedactingFormatter(logging.Formatter):
+    """Every line, traceback included, with passwords and query-string values of any URL
+    in it replaced by ``***`` (:func:`~ax_kombu.config.redact_url`): the last guard, so a
+    URL inside an exception or a SQL parameter list never reaches a log."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_url(super().format(record))
+
+
+class _TraceFormatter(RedactingFormatter):
+    """Constant messages, then the structured fields passed in ``extra``; redacted."""
 
     _PLAIN: ClassVar[frozenset[str]] = frozenset(vars(logging.makeLogRecord({})))
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = logging.Formatter.format(self, record)
         fields = {k: v for k, v in vars(record).items()
                   if k not in self._PLAIN and k not in {"message", "asctime"}}
         if fields:
             line += " " + " ".join(f"{k}={v}" for k, v in sorted(fields.items()))
-        return line
+        return redact_url(line)
 
 
 def setup_logging(level: str) -> None:
@@ -126,5 +135,5 @@ def install_stop_signals(request_stop: Callable[[bool], None]) -> None:
 
 
 def fail(message: str, code: int = 2) -> None:
-    print(f"ax: error: {message}", file=sys.stderr)
+    print(f"ax: error: {redact_url(message)}", file=sys.stderr)
     sys.exit(code)

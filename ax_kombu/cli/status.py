@@ -3,7 +3,7 @@
 A node is live when it heartbeated within ``heartbeat_misses ×
 heartbeat_interval_s`` and did not stop. Each queue shows how many live
 workers consume it; a queue nobody consumes shows how many tasks wait for it
-(``slow: no consumer, 120 waiting``): the scheduler does not re-publish to it. Passwords in any URL shown (store,
+(``slow: no consumer, 120 waiting``): the scheduler does not re-publish to it. Passwords and query-string values in any URL shown (store,
 broker, or inside a node's heartbeat info) are replaced by ``***``.
 """
 

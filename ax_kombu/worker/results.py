@@ -43,7 +43,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.messages import TaskMessage
-from ax_kombu.config import Settings
+from ax_kombu.config import Settings, redact_url
 from ax_kombu.core import states
 from ax_kombu.core.backoff import Uniform, backoff_ms, default_rng
 from ax_kombu.core.states import Status
@@ -141,7 +141,7 @@ def describe(result: RunResult) -> str:
         text = f"{type(outcome.error).__name__}: {outcome.error}"
     else:
         text = "failed"
-    return text[:MAX_ERROR]
+    return redact_url(text)[:MAX_ERROR]  # a callback's URL may carry a token
 
 
 def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:

@@ -39,3 +39,20 @@ def test_passwords_never_shown() -> None:
     assert redact_url("amqp://guest:s3cret@host:5672/v") == "amqp://guest:***@host:5672/v"
     assert redact_url("postgresql://u:p@h/db") == "postgresql://u:***@h/db"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("https://h/cb?token=s3cr3t-tok", "https://h/cb?token=***"),
+    ("https://h/cb?a=1&sig=x;k=v#frag", "https://h/cb?a=***&sig=***;k=***#frag"),
+    ("redis://:pw@h:6379/0?token=t", "redis://:***@h:6379/0?token=***"),
+    ("postgresql://u:p@h/db?sslmode=verify-full&sslpassword=x",
+     "postgresql://u:***@h/db?sslmode=verify-full&sslpassword=***"),
+    ("callback failed: <urlopen error http://h/x?token=t> and amqp://g:pw@h//",
+     "callback failed: <urlopen error http://h/x?token=***> and amqp://g:***@h//"),
+    ("url='ax+sqlite:///b.db?token=t'", "url='ax+sqlite:///b.db?token=***'"),
+    ("host=h password=s3cr3t dbname=x", "host=h password=*** dbname=x"),
+    ("no url here", "no url here"),
+])
+def test_tokens_in_query_strings_and_text_never_shown(text: str, shown: str) -> None:
+    assert redact_url(text) == shown
+    assert redact_url(shown) == shown
