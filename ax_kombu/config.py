@@ -113,8 +113,11 @@ class Settings:
     worker_receipt_writers: int = 2
     #: worker: comma-separated modules to import; dotted-path processors must be in them.
     processor_modules: str = ""
-    #: worker: comma-separated hosts (or ``*.domain``) callback_url may name; empty: any.
+    #: worker: comma-separated hosts (or ``*.domain``) callback_url may name, internal
+    #: addresses allowed; empty: any host whose addresses are all public.
     callback_allow_hosts: str = ""
+    #: worker: signs every callback request (HMAC-SHA256) when set; never shown or logged.
+    callback_secret: str = dataclasses.field(default="", repr=False)
 
     def queue_for(self, priority: str) -> str:
         """The broker queue name that serves ``priority``."""

@@ -102,7 +102,8 @@ def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: 
     settings = settings.replace(processor_modules=",".join(modules))
     chosen = parse_queues(queues, settings)
     load_modules(modules)
-    resolver = Resolver(modules, split_names(settings.callback_allow_hosts))
+    resolver = Resolver(modules, split_names(settings.callback_allow_hosts),
+                        settings.callback_secret)
     with pidfile(pid_path):
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
         install_stop_signals(lambda cold: worker.request_stop(cold))

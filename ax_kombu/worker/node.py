@@ -78,7 +78,8 @@ class Worker:
         self.node_id = node_id or default_node_id("worker")
         self.store = Store(settings)
         self.resolver = resolver or Resolver(split_names(settings.processor_modules),
-                                             split_names(settings.callback_allow_hosts))
+                                             split_names(settings.callback_allow_hosts),
+                                             settings.callback_secret)
         self.stats = Counters()
         self.results = ResultWriter(self.store, settings, self.stats)
         self.heartbeat = Heartbeat(self.store, self.node_id, "worker",

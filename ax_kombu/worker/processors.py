@@ -14,10 +14,12 @@ A task names its processor in one of three ways, resolved in this order:
    are refused with :class:`~ax_kombu.exceptions.ProcessorRefused`; nothing
    is imported or called.
 3. **A callback_url**: an HTTP POST of ``{"payload", "task_id", "attempt",
-   "trace_id"}`` as JSON, with an ``X-Trace-Id`` header. A 2xx answer is
-   success; any other status, a redirect (never followed), an error or no
-   answer within the task's ``timeout_ms`` is a failure. With
-   ``AX_CALLBACK_ALLOW_HOSTS`` set, only those hosts may be called.
+   "trace_id"}`` as JSON, with an ``X-Trace-Id`` header (and a signature with
+   ``AX_CALLBACK_SECRET``). A 2xx answer is success; any other status, a
+   redirect (never followed), an error or no complete answer within the task's
+   ``timeout_ms`` is a failure. Internal addresses are refused unless their
+   host is listed in ``AX_CALLBACK_ALLOW_HOSTS``; see
+   :mod:`ax_kombu.worker.callbacks`.
 
 Every processor is called as ``func(payload, ctx)`` with a :class:`Context`.
 """
@@ -25,29 +27,30 @@ Every processor is called as ``func(payload, ctx)`` with a :class:`Context`.
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeVar
-from urllib.parse import urlsplit
 
 from ax_kombu.exceptions import (
-    CallbackFailed,
     ConfigurationError,
     ProcessorNotFound,
     ProcessorRefused,
 )
+from ax_kombu.worker.callbacks import (
+    callback_processor,
+    check_callback_url,
+    host_allowed,
+    post_callback,
+)
+
+__all__ = ["Context", "Resolver", "check_callback_url", "host_allowed", "load_modules",
+           "post_callback", "processor", "registered", "split_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Processor = Callable[[Any, "Context"], Any]
 
 _registry: dict[str, Callable[..., Any]] = {}
-
-#: bytes of a callback's answer that are read (and discarded)
-_MAX_ANSWER = 65536
 
 
 def processor(task_type: str) -> Callable[[F], F]:
@@ -167,12 +170,20 @@ class Resolver:
 
     Args:
         modules: the only modules a dotted path may point into.
-        allow_hosts: callback hosts allowed (``host`` or ``*.domain``); empty: any.
+        allow_hosts: callback hosts allowed (``host`` or ``*.domain``), internal ones
+            included; empty: any host whose addresses are all public.
+        callback_secret: signs every callback request when not empty.
     """
 
-    def __init__(self, modules: Iterable[str] = (), allow_hosts: Iterable[str] = ()) -> None:
+    def __init__(self, modules: Iterable[str] = (), allow_hosts: Iterable[str] = (),
+                 callback_secret: str = "") -> None:
         self.modules = frozenset(modules)
-        self.allow_hosts = tuple(h.lower() for h in allow_hosts)
+        self.allow_hosts = tuple(h.strip().lower() for h in allow_hosts if h.strip())
+        self._callback_secret = callback_secret
+
+    def __repr__(self) -> str:
+        return (f"Resolver(modules={sorted(self.modules)!r}, allow_hosts={self.allow_hosts!r}, "
+                f"signed={bool(self._callback_secret)})")
 
     def resolve(self, name: str | None, callback_url: str | None = None) -> Processor:
         """The callable for a task.
@@ -183,7 +194,7 @@ class Resolver:
         """
         if callback_url is not None:
             check_callback_url(callback_url, self.allow_hosts)
-            return _callback_processor(callback_url)
+            return callback_processor(callback_url, self.allow_hosts, self._callback_secret)
         if not name:
             raise ProcessorNotFound("the task names no processor and no callback_url")
         func = registered(name)
@@ -211,69 +222,3 @@ class Resolver:
                                    f"{module_name}")
         result: Processor = func
         return result
-
-
-def host_allowed(host: str, allow_hosts: Iterable[str]) -> bool:
-    """True if ``host`` matches an entry: exactly, or ``*.domain`` for its subdomains."""
-    host = host.lower().rstrip(".")
-    for entry in allow_hosts:
-        if entry.startswith("*.") and host.endswith(entry[1:]):
-            return True
-        if host == entry:
-            return True
-    return False
-
-
-def check_callback_url(url: str, allow_hosts: Iterable[str] = ()) -> None:
-    """Raise :class:`ProcessorRefused` unless ``url`` is http(s) to an allowed host."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ProcessorRefused(f"callback_url {url!r} refused: not an http(s) URL")
-    hosts = tuple(allow_hosts)
-    if hosts and not host_allowed(parts.hostname, hosts):
-        raise ProcessorRefused(f"callback_url host {parts.hostname!r} refused: not in "
-                               "AX_CALLBACK_ALLOW_HOSTS")
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is an answer like any other non-2xx one: a failure, never followed."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-_opener = urllib.request.build_opener(_NoRedirect)
-
-
-def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float) -> int:
-    """POST the task to ``url``; returns the 2xx status.
-
-    Raises:
-        CallbackFailed: a non-2xx status, a connection error or a timeout.
-    """
-    body = json.dumps({"payload": payload, "task_id": ctx.task_id, "attempt": ctx.attempt,
-                       "trace_id": ctx.trace_id}).encode()
-    request = urllib.request.Request(url, data=body, method="POST", headers={
-        "Content-Type": "application/json", "X-Trace-Id": ctx.trace_id})
-    try:
-        with _opener.open(request, timeout=timeout_s) as answer:
-            answer.read(_MAX_ANSWER)
-            return int(answer.status)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        raise CallbackFailed(f"callback answered HTTP {exc.code}") from None
-    except TimeoutError as exc:
-        raise CallbackFailed(f"callback did not answer within {timeout_s:g}s") from exc
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
-            raise CallbackFailed(f"callback did not answer within {timeout_s:g}s") from None
-        raise CallbackFailed(f"callback failed: {exc.reason}") from None
-    except OSError as exc:
-        raise CallbackFailed(f"callback failed: {exc}") from None
-
-
-def _callback_processor(url: str) -> Processor:
-    def call(payload: Any, ctx: Context) -> int:
-        return post_callback(url, payload, ctx, ctx.timeout_ms / 1000.0)
-
-    return call

@@ -123,7 +123,8 @@ def _release_hung_processors() -> Iterator[None]:
 @contextmanager
 def running(settings: Settings, **kwargs: Any) -> Iterator[Worker]:
     """A worker consuming in a background thread; stopped warmly on exit."""
-    kwargs.setdefault("resolver", Resolver(modules=["tests.procs_worker"]))
+    kwargs.setdefault("resolver", Resolver(modules=["tests.procs_worker"],
+                                           allow_hosts=settings.callback_allow_hosts.split(",")))
     worker = Worker(settings, **kwargs)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
@@ -408,7 +409,8 @@ class _Hook(BaseHTTPRequestHandler):
 def test_the_embedded_default_runs_processors_and_callbacks(tmp_path: Path) -> None:
     """SQLite store + ax's SQLite transport: no server at all (bar the callback's)."""
     settings = from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.db'}",
-                        broker_url=f"ax+sqlite:///{tmp_path / 'broker.db'}")
+                        broker_url=f"ax+sqlite:///{tmp_path / 'broker.db'}",
+                        callback_allow_hosts="127.0.0.1")  # the hook is on loopback
     hook = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     _Hook.received = []

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.timeout(30)
 
 CTX = Context(task_id=42, attempt=3, trace_id="tr-abc", trigger_time=1000, task_type="t",
               retry_count=1, max_retry=3, timeout_ms=2000)
+#: the test servers listen on loopback, which callbacks may call only when it is listed
+LOCAL = ["127.0.0.1"]
 
 
 def test_registry_maps_a_name_to_the_decorated_function() -> None:
@@ -136,8 +138,8 @@ def server() -> Iterator[str]:
 
 
 def test_a_2xx_answer_is_success_and_the_post_carries_task_and_trace(server: str) -> None:
-    assert post_callback(f"{server}/ok", {"coupon": "X"}, CTX, 2.0) == 200
-    assert post_callback(f"{server}/created", [1, 2], CTX, 2.0) == 201
+    assert post_callback(f"{server}/ok", {"coupon": "X"}, CTX, 2.0, allow_hosts=LOCAL) == 200
+    assert post_callback(f"{server}/created", [1, 2], CTX, 2.0, allow_hosts=LOCAL) == 201
     first = _Handler.seen[0]
     assert first["body"] == {"payload": {"coupon": "X"}, "task_id": 42, "attempt": 3,
                              "trace_id": "tr-abc"}
@@ -146,29 +148,30 @@ def test_a_2xx_answer_is_success_and_the_post_carries_task_and_trace(server: str
 
 def test_a_500_answer_is_a_failure(server: str) -> None:
     with pytest.raises(CallbackFailed, match="HTTP 500"):
-        post_callback(f"{server}/fail", None, CTX, 2.0)
+        post_callback(f"{server}/fail", None, CTX, 2.0, allow_hosts=LOCAL)
 
 
 def test_a_redirect_is_a_failure_and_is_not_followed(server: str) -> None:
     with pytest.raises(CallbackFailed, match="HTTP 302"):
-        post_callback(f"{server}/redirect", None, CTX, 2.0)
+        post_callback(f"{server}/redirect", None, CTX, 2.0, allow_hosts=LOCAL)
     assert [s["path"] for s in _Handler.seen] == ["/redirect"]
 
 
 def test_no_answer_in_time_is_a_failure(server: str) -> None:
     started = time.monotonic()
     with pytest.raises(CallbackFailed, match="did not answer within 0.2s"):
-        post_callback(f"{server}/slow", None, CTX, 0.2)
+        post_callback(f"{server}/slow", None, CTX, 0.2, allow_hosts=LOCAL)
     assert time.monotonic() - started < 0.9
 
 
 def test_an_unreachable_callback_is_a_failure() -> None:
     with pytest.raises(CallbackFailed, match="callback failed"):
-        post_callback("http://127.0.0.1:9/nothing-listens", None, CTX, 2.0)
+        post_callback("http://127.0.0.1:9/nothing-listens", None, CTX, 2.0,
+                      allow_hosts=LOCAL)
 
 
 def test_the_resolved_callback_uses_the_task_timeout(server: str) -> None:
-    call = Resolver().resolve(None, f"{server}/slow")
+    call = Resolver(allow_hosts=LOCAL).resolve(None, f"{server}/slow")
     quick = CTX._replace(timeout_ms=200)
     with pytest.raises(CallbackFailed, match="within 0.2s"):
         call({}, quick)

@@ -1,0 +1,349 @@
+"""HTTP callbacks: how a task's ``callback_url`` is called, and what it may not reach.
+
+A task with a ``callback_url`` runs as an HTTP ``POST`` of
+``{"payload", "task_id", "attempt", "trace_id"}`` (JSON, with an ``X-Trace-Id``
+header). A 2xx answer is success; anything else is a failure. A callback_url
+comes from whoever could enqueue a task (or write to the broker), so the call
+is made as if the URL were hostile:
+
+- **http and https only.** Any other scheme, or a URL without a host, is
+  refused (:class:`~ax_kombu.exceptions.ProcessorRefused`: final, no retry).
+- **No internal addresses by default.** The host is resolved once, and if any
+  address it resolves to is loopback, private, link-local, multicast, reserved,
+  unspecified or otherwise not globally routable (IPv4-mapped, 6to4 and NAT64
+  forms are unwrapped first), the call is refused *before any connection is
+  made*. The connection then goes to the very address that was checked — there
+  is no second DNS lookup between check and connect — while the ``Host`` header,
+  TLS SNI and certificate verification use the name from the URL.
+- **AX_CALLBACK_ALLOW_HOSTS** (comma separated: ``hooks.example.com``,
+  ``*.internal``, ``127.0.0.1``, ``localhost``): when set, only those hosts may
+  be called, and a host on the list may resolve to internal addresses (the list
+  is how internal receivers are allowed on purpose).
+- **One deadline per call**: the task's remaining ``timeout_ms`` covers the DNS
+  lookup, connect, TLS handshake, sending and reading the whole answer. Socket
+  timeouts alone do not bound a server that sends one byte a second, so a
+  watchdog thread shuts the call's socket down when the deadline passes.
+- **No redirects**: a 3xx answer is a failure and is never followed.
+- **Answers are capped**: at most 64 KiB of the answer is read (and
+  discarded); past that the connection is closed, the rest never read. Only the
+  status is kept; ``last_error`` never echoes the answer's body, and URLs in
+  errors have their password and query-string values redacted.
+- Connections are pooled (urllib3) per (scheme, checked address, port, host
+  name), shared by all threads.
+
+**Signing.** With ``AX_CALLBACK_SECRET`` set, every request carries
+``X-Ax-Timestamp: <unix seconds>`` and ``X-Ax-Signature: sha256=<hex>``, where
+``<hex>`` is the HMAC-SHA256, keyed with the secret (UTF-8), of the bytes
+``<timestamp> + "." + <raw request body>``. A receiver checks it with::
+
+    def verify(secret: bytes, headers, body: bytes, tolerance_s: int = 300) -> bool:
+        ts = headers["X-Ax-Timestamp"]
+        mac = hmac.new(secret, ts.encode() + b"." + body, hashlib.sha256).hexdigest()
+        fresh = abs(time.time() - int(ts)) <= tolerance_s
+        return fresh and hmac.compare_digest("sha256=" + mac, headers["X-Ax-Signature"])
+
+(the body must be the raw bytes received, before any JSON parsing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import unquote, urlsplit
+
+import urllib3
+from urllib3.connectionpool import HTTPConnectionPool
+from urllib3.exceptions import (
+    HTTPError,
+    NewConnectionError,
+    ProtocolError,
+    SSLError,
+)
+from urllib3.exceptions import (
+    TimeoutError as Urllib3Timeout,
+)
+
+from ax_kombu.config import redact_url
+from ax_kombu.exceptions import CallbackFailed, ProcessorRefused
+from ax_kombu.worker.callback_http import Call, current_expired, deadline_scope, pools
+
+if TYPE_CHECKING:
+    from ax_kombu.worker.processors import Context
+
+#: bytes of a callback's answer that are read (and discarded); the rest is never read
+MAX_ANSWER = 65536
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+
+
+class Target(NamedTuple):
+    """A parsed callback URL."""
+
+    scheme: str
+    host: str
+    port: int
+    #: path and query, as sent in the request line
+    path: str
+    #: ``user:password`` from the URL, sent as basic auth
+    userinfo: str | None
+
+
+# --- what may be called ---------------------------------------------------------------------
+
+
+def host_allowed(host: str, allow_hosts: Iterable[str]) -> bool:
+    """True if ``host`` matches an entry: exactly, or ``*.domain`` for its subdomains."""
+    host = host.lower().rstrip(".")
+    for entry in allow_hosts:
+        entry = entry.lower()
+        if entry.startswith("*.") and host.endswith(entry[1:]):
+            return True
+        if host == entry:
+            return True
+    return False
+
+
+def parse_target(url: str) -> Target:
+    """``url`` split into what the call needs.
+
+    Raises:
+        ProcessorRefused: not an http(s) URL with a host and a valid port.
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProcessorRefused(f"callback_url {redact_url(url)!r} refused: not an http(s) URL")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    userinfo = parts.netloc.rpartition("@")[0] or None
+    default = 443 if parts.scheme == "https" else 80
+    return Target(parts.scheme, parts.hostname.rstrip(".").lower(), port or default, path,
+                  userinfo)
+
+
+def check_callback_url(url: str, allow_hosts: Iterable[str] = ()) -> None:
+    """Raise :class:`ProcessorRefused` unless ``url`` is http(s) to an allowed host.
+
+    This is the check that needs no network: with an empty ``allow_hosts`` any host name
+    passes here, and its addresses are checked when the call is made.
+    """
+    target = parse_target(url)
+    hosts = tuple(allow_hosts)
+    if hosts and not host_allowed(target.host, hosts):
+        raise ProcessorRefused(f"callback_url host {target.host!r} refused: not in "
+                               "AX_CALLBACK_ALLOW_HOSTS")
+
+
+def _unwrap(address: Address) -> Address:
+    """The IPv4 address an IPv6 address carries (mapped, 6to4, NAT64), else itself."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        if address.sixtofour is not None:
+            return address.sixtofour
+        if address in _NAT64:
+            return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return address
+
+
+def address_refusal(address: str) -> str | None:
+    """Why ``address`` may not be called without being allow-listed (None: it may)."""
+    ip = _unwrap(ipaddress.ip_address(address.split("%", 1)[0]))
+    for kind in ("loopback", "link_local", "multicast", "unspecified", "reserved", "private"):
+        if getattr(ip, f"is_{kind}"):
+            return f"a {kind.replace('_', '-')} address"
+    if not ip.is_global:
+        return "not a globally routable address"
+    return None
+
+
+_dns_lock = threading.Lock()
+_dns: ThreadPoolExecutor | None = None
+
+
+def _lookup(host: str, port: int, timeout_s: float) -> list[str]:
+    """The addresses ``host`` resolves to, in the resolver's order, within ``timeout_s``."""
+    try:
+        return [str(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+    global _dns
+    with _dns_lock:
+        if _dns is None:
+            _dns = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ax-callback-dns")
+        pool = _dns
+    future = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        infos = future.result(timeout=max(timeout_s, 0.0))
+    except FutureTimeout:
+        raise CallbackFailed(f"callback host {host!r} did not resolve within "
+                             f"{timeout_s:.3g}s") from None
+    except OSError as exc:
+        raise CallbackFailed(f"callback host {host!r} does not resolve: {exc}") from None
+    found: list[str] = []
+    for info in infos:
+        address = str(info[4][0]).split("%", 1)[0]
+        if address not in found:
+            found.append(address)
+    return found
+
+
+def resolve_checked(target: Target, allowed: bool, timeout_s: float) -> list[str]:
+    """The addresses to connect to for ``target``, every one of them checked.
+
+    Args:
+        allowed: the host is on AX_CALLBACK_ALLOW_HOSTS (its addresses are not checked).
+
+    Raises:
+        ProcessorRefused: an address is internal and the host is not allow-listed.
+        CallbackFailed: the host does not resolve in time.
+    """
+    addresses = _lookup(target.host, target.port, timeout_s)
+    if not addresses:
+        raise CallbackFailed(f"callback host {target.host!r} resolves to no address")
+    if not allowed:
+        for address in addresses:
+            why = address_refusal(address)
+            if why is not None:
+                raise ProcessorRefused(
+                    f"callback_url host {target.host!r} refused: it resolves to {address}, {why} "
+                    "(list the host in AX_CALLBACK_ALLOW_HOSTS to allow it)")
+    return addresses
+
+
+# --- the call -------------------------------------------------------------------------------
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    """The ``X-Ax-Signature`` value: ``sha256=`` + hex HMAC-SHA256 of ``timestamp.body``."""
+    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
+    return f"sha256={mac.hexdigest()}"
+
+
+def _headers(target: Target, body: bytes, trace_id: str, secret: str) -> dict[str, str]:
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    default = 443 if target.scheme == "https" else 80
+    headers = {"Host": host if target.port == default else f"{host}:{target.port}",
+               "Content-Type": "application/json", "Accept-Encoding": "identity",
+               "X-Trace-Id": trace_id}
+    if target.userinfo is not None:
+        headers.update(urllib3.util.make_headers(basic_auth=unquote(target.userinfo)))
+    if secret:
+        timestamp = str(int(time.time()))
+        headers["X-Ax-Timestamp"] = timestamp
+        headers["X-Ax-Signature"] = sign(secret, timestamp, body)
+    return headers
+
+
+def _exchange(pool: HTTPConnectionPool, target: Target, body: bytes,
+              headers: dict[str, str], call: Call) -> int:
+    """Send the request and read at most MAX_ANSWER bytes of the answer; returns the status."""
+    remaining = call.remaining()
+    if remaining <= 0:
+        raise Urllib3Timeout("deadline passed")
+    answer = pool.urlopen("POST", target.path, body=body, headers=headers, retries=False,
+                          redirect=False, assert_same_host=False, preload_content=False,
+                          decode_content=False,
+                          timeout=urllib3.Timeout(connect=remaining, read=remaining))
+    complete, read = False, 0
+    try:
+        for chunk in answer.stream(8192, decode_content=False):
+            read += len(chunk)
+            if read >= MAX_ANSWER or call.remaining() <= 0:
+                break
+        else:
+            complete = True
+    finally:
+        if not complete:
+            answer.close()  # the rest is not read: the connection cannot be reused
+        answer.release_conn()
+    if call.expired or (not complete and read < MAX_ANSWER):
+        raise Urllib3Timeout("deadline passed")  # a truncated answer is no answer
+    return int(answer.status)
+
+
+def _failure(exc: BaseException, url: str, timeout_s: float) -> CallbackFailed:
+    # NewConnectionError is a ConnectTimeoutError in urllib3 2: look at it first
+    if isinstance(exc, NewConnectionError) and not current_expired():
+        reason = exc.__cause__ or exc
+        return CallbackFailed(f"callback failed: cannot connect to {redact_url(url)}: "
+                              f"{getattr(reason, 'strerror', None) or type(reason).__name__}")
+    if isinstance(exc, (Urllib3Timeout, TimeoutError, NewConnectionError)) or current_expired():
+        return CallbackFailed(f"callback did not answer within {timeout_s:.3g}s")
+    if isinstance(exc, SSLError):
+        return CallbackFailed(f"callback failed: TLS error with {redact_url(url)}: "
+                              f"{exc.__cause__ or exc}")
+    if isinstance(exc, ProtocolError):
+        return CallbackFailed(f"callback failed: the connection to {redact_url(url)} broke "
+                              "before a complete answer")
+    return CallbackFailed(f"callback failed: {type(exc).__name__} calling {redact_url(url)}")
+
+
+def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float, *,
+                  allow_hosts: Iterable[str] = (), secret: str = "") -> int:
+    """POST the task to ``url`` within ``timeout_s`` in all; returns the 2xx status.
+
+    Args:
+        allow_hosts: AX_CALLBACK_ALLOW_HOSTS; a host on it may be internal, and when it is
+            not empty no other host may be called.
+        secret: AX_CALLBACK_SECRET; signs the request when not empty.
+
+    Raises:
+        ProcessorRefused: not http(s), a host not allowed, or an internal address.
+        CallbackFailed: a non-2xx status, a connection error, or no complete answer in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    hosts = tuple(allow_hosts)
+    check_callback_url(url, hosts)
+    target = parse_target(url)
+    addresses = resolve_checked(target, host_allowed(target.host, hosts), timeout_s)
+    body = json.dumps({"payload": payload, "task_id": ctx.task_id, "attempt": ctx.attempt,
+                       "trace_id": ctx.trace_id}).encode()
+    headers = _headers(target, body, ctx.trace_id, secret)
+    status = _call(target, addresses, body, headers, deadline, url, timeout_s)
+    if not 200 <= status < 300:
+        raise CallbackFailed(f"callback answered HTTP {status}")
+    return status
+
+
+def _call(target: Target, addresses: list[str], body: bytes, headers: dict[str, str],
+          deadline: float, url: str, timeout_s: float) -> int:
+    """The status of the first address that accepts a connection (the next on a refusal)."""
+    with deadline_scope(deadline) as call:
+        for i, address in enumerate(addresses):
+            pool = pools.get(target.scheme, address, target.port, target.host)
+            try:
+                return _exchange(pool, target, body, headers, call)
+            except NewConnectionError as exc:
+                if i == len(addresses) - 1 or current_expired():
+                    raise _failure(exc, url, timeout_s) from None
+            except (HTTPError, OSError) as exc:
+                raise _failure(exc, url, timeout_s) from None
+    raise CallbackFailed("callback failed: no address to call")
+
+
+def callback_processor(url: str, allow_hosts: Iterable[str] = (),
+                       secret: str = "") -> Callable[[Any, Context], int]:
+    """The processor of a task with ``url`` as its callback_url: POSTs within the run's
+    remaining time (``ctx.deadline``, else ``ctx.timeout_ms``)."""
+    hosts = tuple(allow_hosts)
+
+    def call(payload: Any, ctx: Context) -> int:
+        timeout_s = ctx.timeout_ms / 1000.0
+        if ctx.deadline is not None:
+            timeout_s = max(0.0, min(timeout_s, ctx.deadline - time.monotonic()))
+        return post_callback(url, payload, ctx, timeout_s, allow_hosts=hosts, secret=secret)
+
+    return call
