@@ -10,6 +10,9 @@ import json
 from json.encoder import encode_basestring as _encode_string
 from typing import Any, NamedTuple
 
+from ax_kombu.broker.rejects import Rejected
+from ax_kombu.config import PRIORITIES
+
 MESSAGE_VERSION = 1
 
 
@@ -59,17 +62,53 @@ class TaskMessage(NamedTuple):
 
     @classmethod
     def from_body(cls, body: Any) -> TaskMessage:
-        """Parse a received body.
+        """Parse a received body, strictly: every field present, of its type, within range.
+
+        Integers are ``int`` (not ``bool``, not a numeric string), strings are
+        ``str`` no longer than the task table's column, ``attempt`` and
+        ``timeout_ms`` are at least 1, ``priority`` is a known one. Keys not
+        listed are ignored (a newer version may add some).
 
         Raises:
-            ValueError: the body is not an ax task message.
+            Rejected: (a ``ValueError``) the body is not an ax task message; its
+                ``reason`` says why (:mod:`ax_kombu.broker.rejects`).
         """
-        if not isinstance(body, dict) or body.get("v") != MESSAGE_VERSION:
-            raise ValueError("not an ax task message")
+        if type(body) is not dict or body.get("v") != MESSAGE_VERSION:
+            raise Rejected("not_task", "not an ax task message (no \"v\": 1 object)")
         try:
-            return cls._make([body[k] for k in cls._fields])
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed ax task message: {exc}") from None
+            message = cls._make([body[k] for k in cls._fields])
+        except KeyError as exc:
+            raise Rejected("missing_field", f"no field {exc}") from None
+        for name in _INT_FIELDS:
+            value = getattr(message, name)
+            if type(value) is not int:
+                raise Rejected("wrong_type", f"{name} is {type(value).__name__}, not int")
+            low, high = _INT_RANGES[name]
+            if not low <= value <= high:
+                raise Rejected("bad_value", f"{name} {value} is outside [{low}, {high}]")
+        for name, longest in _STR_FIELDS:
+            value = getattr(message, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if type(value) is not str:
+                raise Rejected("wrong_type", f"{name} is {type(value).__name__}, not str")
+            if len(value) > longest:
+                raise Rejected("bad_value", f"{name} is {len(value)} characters, over {longest}")
+        if message.priority not in PRIORITIES:
+            raise Rejected("bad_value", f"unknown priority {message.priority[:20]!r}")
+        return message
+
+
+_INT32, _INT64 = 2**31 - 1, 2**63 - 1
+#: each integer field's allowed range (the task table's column types)
+_INT_RANGES = {"task_id": (0, _INT64), "attempt": (1, _INT32), "trigger_time": (0, _INT64),
+               "timeout_ms": (1, _INT32), "retry_count": (0, _INT32), "max_retry": (0, _INT32),
+               "dispatched_at": (0, _INT64)}
+_INT_FIELDS = tuple(_INT_RANGES)
+#: each string field and its longest value (the task and node tables' columns)
+_STR_FIELDS = (("task_type", 128), ("trace_id", 64), ("priority", 16), ("processor", 255),
+               ("callback_url", 2048), ("node", 128))
+_OPTIONAL = frozenset({"processor", "callback_url"})
 
 
 def redis_envelope(m: TaskMessage, queue: str) -> str:

@@ -13,15 +13,16 @@ thread
   meanwhile pushes a token there, which ends the wait at once, even if the
   ``BRPOP`` had not reached Redis yet (Redis checks blocking timeouts only
   about every 100 ms, so a short timeout would not do);
-* decodes each value (Kombu's message envelope, JSON body only) and hands
-  it to the worker's consuming thread as a :class:`PulledMessage`.
+* decodes each value (Kombu's message envelope, JSON body only, within the
+  limits of :mod:`ax_kombu.broker.rejects`) and hands it to the worker's
+  consuming thread as a :class:`PulledMessage`.
 
 A popped value is already gone from Redis, so acking it has nothing to tell
 the broker (Kombu's own consumer with ack emulation off does the same, in
 its in-memory QoS). :meth:`PulledMessage.reject` with ``requeue`` pushes the
-value back where it is popped next. Envelopes that are not plain JSON (a
-body encoding, compression, another content type) are decoded by Kombu
-(``channel.Message(...).decode()``), which enforces the ``accept`` list.
+value back where it is popped next. A body encoding (base64, as a plain
+Kombu producer sends) is undone by Kombu; anything but an uncompressed JSON
+body is refused without being decoded (:mod:`ax_kombu.broker.rejects`).
 
 Flow control is the worker's own: a lane's room is its prefetch (free slots
 × multiplier, :mod:`ax_kombu.worker.lanes`) minus the messages popped for it and not
@@ -50,6 +51,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import orjson
+
+from ax_kombu.broker import rejects
+from ax_kombu.broker.rejects import Rejected
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +90,10 @@ def supported(conn: Any) -> bool:
 class Pulled(NamedTuple):
     """One popped value: the lane's index, its message, and its decoded body.
 
-    ``message`` is None when the value was not a Kombu envelope at all;
-    ``error`` is set when the body could not be decoded (not JSON, not allowed).
+    ``message`` is None when the value was not a Kombu envelope at all (or too
+    large to parse); ``error`` (a :class:`~ax_kombu.broker.rejects.Rejected`, with its
+    reason) is set when the value is refused: not an envelope, too large, not
+    JSON, another content type, nested too deep.
     """
 
     lane: int
@@ -130,15 +136,20 @@ class Puller(threading.Thread):
             helpers and its connection pool are used here; the consuming thread
             keeps the channel itself.
         queues: the queue names, in lane order.
-        accept: content types allowed (Kombu's ``accept``).
+        accept: content types allowed (Kombu's ``accept``); a body is decoded only if it
+            is JSON, whatever else this allows.
+        body_limit: longest body decoded (:func:`ax_kombu.broker.rejects.body_limit`).
         wake: called after new messages are put in :attr:`inbox`.
     """
 
     def __init__(self, channel: Any, queues: Sequence[str], accept: set[str],
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], body_limit: int = rejects.MIN_BODY_LIMIT) -> None:
         super().__init__(name="ax-puller", daemon=True)
         self.channel = channel
         self.accept = accept
+        #: longest body decoded, and longest value whose envelope is parsed (rejects.py)
+        self.body_limit = body_limit
+        self.envelope_limit = rejects.envelope_limit(body_limit)
         self._wake = wake
         self._keys = [str(channel._q_for_pri(q, 0)) for q in queues]
         self._wake_key = f"ax.wake.{uuid.uuid4().hex}"
@@ -278,24 +289,32 @@ class Puller(threading.Thread):
         self._wake()
 
     def _decode(self, lane: int, raw: bytes) -> Pulled:
+        """One popped value → a :class:`Pulled`; what is not a task message body carries a
+        :class:`~ax_kombu.broker.rejects.Rejected` as its error (see that module)."""
+        if len(raw) > self.envelope_limit:  # not even the envelope is parsed
+            return Pulled(lane, None, None, Rejected(
+                "too_large", f"value of {len(raw)} bytes, over the limit of "
+                             f"{self.envelope_limit}"))
         try:
             envelope = load_envelope(raw)
             content_type = envelope.get("content-type")
             message = PulledMessage(lane, raw, content_type, self.requeue)
-        except (ValueError, TypeError, AttributeError) as exc:  # also UnicodeDecodeError
-            return Pulled(lane, None, None, exc)
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+            return Pulled(lane, None, None, Rejected(
+                "not_kombu", f"not a Kombu message: {str(exc)[:200]}"))  # also UnicodeDecodeError
         try:
-            properties = envelope.get("properties") or {}
-            if (content_type == "application/json"
-                    and envelope.get("content-encoding") in ("utf-8", None)
-                    and not properties.get("body_encoding")
-                    and "compression" not in (envelope.get("headers") or {})):
-                # plain JSON, as ax publishes it: the standard decoder. Kombu's JSON loads
-                # calls a Python object hook on every dict (for its own type markers, which
-                # ax messages never carry); that was a sixth of the worker's GIL time.
-                return Pulled(lane, message, json.loads(envelope["body"]), None)
-            kombu_message = self.channel.Message(envelope, channel=self.channel)
-            kombu_message.accept = self.accept
-            return Pulled(lane, message, kombu_message.decode(), None)  # Kombu decides
-        except Exception as exc:  # noqa: BLE001 - ContentDisallowed, a decode error, ...
+            body = envelope.get("body")
+            if (envelope.get("properties") or {}).get("body_encoding"):
+                # a plain Kombu producer's message (base64): Kombu decodes the body encoding
+                body = self.channel.Message(envelope, channel=self.channel).body
+            # JSON only, as ax publishes it, with the standard decoder. (Kombu's JSON loads
+            # calls a Python object hook on every dict, for its own type markers, which ax
+            # messages never carry; that was a sixth of the worker's GIL time.)
+            return Pulled(lane, message, rejects.decode_body(
+                body, content_type, envelope.get("content-encoding"), envelope.get("headers"),
+                self.body_limit), None)
+        except Rejected as exc:
             return Pulled(lane, message, None, exc)
+        except Exception as exc:  # noqa: BLE001 - an envelope Kombu cannot read
+            return Pulled(lane, message, None, Rejected(
+                "not_kombu", f"unreadable Kombu envelope: {type(exc).__name__}"))

@@ -46,6 +46,11 @@ retry_count = Histogram("ax_retry_count", "retry_count of tasks when they finish
                         buckets=(0, 1, 2, 3, 5, 8, 13))
 stale_messages_total = Counter("ax_stale_messages_total",
                                "Messages refused by a worker (stale attempt or cancelled).")
+rejected_messages_total = Counter(
+    "ax_rejected_messages_total",
+    "Messages a worker refused as hostile or malformed, each counted once, by reason "
+    "(ax_kombu.broker.rejects.REASONS; 'forged' for a message contradicting its task row).",
+    ["reason"])
 
 
 def observe_many(histogram: Any, values: Iterable[float]) -> None:

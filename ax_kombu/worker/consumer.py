@@ -11,9 +11,12 @@ the channel's connection pool.
 
 Each loop settles what came back (:meth:`~ax_kombu.worker.intake.Intake.settle`),
 drains the broker until nothing more is ready or a batch is full, and hands
-what arrived to the intake. A message that is not JSON, or not a task, is
-counted as ``malformed``, logged and dropped. When a stop is requested the
-consumers are cancelled and the :mod:`~ax_kombu.worker.shutdown` steps run
+what arrived to the intake. A message that is too large, not JSON, or not a
+well-formed task message is refused before it reaches the intake
+(:mod:`ax_kombu.broker.rejects`): logged once with its reason, counted
+(``malformed``, and ``ax_rejected_messages_total{reason}``), removed from the
+broker without requeue, and its room in the lane freed at once. When a stop
+is requested the consumers are cancelled and the :mod:`~ax_kombu.worker.shutdown` steps run
 while the connection is still up, so their acks land.
 
 Broker loss: the connection is dropped, its unacked messages are the
@@ -35,10 +38,12 @@ from kombu import messaging
 from kombu.exceptions import OperationalError
 from kombu.serialization import prepare_accept_content
 
-from ax_kombu.broker import redis_pull
+from ax_kombu.broker import redis_pull, rejects
 from ax_kombu.broker.connection import connection
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import Settings
+from ax_kombu.observability import metrics
 from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Delivery, Lane
@@ -54,6 +59,8 @@ _KombuConsumer: Any = messaging.Consumer
 SATURATED_TICK_S = 0.002
 #: how long a poll waits for one more message before the batch is cut
 POLL_S = 0.0005
+#: what Kombu raises from drain_events for a value on a Redis list that is not its envelope
+_UNREADABLE = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
 
 
 class _BrokerLost(Exception):
@@ -135,6 +142,8 @@ class Consumer:
         self.ready = ready
         self._puller: redis_pull.Puller | None = None
         self._outage = Outage()
+        #: longest message body decoded
+        self._body_limit = rejects.body_limit(settings.max_payload_bytes)
 
     def run(self) -> None:
         """Consume until a stop is requested, reconnecting whenever the broker is lost."""
@@ -183,7 +192,8 @@ class Consumer:
         global_qos = conn.transport.driver_type == "amqp"
         if self._settings.redis_pull and redis_pull.supported(conn):
             puller = redis_pull.Puller(conn.channel(), [lane.queue.name for lane in self._lanes],
-                                       prepare_accept_content(["json"]), self._wakeup.poke)
+                                       prepare_accept_content(["json"]), self._wakeup.poke,
+                                       body_limit=self._body_limit)
             self._puller = puller
             self._intake.connected(global_qos, puller)
             for index, lane in enumerate(self._lanes):
@@ -192,8 +202,10 @@ class Consumer:
             return
         generation = self._intake.connected(global_qos, None)
         for lane in self._lanes:
+            # on_message: Kombu hands over the message undecoded, so its size and content
+            # type are judged before anything is decoded (_on_raw)
             consumer = _KombuConsumer(conn.channel(), queues=[lane.queue], accept=["json"],
-                                      callbacks=[partial(self._on_message, lane, generation)],
+                                      on_message=partial(self._on_raw, lane, generation),
                                       on_decode_error=self._on_decode_error)
             lane.attach(consumer, global_qos)
 
@@ -254,6 +266,12 @@ class Consumer:
                 conn.drain_events(timeout=timeout)
             except TimeoutError:
                 return
+            except _UNREADABLE as exc:
+                # Kombu's Redis transport parses each popped value itself and raises on
+                # one that is not its envelope; the value is gone from Redis already
+                log.debug("unreadable value from the broker", exc_info=True)
+                self._refuse(None, None, Rejected("not_kombu", f"not a Kombu message: "
+                                                               f"{type(exc).__name__}"))
             timeout = POLL_S
 
     def _take_pulled(self, puller: redis_pull.Puller) -> None:
@@ -268,34 +286,52 @@ class Consumer:
         generation = self._intake.generation
         while puller.inbox:
             pulled = puller.inbox.popleft()
-            lane, message = self._lanes[pulled.lane], pulled.message
-            if message is None:
-                puller.release(pulled.lane)
-                self._stats.add("malformed")
-                log.warning("malformed message dropped (not a Kombu message)",
-                            extra={"queue": lane.queue.name, "error": str(pulled.error)})
-                continue
+            lane = self._lanes[pulled.lane]
             if pulled.error is not None:
                 puller.release(pulled.lane)
-                self._on_decode_error(message, pulled.error)
-                continue
-            self._on_message(lane, generation, pulled.body, message)
+                self._refuse(lane.queue.name, pulled.message, pulled.error)
+            elif not self._on_message(lane, generation, pulled.body, pulled.message):
+                puller.release(pulled.lane)
 
-    def _on_message(self, lane: Lane, generation: int, body: Any, message: Any) -> None:
-        lane.held += 1
+    def _on_raw(self, lane: Lane, generation: int, message: Any) -> None:
+        """A Kombu consumer's message, undecoded: judged, decoded, then as _on_message."""
+        try:
+            body = rejects.decode_body(message.body, message.content_type,
+                                       message.content_encoding, message.headers,
+                                       self._body_limit)
+        except Rejected as exc:
+            self._refuse(lane.queue.name, message, exc)
+            return
+        self._on_message(lane, generation, body, message)
+
+    def _on_message(self, lane: Lane, generation: int, body: Any, message: Any) -> bool:
+        """A decoded body: to the intake if it is a task message (True), else refused."""
         try:
             task = TaskMessage.from_body(body)
-        except ValueError as exc:
-            self._stats.add("malformed")
-            log.warning("malformed message dropped", extra={"queue": lane.queue.name,
-                                                            "error": str(exc)})
-            message.ack()
-            lane.held -= 1
-            return
+        except Rejected as exc:
+            self._refuse(lane.queue.name, message, exc)
+            return False
+        lane.held += 1
         self._pending.append(Delivery(lane, task, message, generation))
+        return True
 
     def _on_decode_error(self, message: Any, exc: Exception) -> None:
+        """Kombu could not make a message of what arrived (never passed to _on_raw)."""
+        queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
+        self._refuse(queue, message, Rejected("not_kombu", str(exc)[:200]))
+
+    def _refuse(self, queue: str | None, message: Any, exc: Exception) -> None:
+        """Log and count a refused message once, and remove it from the broker for good.
+
+        ``reject`` without requeue: RabbitMQ drops it (or dead-letters it, if a
+        policy gives the queue a dead-letter exchange); on Redis it is gone
+        already. Never requeued, so it cannot come back in a loop.
+        """
+        reason = exc.reason if isinstance(exc, Rejected) else "not_kombu"
         self._stats.add("malformed")
-        log.warning("undecodable message dropped (JSON only)", extra={
-            "content_type": getattr(message, "content_type", None), "error": str(exc)})
-        message.reject()  # never delivered to _on_message, so never counted as held
+        metrics.rejected_messages_total.labels(reason=reason).inc()
+        log.warning("message rejected, not run", extra={
+            "queue": queue, "reason": reason, "error": str(exc)[:300],
+            "content_type": getattr(message, "content_type", None)})
+        if message is not None:
+            message.reject(requeue=False)

@@ -181,6 +181,8 @@ def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:
     for delivery in refused:
         reason, why = batch.refusals.get(delivery.task.task_id, ("unknown", "unknown"))
         stats.add(f"refused_{reason}")
+        if reason == "missing":  # well-formed, for no task at all (see broker/rejects.py)
+            metrics.rejected_messages_total.labels(reason="unknown_task").inc()
         log.info("message refused, not run", extra={**delivery.labels, "reason": why})
 
 
