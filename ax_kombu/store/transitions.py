@@ -66,23 +66,52 @@ def _batch_sql(dialect: str, columns: tuple[str, ...], template: str) -> TextCla
     return text(template.format(source=source))
 
 
-def _run_batch(conn: Connection, columns: tuple[str, ...], template: str,
-               rows: Sequence[Sequence[Any]], **params: Any) -> list[int]:
-    if not rows:
-        return []
+def _execute_batch(conn: Connection, columns: tuple[str, ...], template: str,
+                   rows: Sequence[Sequence[Any]], **params: Any) -> Any:
     stmt = _batch_sql(conn.dialect.name, columns, template)
     if conn.dialect.name == "postgresql":
         params.update({f"c{i}": [r[i] for r in rows] for i in range(len(columns))})
     else:
         params["rows"] = json.dumps([list(r) for r in rows])
-    return [r[0] for r in conn.execute(stmt, params)]
+    return conn.execute(stmt, params)
 
+
+def _run_batch(conn: Connection, columns: tuple[str, ...], template: str,
+               rows: Sequence[Sequence[Any]], **params: Any) -> list[int]:
+    if not rows:
+        return []
+    return [r[0] for r in _execute_batch(conn, columns, template, rows, **params)]
+
+
+class Started(NamedTuple):
+    """A task a worker moved to RUNNING, as its row stores it: what the run is.
+
+    The message that asked for the start only names ``(task_id, attempt)``; these
+    columns, not the message's copies, decide what runs. ``payload`` is the
+    stored JSON text (unparsed).
+    """
+
+    task_id: int
+    task_type: str
+    trigger_time: int
+    priority: str
+    retry_count: int
+    max_retry: int
+    timeout_ms: int
+    processor_name: str | None
+    callback_url: str | None
+    payload: str
+    trace_id: str
+
+
+#: in :class:`Started`'s order; unqualified: SQLite's RETURNING names the updated table only
+_STARTED_COLUMNS = ", ".join(Started._fields)
 
 _START = """
     UPDATE ax_task AS t SET status = 'RUNNING', started_at = :now, last_run_node = :node
       FROM {{source}}
      WHERE t.task_id = v.id AND t.attempt = v.att AND {moves}{fence}
- RETURNING task_id"""
+ RETURNING """ + _STARTED_COLUMNS
 _FROM_DISPATCHING = "COALESCE(t.status, '') = 'DISPATCHING'"
 # the retry of a start whose reply was lost: rows it did move are RUNNING, by this node,
 # with the started_at it wrote (no other start writes that node and that instant)
@@ -116,11 +145,14 @@ _FINISH = """
 
 def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
                now_ms: int, *, incarnation: int | None = None,
-               resume: bool = False) -> list[int]:
+               resume: bool = False) -> list[Started]:
     """DISPATCHING → RUNNING for each ``(task_id, attempt)`` whose row is at that attempt.
 
     Sets ``started_at = now_ms`` and ``last_run_node = node`` (the worker).
     A cancelled task, or a stale message from an earlier attempt, does not move.
+    The same statement returns what each moved row stores (:class:`Started`):
+    the worker runs that, never what a message says (anyone who can write to
+    the broker can write a message).
 
     Args:
         incarnation: if given, nothing moves unless it is ``node``'s live
@@ -128,11 +160,14 @@ def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
         resume: this repeats a call with the same ``now_ms`` whose outcome is
             unknown (the reply was lost): rows that call moved count as moved.
     Returns:
-        The ids that moved (each once, even if a pair was given twice).
+        The rows that moved (each once, even if a pair was given twice).
     """
+    if not pairs:
+        return []
     template = _STARTS[(resume, incarnation is not None)]
-    return _run_batch(conn, ("id", "att"), template, pairs, now=now_ms, node=node,
-                      **({"inc": incarnation} if incarnation is not None else {}))
+    result = _execute_batch(conn, ("id", "att"), template, pairs, now=now_ms, node=node,
+                            **({"inc": incarnation} if incarnation is not None else {}))
+    return list(map(Started._make, result))
 
 
 def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int]:

@@ -11,7 +11,10 @@ came back:
 2. the receipt stage (:mod:`ax_kombu.worker.receipts`, its own threads) moves the
    startable tasks DISPATCHING → RUNNING in ONE statement, only where the
    row's attempt equals the message's (the fencing token), setting
-   ``started_at`` (database clock) and ``last_run_node`` = this worker; the
+   ``started_at`` (database clock) and ``last_run_node`` = this worker, and
+   returning each started row: its processor, callback_url, payload, timeout
+   and retry settings are what runs, not the message's copies (a message
+   that differs is counted as forged); the
    handed-back ones go DISPATCHING → READY with ``last_run_node`` NULL.
    Meanwhile the consuming thread keeps draining, so the next batch is what
    arrived during this one's round trip (at most ``worker_batch_size``);
@@ -43,11 +46,12 @@ from typing import Any
 
 from ax_kombu.broker import redis_pull
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome
 from ax_kombu.worker.processors import Cancellation, Context, Resolver
-from ax_kombu.worker.receipts import Batch, ReceiptWriter, account
+from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
 from ax_kombu.worker.results import Counters, ResultWriter
 
 
@@ -144,6 +148,8 @@ class Intake:
             self.ack(delivery)
         account(batch, refused, self._stats)
         running = [d for d in batch.start if d.task.task_id in started]
+        for delivery in running:  # from here on the task is the row, not the message
+            delivery.task = started[delivery.task.task_id]
         self._ack_long(running)
         for delivery in running:
             self._submit(delivery)
@@ -183,6 +189,8 @@ class Intake:
             done(Outcome(False, abandoned="no free slot in the pool"))  # planned: cannot happen
 
     def _execute(self, task: TaskMessage, ctx: Context) -> Any:
+        if type(task.payload) is UnreadablePayload:
+            raise ProcessorRefused("the stored payload is not JSON")
         func = self._resolver.resolve(task.processor, task.callback_url)
         return func(task.payload, ctx)
 

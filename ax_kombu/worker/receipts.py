@@ -5,7 +5,12 @@ back, which are duplicates) and hands it here; one thread then moves the
 startable tasks DISPATCHING → RUNNING with :func:`ax_kombu.store.transitions.start_many`
 (fenced by attempt, ``started_at`` and ``last_run_node`` set), the others
 DISPATCHING → READY with :func:`~ax_kombu.store.transitions.release_many`, in one
-transaction, and finds out why any move was refused. The consuming thread
+transaction, and finds out why any move was refused. The RUNNING move returns
+what each started row stores, and that is what runs: a message only says
+"task X, attempt N is due" (its attempt is the fencing token); its other
+fields are compared with the row, and a message that differs (forged, or
+tampered with on the broker) is logged and counted, and the stored task runs.
+The consuming thread
 keeps draining the broker meanwhile, so the next batch is whatever arrived
 during the round trip: batches grow with load (like a group commit) and a
 lone message waits for nobody. A few batches are in flight at once, each on
@@ -17,6 +22,7 @@ redelivery): the row lock decides, one moves and the other is refused.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -46,8 +52,11 @@ class Batch:
     start: list[Delivery]
     release: list[Delivery]
     dupes: list[Delivery]
-    #: ids now RUNNING; None if the write was given up (the messages stay unacked)
-    started: set[int] | None = None
+    #: task id → the task now RUNNING as its row stores it (what runs);
+    #: None if the write was given up (the messages stay unacked)
+    started: dict[int, TaskMessage] | None = None
+    #: started deliveries whose message differs from the stored task, with the fields that do
+    forged: list[tuple[Delivery, list[str]]] = field(default_factory=list)
     #: task id → (counter suffix, log text) for each refused start
     refusals: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -155,15 +164,52 @@ class ReceiptWriter:
     def _write_once(self, db: HeldConnection, batch: Batch, now: int, resume: bool) -> None:
         incarnation = self._incarnation() if self._incarnation is not None else None
         with db.begin() as conn:
-            batch.started = set(transitions.start_many(
+            rows = transitions.start_many(
                 conn, [d.pair for d in batch.start], self.node_id, now,
-                incarnation=incarnation, resume=resume))
+                incarnation=incarnation, resume=resume)
             transitions.release_many(conn, [d.pair for d in batch.release])
-            refused = [d for d in batch.start if d.task.task_id not in batch.started]
+            moved = {row.task_id for row in rows}
+            refused = [d for d in batch.start if d.task.task_id not in moved]
             batch.refusals = _explain(conn, refused)
+        started, batch.forged = stored_tasks(batch.start, rows)
+        batch.started = started
         metrics.observe_many(metrics.start_delay, [
-            max(0, now - d.task.trigger_time) / 1e3 for d in batch.start
-            if d.task.task_id in batch.started])
+            max(0, now - task.trigger_time) / 1e3 for task in started.values()])
+
+
+class UnreadablePayload(str):
+    """A stored payload that is not JSON (the row was written by hand): its run fails."""
+
+
+def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
+                 ) -> tuple[dict[int, TaskMessage], list[tuple[Delivery, list[str]]]]:
+    """The started tasks as their rows store them, and the messages that differ from those.
+
+    Each stored payload is parsed here, once. The message keeps only what
+    decides nothing: its attempt (equal to the row's: the start was fenced by
+    it), ``dispatched_at`` and ``node``. A message that differs anywhere else is
+    returned with the names of the fields that do (never their values).
+    """
+    by_id = {d.task.task_id: d for d in deliveries}
+    started: dict[int, TaskMessage] = {}
+    forged: list[tuple[Delivery, list[str]]] = []
+    for row in rows:
+        delivery = by_id[row.task_id]
+        message = delivery.task
+        try:
+            payload: Any = json.loads(row.payload)
+        except (ValueError, RecursionError):  # written by hand: the run fails, saying so
+            payload = UnreadablePayload(row.payload)
+        task = TaskMessage(row.task_id, message.attempt, row.task_type, payload,
+                           row.trace_id, row.trigger_time, row.timeout_ms, row.priority,
+                           row.retry_count, row.max_retry, row.processor_name, row.callback_url,
+                           message.dispatched_at, message.node)
+        started[row.task_id] = task
+        if task != message:
+            forged.append((delivery, [name for name, mine, theirs
+                                      in zip(TaskMessage._fields, task, message, strict=True)
+                                      if mine != theirs]))
+    return started, forged
 
 
 def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:
@@ -175,6 +221,13 @@ def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:
         log.info("pool full: task handed back to the scheduler as READY",
                  extra={**delivery.labels, "queue": delivery.lane.queue.name})
     metrics.stale_messages_total.inc(len(batch.dupes) + len(refused))
+    if batch.forged:
+        stats.add("forged", len(batch.forged))
+        metrics.rejected_messages_total.labels(reason="forged").inc(len(batch.forged))
+    for delivery, fields in batch.forged:
+        log.warning("message differs from the stored task: the stored task runs",
+                    extra={**delivery.labels, "reason": "message differs from the stored task",
+                           "fields": fields})
     for delivery in batch.dupes:
         stats.add("refused_duplicate")
         log.info("duplicate delivery dropped", extra=delivery.labels)

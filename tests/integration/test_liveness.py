@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import select, update
@@ -47,6 +49,48 @@ def claimed(client: Client, node: str, n: int, **enqueue: object) -> list[int]:
         rows = claims.claim(conn, ids, node, client.store.now_ms(), due_before=2**62)
     assert len(rows) == n
     return ids
+
+
+def started_ids(started: list[transitions.Started]) -> list[int]:
+    return sorted(row.task_id for row in started)
+
+
+def test_a_start_returns_what_each_row_stores_and_what_the_run_needs(client: Client) -> None:
+    """The RUNNING move returns the stored task in the same statement: the worker runs that,
+    not what a message says. Both targets, a duplicate pair, a stale attempt and an unknown
+    id in one batch."""
+    at = datetime.fromtimestamp((client.store.now_ms() - 500) / 1000, UTC)
+    proc = int(client.enqueue("t.proc", {"n": [1, "ü"], "k": None}, run_at=at, priority="high",
+                              max_retry=5, timeout_ms=4321, processor="mod.fn"))
+    hook = int(client.enqueue("t.hook", [1, 2.5], run_at=at, max_retry=0,
+                              callback_url="http://example.com/hook"))
+    stale = int(client.enqueue("t.stale", {"s": 1}, run_at=at))
+    ids = [proc, hook, stale]
+    with client.store.engine.begin() as conn:
+        transitions.transition(conn, ids, [Status.CREATED], Status.READY)
+        claims.claim(conn, ids, "s", client.store.now_ms(), due_before=2**62)
+        conn.execute(update(tasks).where(tasks.c.task_id == proc).values(retry_count=2))
+        rows = {r.task_id: r for r in conn.execute(select(tasks).where(tasks.c.task_id.in_(ids)))}
+        started = transitions.start_many(
+            conn, [(proc, 1), (hook, 1), (proc, 1), (stale, 2), (1, 1)], "w9",
+            client.store.now_ms())
+    assert started_ids(started) == sorted([proc, hook])
+    for got in started:
+        row = rows[got.task_id]
+        assert got == transitions.Started(
+            row.task_id, row.task_type, row.trigger_time, row.priority, row.retry_count,
+            row.max_retry, row.timeout_ms, row.processor_name, row.callback_url, row.payload,
+            row.trace_id)
+    by_id = {r.task_id: r for r in started}
+    assert (by_id[proc].processor_name, by_id[proc].callback_url) == ("mod.fn", None)
+    assert (by_id[proc].timeout_ms, by_id[proc].max_retry, by_id[proc].retry_count,
+            by_id[proc].priority, by_id[proc].task_type) == (4321, 5, 2, "high", "t.proc")
+    assert json.loads(by_id[proc].payload) == {"n": [1, "ü"], "k": None}
+    assert (by_id[hook].processor_name, by_id[hook].callback_url) == (
+        None, "http://example.com/hook")
+    assert json.loads(by_id[hook].payload) == [1, 2.5] and by_id[hook].max_retry == 0
+    assert statuses(client, ids) == {proc: ("RUNNING", "w9"), hook: ("RUNNING", "w9"),
+                                     stale: ("DISPATCHING", "s")}
 
 
 def test_a_new_incarnation_takes_over_what_the_dead_one_left(client: Client) -> None:
@@ -114,7 +158,7 @@ def test_a_worker_declared_dead_starts_nothing(client: Client) -> None:
     with client.store.engine.begin() as conn:
         moved = transitions.start_many(conn, [(t, 1) for t in ids], "w2",
                                        client.store.now_ms(), incarnation=hb.incarnation)
-    assert sorted(moved) == sorted(ids)
+    assert started_ids(moved) == sorted(ids)
 
 
 def test_a_start_whose_reply_was_lost_is_resumed_not_refused(client: Client) -> None:
@@ -122,10 +166,12 @@ def test_a_start_whose_reply_was_lost_is_resumed_not_refused(client: Client) -> 
     now = client.store.now_ms()
     pairs = [(t, 1) for t in ids]
     with client.store.engine.begin() as conn:
-        assert sorted(transitions.start_many(conn, pairs, "w3", now)) == sorted(ids)
+        first = transitions.start_many(conn, pairs, "w3", now)
+        assert started_ids(first) == sorted(ids)
     with client.store.engine.begin() as conn:  # the retry after a lost reply
         assert transitions.start_many(conn, pairs, "w3", now) == []
-        assert sorted(transitions.start_many(conn, pairs, "w3", now, resume=True)) == sorted(ids)
+        resumed = transitions.start_many(conn, pairs, "w3", now, resume=True)
+        assert sorted(resumed) == sorted(first)  # the same stored rows, as the lost reply had
         assert transitions.start_many(conn, pairs, "other", now, resume=True) == []
         assert transitions.start_many(conn, pairs, "w3", now + 1, resume=True) == []
 

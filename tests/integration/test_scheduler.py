@@ -120,8 +120,9 @@ def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings
     gone.register({})
     gone.stop()  # stopped without recording its results (say the database was down)
     with client.store.engine.begin() as conn:
-        assert sorted(transitions.start_many(conn, [(retry, 1), (last, 1)], "worker-gone",
-                                        client.store.now_ms())) == sorted([retry, last])
+        started = transitions.start_many(conn, [(retry, 1), (last, 1)], "worker-gone",
+                                         client.store.now_ms())
+        assert sorted(r.task_id for r in started) == sorted([retry, last])
         transitions.start_many(conn, [(alive, 1)], "worker-live", client.store.now_ms())
         now = client.store.now_ms()
         recovered = dict(recovery.recover_orphan_running(conn, now, now - 10_000))

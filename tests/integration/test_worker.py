@@ -9,6 +9,7 @@ signal test, as the ``ax-worker`` command).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,8 +24,10 @@ from typing import Any, ClassVar
 
 import pytest
 from kombu import Producer
-from sqlalchemy import select
+from prometheus_client import REGISTRY
+from sqlalchemy import select, update
 
+import ax_kombu as ax
 from ax_kombu.api import Client, TaskView
 from ax_kombu.broker.connection import connection, declare_queues, task_queues
 from ax_kombu.broker.messages import TaskMessage
@@ -32,10 +35,10 @@ from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.store import claims, transitions
-from ax_kombu.store.schema import nodes
+from ax_kombu.store.schema import nodes, tasks
 from ax_kombu.worker.lanes import ACK_AT_START_MS
 from ax_kombu.worker.node import Worker
-from ax_kombu.worker.processors import Resolver
+from ax_kombu.worker.processors import Context, Resolver
 
 from .. import procs_worker
 from .harness import eventually
@@ -333,6 +336,88 @@ def test_a_refused_dotted_path_is_recorded_and_nothing_is_called(
     assert dispatch.status(allowed) is Status.SUCCESS
 
 
+#: what the processors of the forged-message test were given, by processor
+forgery_runs: dict[str, list[tuple[Any, Context]]] = {"stored": [], "forged": []}
+
+
+@ax.processor("t.forgery.stored")
+def _stored_processor(payload: Any, ctx: Context) -> None:
+    forgery_runs["stored"].append((payload, ctx))
+    raise RuntimeError("the stored processor fails, so its retry settings decide")
+
+
+@ax.processor("t.forgery.forged")
+def _forged_processor(payload: Any, ctx: Context) -> None:
+    forgery_runs["forged"].append((payload, ctx))
+
+
+def _forged_count() -> float:
+    return REGISTRY.get_sample_value("ax_rejected_messages_total", {"reason": "forged"}) or 0.0
+
+
+def test_a_forged_message_runs_the_stored_task_and_is_counted(
+        settings: Settings, dispatch: Dispatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone who can write to the broker can send "task X, attempt N" with another processor,
+    payload, callback and settings: the worker runs what the row stores, and counts the
+    forgery. The genuine message, arriving after, is refused (the task is no longer
+    DISPATCHING) and nothing runs twice."""
+    for runs in forgery_runs.values():
+        runs.clear()
+    task_id = dispatch.enqueue("t.forgery.stored", {"grant": "coupon-1"}, max_retry=2,
+                               timeout_ms=7000, processor="t.forgery.stored")
+    [genuine] = dispatch.claim([task_id])
+    forged = genuine._replace(task_type="t.forgery.forged", payload={"grant": "everything"},
+                              processor="t.forgery.forged", timeout_ms=1, max_retry=0,
+                              retry_count=5, trace_id="forged-trace")
+    before = _forged_count()
+    with caplog.at_level(logging.WARNING), running(settings) as worker:
+        dispatch.publish([forged])
+        eventually(lambda: dispatch.view(task_id).retry_count == 1)
+        dispatch.publish([genuine])
+        eventually(lambda: worker.stats["refused_state"] == 1)
+        assert worker.stats["forged"] == 1 and worker.stats["started"] == 1
+    assert forgery_runs["forged"] == []
+    [(payload, ctx)] = forgery_runs["stored"]
+    assert payload == {"grant": "coupon-1"}
+    assert (ctx.task_id, ctx.attempt, ctx.task_type, ctx.trace_id) == (
+        task_id, 1, "t.forgery.stored", genuine.trace_id)
+    assert (ctx.timeout_ms, ctx.max_retry, ctx.retry_count) == (7000, 2, 0)
+    view = dispatch.view(task_id)  # failed with max_retry 2 (stored), not 0 (forged): a retry
+    assert view.status is Status.DELAYED and view.retry_count == 1
+    assert view.last_error == "RuntimeError: the stored processor fails, so its retry settings decide"
+    assert _forged_count() == before + 1
+    warnings = [r for r in caplog.records if r.getMessage().startswith(
+        "message differs from the stored task")]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    extra = vars(warnings[0])
+    assert extra["reason"] == "message differs from the stored task"
+    assert extra["task_id"] == task_id
+    assert set(extra["fields"]) == {
+        "task_type", "payload", "processor", "timeout_ms", "max_retry", "retry_count",
+        "trace_id"}
+    assert "everything" not in warnings[0].getMessage()
+
+
+def test_a_stored_payload_that_is_not_json_fails_its_run_and_nothing_is_called(
+        settings: Settings, dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.noop", {"ok": 1}, max_retry=3)
+    messages = dispatch.claim([task_id])
+    with dispatch.client.store.engine.begin() as conn:  # a row edited by hand
+        conn.execute(update(tasks).where(tasks.c.task_id == task_id).values(payload="{oops"))
+
+    def row() -> Any:  # read by hand: the API cannot show that payload either
+        with dispatch.client.store.engine.connect() as conn:
+            return conn.execute(select(tasks.c.status, tasks.c.retry_count, tasks.c.last_error)
+                                .where(tasks.c.task_id == task_id)).one()
+
+    with running(settings):
+        dispatch.publish(messages)
+        eventually(lambda: row().status == Status.FAILED)
+    failed = row()
+    assert failed.retry_count == 0 and "stored payload is not JSON" in failed.last_error
+    assert task_id not in procs_worker.calls
+
+
 def test_a_non_json_message_is_dropped_and_the_worker_goes_on(settings: Settings,
                                                               dispatch: Dispatch) -> None:
     task_id = dispatch.enqueue("t.noop")
@@ -472,11 +557,11 @@ def test_a_start_whose_commit_reply_was_lost_still_runs_once(
     lost: list[int] = []
 
     def start_reply_lost(conn: Any, pairs: Any, node: str, now_ms: int,
-                         **kwargs: Any) -> list[int]:
+                         **kwargs: Any) -> list[transitions.Started]:
         if lost:
             return real_start(conn, pairs, node, now_ms, **kwargs)
         with dispatch.client.store.engine.begin() as own:  # commits, whatever happens to conn
-            lost.extend(real_start(own, pairs, node, now_ms, **kwargs))
+            lost.extend(r.task_id for r in real_start(own, pairs, node, now_ms, **kwargs))
         raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
 
     monkeypatch.setattr(transitions, "start_many", start_reply_lost)

@@ -1,0 +1,66 @@
+"""receipts.stored_tasks(): what runs is the stored row; a message that differs is named forged."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Queue
+
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.store.transitions import Started
+from ax_kombu.worker.lanes import Delivery, Lane
+from ax_kombu.worker.receipts import UnreadablePayload, stored_tasks
+
+
+def message(task_id: int, **changes: Any) -> TaskMessage:
+    task = TaskMessage(task_id=task_id, attempt=3, task_type="coupon.grant",
+                       payload={"user": task_id, "n": [1, 2.5, None]}, trace_id=f"tr{task_id}",
+                       trigger_time=1_700_000_000_000, timeout_ms=5000, priority="high",
+                       retry_count=1, max_retry=4, processor="coupon.grant", callback_url=None,
+                       dispatched_at=1_700_000_000_005, node="scheduler-1")
+    return task._replace(**changes)
+
+
+def row(m: TaskMessage, payload: str | None = None) -> Started:
+    """The row a genuine message was built from."""
+    return Started(m.task_id, m.task_type, m.trigger_time, m.priority, m.retry_count,
+                   m.max_retry, m.timeout_ms, m.processor, m.callback_url,
+                   json.dumps(m.payload) if payload is None else payload, m.trace_id)
+
+
+@pytest.fixture
+def lane() -> Iterator[Lane]:
+    lane = Lane("high", Queue("h"), size=2, multiplier=1, on_release=lambda: None)
+    yield lane
+    lane.pool.close()
+
+
+def test_a_genuine_message_is_the_stored_task_and_not_forged(lane: Lane) -> None:
+    genuine = [message(1), message(2)]
+    deliveries = [Delivery(lane, m, message=None, generation=1) for m in genuine]
+    started, forged = stored_tasks(deliveries, [row(genuine[1]), row(genuine[0])])
+    assert started == {1: genuine[0], 2: genuine[1]} and forged == []
+
+
+def test_a_forged_message_gives_way_to_the_row_and_is_named_with_its_fields(lane: Lane) -> None:
+    stored = message(7)
+    forged_message = stored._replace(payload={"user": 0}, processor=None,
+                                     callback_url="http://169.254.169.254/", max_retry=99,
+                                     timeout_ms=10**9, dispatched_at=1, node="evil")
+    delivery = Delivery(lane, forged_message, message=None, generation=1)
+    started, forged = stored_tasks([delivery], [row(stored)])
+    # what runs is the row; the message keeps only its attempt, dispatched_at and node
+    assert started == {7: stored._replace(dispatched_at=1, node="evil")}
+    [(who, fields)] = forged
+    assert who is delivery
+    assert fields == ["payload", "timeout_ms", "max_retry", "processor", "callback_url"]
+
+
+def test_a_stored_payload_that_is_not_json_is_marked_unreadable(lane: Lane) -> None:
+    m = message(9)
+    started, _ = stored_tasks([Delivery(lane, m, message=None, generation=1)],
+                              [row(m, payload="{not json")])
+    assert type(started[9].payload) is UnreadablePayload
