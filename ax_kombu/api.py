@@ -18,50 +18,23 @@ Both hold across concurrent producers in many processes (see
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
-import re
 import socket
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any, Self
-from urllib.parse import urlsplit
 
-from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.config import Settings
 from ax_kombu.core import states
-from ax_kombu.core.ids import EPOCH_MS, LeasedIds
+from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
 from ax_kombu.store import Store, transitions
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import fetch_task, insert_tasks
-
-#: Bounds of each enqueue field. Lengths match the columns in :mod:`ax_kombu.store.schema`.
-MAX_TASK_TYPE = 128
-MAX_PROCESSOR = 255
-MAX_CALLBACK_URL = 2048
-MAX_BIZ_KEY = 255
-MAX_TRACE_ID = 32
-#: retries after a failure; the backoff is capped, so more would only keep a task alive for ever
-MAX_RETRY = 1000
-#: one run's timeout: 7 days (the column is a 32-bit INTEGER)
-MAX_TIMEOUT_MS = 7 * 86_400_000
-#: how far ahead a task may be scheduled: 10 years (365-day)
-MAX_HORIZON_MS = 3650 * 86_400_000
-#: the last millisecond a snowflake id (41 bits of ms after its epoch) can express, ~2093
-LAST_MS = EPOCH_MS + (1 << 41) - 1
-#: deepest nesting of lists/objects in a payload, and most values (containers and scalars) in
-#: it: within what a worker accepts in a message (ax_kombu.broker.rejects: 64 levels for the
-#: whole body, 100,000 values), so an accepted task can never be refused on its way
-MAX_PAYLOAD_DEPTH = 32
-MAX_PAYLOAD_VALUES = 100_000
-#: integers in a payload: 64-bit, so every JSON decoder (orjson included) reads them back exactly
-_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
-_TRACE_ID = re.compile(r"[A-Za-z0-9._:-]+")
+from ax_kombu.validation import build_row, show
 
 _TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "biz_key",
                         "max_retry", "timeout_ms", "processor", "callback_url", "trace_id"})
@@ -117,232 +90,6 @@ class TaskView:
         return cls(**data)
 
 
-def _check_payload(payload: Any) -> None:
-    """Refuse what JSON would change or a worker refuse: nesting deeper than
-    ``MAX_PAYLOAD_DEPTH``, more than ``MAX_PAYLOAD_VALUES`` values, non-string keys,
-    integers beyond 64 bits, text that is not valid Unicode."""
-    stack: list[tuple[Any, int]] = [(payload, 0)]
-    count = 0
-    while stack:
-        value, depth = stack.pop()
-        count += 1
-        if count > MAX_PAYLOAD_VALUES:
-            raise ValidationError(f"payload holds more than {MAX_PAYLOAD_VALUES} values")
-        if isinstance(value, str):
-            _utf8("payload", value)
-        elif isinstance(value, bool) or value is None or isinstance(value, float):
-            continue  # NaN/Infinity: json.dumps(allow_nan=False) refuses them
-        elif isinstance(value, int):
-            if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
-                raise ValidationError("payload holds an integer beyond 64 bits; "
-                                      "pass it as a string")
-        elif isinstance(value, (Mapping, list, tuple)):
-            if depth >= MAX_PAYLOAD_DEPTH:
-                raise ValidationError(f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} "
-                                      "levels")
-            if isinstance(value, Mapping):
-                for key in value:
-                    if not isinstance(key, str):
-                        raise ValidationError("payload keys must be strings, got "
-                                              f"{type(key).__name__}")
-                    _utf8("payload", key)
-                stack.extend((item, depth + 1) for item in value.values())
-            else:
-                stack.extend((item, depth + 1) for item in value)
-        # anything else: json.dumps says whether it is serialisable
-
-
-def canonical_json(payload: Any, limit: int) -> str:
-    """The payload as compact JSON with sorted keys (so key order never matters).
-
-    Raises:
-        ValidationError: not JSON-serialisable, NaN/Infinity, non-string keys, integers
-            beyond 64 bits, nested deeper than ``MAX_PAYLOAD_DEPTH``, or over ``limit``
-            bytes.
-    """
-    _check_payload(payload)
-    try:
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValidationError(f"payload is not JSON-serialisable: {exc}") from None
-    size = len(text.encode())
-    if size > limit:
-        raise ValidationError(f"payload is {size} bytes encoded; the limit is {limit} "
-                              "(AX_MAX_PAYLOAD_BYTES)")
-    return text
-
-
-def fingerprint(task_type: str, payload_json: str) -> str:
-    """128-bit hex digest of the task type and canonical payload."""
-    return hashlib.blake2b(f"{task_type}\0{payload_json}".encode(), digest_size=16).hexdigest()
-
-
-def _show(value: Any) -> str:
-    """``repr(value)`` cut to 80 characters, for error messages (even for a huge int)."""
-    try:
-        return repr(value)[:80]
-    except ValueError:  # an int too long to print
-        return f"<{type(value).__name__}>"
-
-
-def _as_int(name: str, value: Any, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{name} must be an integer, got {_show(value)}")
-    if not minimum <= value <= maximum:
-        raise ValidationError(f"{name} must be within {minimum}..{maximum}, got {_show(value)}")
-    return int(value)
-
-
-def trigger_ms(now_ms: int, run_at: datetime | None, delay: Any) -> int:
-    """The trigger time in epoch ms from exactly one of ``run_at`` / ``delay`` (or now).
-
-    ``run_at`` must be a timezone-aware datetime: a naive one is ambiguous and
-    refused; one in the past means now. ``delay`` is seconds (int/float) or a
-    timedelta, never negative. Either may reach at most ``MAX_HORIZON_MS`` ahead
-    (and no later than the snowflake ids can count, ~2093).
-    """
-    if run_at is not None and delay is not None:
-        raise ValidationError("give run_at or delay, not both")
-    latest = min(now_ms + MAX_HORIZON_MS, LAST_MS)
-    if run_at is not None:
-        if not isinstance(run_at, datetime):
-            raise ValidationError(f"run_at must be a datetime, got {type(run_at).__name__}")
-        try:
-            offset = run_at.utcoffset()
-        except (TypeError, ValueError, OverflowError) as exc:  # a tzinfo that fails
-            raise ValidationError(f"run_at has an unusable tzinfo: {exc}") from None
-        if offset is None:
-            raise ValidationError("run_at is a naive datetime; pass an aware one, e.g. "
-                                  "datetime(2026, 12, 24, 20, 0, tzinfo=timezone.utc)")
-        try:
-            at = round(run_at.timestamp() * 1000)
-        except (OverflowError, ValueError, OSError) as exc:
-            raise ValidationError(f"run_at is out of range: {exc}") from None
-        if not 0 <= at <= latest:
-            raise ValidationError(f"run_at {run_at.isoformat()} is out of range: from 1970 up "
-                                  f"to {MAX_HORIZON_MS // 86_400_000} days ahead")
-        return at
-    if delay is None:
-        return now_ms
-    if isinstance(delay, timedelta):
-        seconds = delay.total_seconds()
-    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-        if isinstance(delay, int) and not -1 <= delay <= MAX_HORIZON_MS // 1000:
-            seconds = -1.0 if delay < 0 else math.inf  # too large for a float: out of range
-        else:
-            seconds = float(delay)
-    else:
-        raise ValidationError(f"delay must be seconds or a timedelta, got {_show(delay)}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValidationError(f"delay must be a finite number >= 0, got {_show(delay)}")
-    at = now_ms + round(seconds * 1000)
-    if at > latest:
-        raise ValidationError(f"delay {seconds:g}s is too far ahead: at most "
-                              f"{MAX_HORIZON_MS // 86_400_000} days")
-    return at
-
-
-def _utf8(name: str, value: str) -> None:
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise ValidationError(f"{name} is not valid Unicode (a lone surrogate)") from None
-    if "\x00" in value and name != "payload":
-        raise ValidationError(f"{name} contains a NUL character")
-
-
-def _callback(url: Any) -> str:
-    if not isinstance(url, str):
-        raise ValidationError(f"callback_url must be a string, got {type(url).__name__}")
-    if len(url) > MAX_CALLBACK_URL:
-        raise ValidationError(f"callback_url is longer than {MAX_CALLBACK_URL} characters")
-    _utf8("callback_url", url)
-    shown = redact_url(url)[:200]
-    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
-        raise ValidationError(f"callback_url {shown!r} contains whitespace or control characters")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a malformed port
-    except ValueError as exc:
-        raise ValidationError(f"callback_url {shown!r} is malformed: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValidationError(f"callback_url must be an http(s) URL with a host, got {shown!r}")
-    return url
-
-
-def _target(task_type: str, processor: Any, callback_url: Any) -> tuple[str | None, str | None]:
-    if processor is not None and callback_url is not None:
-        raise ValidationError("give processor or callback_url, not both")
-    if callback_url is not None:
-        return None, _callback(callback_url)
-    if processor is None:
-        return task_type, None
-    return _text("processor", processor, MAX_PROCESSOR), None
-
-
-def _text(name: str, value: Any, limit: int) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValidationError(f"{name} must be a non-empty string, got {_show(value)}")
-    if len(value) > limit:
-        raise ValidationError(f"{name} is longer than {limit} characters")
-    _utf8(name, value)
-    return str(value)
-
-
-def _trace_id(value: Any) -> str:
-    if value is None:
-        return uuid.uuid4().hex
-    text = _text("trace_id", value, MAX_TRACE_ID)
-    if not _TRACE_ID.fullmatch(text):
-        raise ValidationError(f"trace_id may hold only letters, digits and . _ : -, "
-                              f"got {text!r}")
-    return text
-
-
-def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
-              run_at: datetime | None = None, delay: Any = None, priority: str = "default",
-              biz_key: str | None = None, max_retry: int | None = None,
-              timeout_ms: int | None = None, processor: str | None = None,
-              callback_url: str | None = None, trace_id: str | None = None) -> dict[str, Any]:
-    """Validate one task and return its row (without ``task_id``).
-
-    Every field is bounded (see the ``MAX_*`` constants above): text fields by
-    type, length and valid Unicode, numbers by type and range, the trigger time
-    by how far ahead it is, the payload by JSON, size and depth.
-
-    Raises:
-        ValidationError: any argument is invalid.
-    """
-    task_type = _text("task_type", task_type, MAX_TASK_TYPE)
-    if not isinstance(priority, str) or priority not in PRIORITIES:
-        raise ValidationError(f"unknown priority {_show(priority)}; use one of "
-                              f"{', '.join(PRIORITIES)}")
-    if biz_key is not None:
-        biz_key = _text("biz_key", biz_key, MAX_BIZ_KEY)
-    processor_name, callback = _target(task_type, processor, callback_url)
-    payload_json = canonical_json(payload, settings.max_payload_bytes)
-    return {
-        "task_type": task_type,
-        "trigger_time": trigger_ms(now_ms, run_at, delay),
-        "status": Status.CREATED.value,
-        "priority": str(priority),
-        "retry_count": 0,
-        "max_retry": _as_int("max_retry", settings.default_max_retry if max_retry is None
-                             else max_retry, 0, MAX_RETRY),
-        "timeout_ms": _as_int("timeout_ms", settings.default_timeout_ms if timeout_ms is None
-                              else timeout_ms, 1, MAX_TIMEOUT_MS),
-        "processor_name": processor_name,
-        "callback_url": callback,
-        "payload": payload_json,
-        "biz_key": biz_key,
-        "fingerprint": fingerprint(task_type, payload_json),
-        "trace_id": _trace_id(trace_id),
-        "attempt": 0,
-        "created_at": now_ms,
-    }
-
-
 class Client:
     """A producer's handle on one store. Thread-safe; one per process is enough."""
 
@@ -389,7 +136,7 @@ class Client:
         unknown = set(item) - _TASK_ARGS
         if unknown:
             raise ValidationError(f"item {index}: unknown argument(s) "
-                                  f"{', '.join(sorted(_show(k) for k in unknown))}")
+                                  f"{', '.join(sorted(show(k) for k in unknown))}")
         if "task_type" not in item:
             raise ValidationError(f"item {index} has no task_type")
         args = dict(item)

@@ -38,15 +38,14 @@ from kombu import messaging
 from kombu.exceptions import OperationalError
 from kombu.serialization import prepare_accept_content
 
-from ax_kombu.broker import redis_pull, rejects
+from ax_kombu.broker import redis_pull
 from ax_kombu.broker.connection import connection
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import Settings
-from ax_kombu.observability import metrics
+from ax_kombu.worker.admission import Admission
 from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
-from ax_kombu.worker.lanes import Delivery, Lane
+from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.results import Counters
 from ax_kombu.worker.shutdown import Shutdown
 
@@ -135,6 +134,7 @@ class Consumer:
         self._intake = intake
         self._receipts = intake.receipts
         self._pending = intake.pending  # the same list for the worker's life
+        self._admission = Admission(settings, self._pending, stats)
         self._shutdown = shutdown
         self._stats = stats
         self._wakeup = wakeup
@@ -142,8 +142,6 @@ class Consumer:
         self.ready = ready
         self._puller: redis_pull.Puller | None = None
         self._outage = Outage()
-        #: longest message body decoded
-        self._body_limit = rejects.body_limit(settings.max_payload_bytes)
 
     def run(self) -> None:
         """Consume until a stop is requested, reconnecting whenever the broker is lost."""
@@ -193,7 +191,7 @@ class Consumer:
         if self._settings.redis_pull and redis_pull.supported(conn):
             puller = redis_pull.Puller(conn.channel(), [lane.queue.name for lane in self._lanes],
                                        prepare_accept_content(["json"]), self._wakeup.poke,
-                                       body_limit=self._body_limit)
+                                       body_limit=self._admission.body_limit)
             self._puller = puller
             self._intake.connected(global_qos, puller)
             for index, lane in enumerate(self._lanes):
@@ -205,8 +203,8 @@ class Consumer:
             # on_message: Kombu hands over the message undecoded, so its size and content
             # type are judged before anything is decoded (_on_raw)
             consumer = _KombuConsumer(conn.channel(), queues=[lane.queue], accept=["json"],
-                                      on_message=partial(self._on_raw, lane, generation),
-                                      on_decode_error=self._on_decode_error)
+                                      on_message=partial(self._admission.on_raw, lane, generation),
+                                      on_decode_error=self._admission.on_decode_error)
             lane.attach(consumer, global_qos)
 
     def _detach(self, conn: Any) -> None:
@@ -270,7 +268,7 @@ class Consumer:
                 # Kombu's Redis transport parses each popped value itself and raises on
                 # one that is not its envelope; the value is gone from Redis already
                 log.debug("unreadable value from the broker", exc_info=True)
-                self._refuse(None, None, Rejected("not_kombu", f"not a Kombu message: "
+                self._admission.refuse(None, None, Rejected("not_kombu", f"not a Kombu message: "
                                                                f"{type(exc).__name__}"))
             timeout = POLL_S
 
@@ -289,49 +287,6 @@ class Consumer:
             lane = self._lanes[pulled.lane]
             if pulled.error is not None:
                 puller.release(pulled.lane)
-                self._refuse(lane.queue.name, pulled.message, pulled.error)
-            elif not self._on_message(lane, generation, pulled.body, pulled.message):
+                self._admission.refuse(lane.queue.name, pulled.message, pulled.error)
+            elif not self._admission.on_message(lane, generation, pulled.body, pulled.message):
                 puller.release(pulled.lane)
-
-    def _on_raw(self, lane: Lane, generation: int, message: Any) -> None:
-        """A Kombu consumer's message, undecoded: judged, decoded, then as _on_message."""
-        try:
-            body = rejects.decode_body(message.body, message.content_type,
-                                       message.content_encoding, message.headers,
-                                       self._body_limit)
-        except Rejected as exc:
-            self._refuse(lane.queue.name, message, exc)
-            return
-        self._on_message(lane, generation, body, message)
-
-    def _on_message(self, lane: Lane, generation: int, body: Any, message: Any) -> bool:
-        """A decoded body: to the intake if it is a task message (True), else refused."""
-        try:
-            task = TaskMessage.from_body(body)
-        except Rejected as exc:
-            self._refuse(lane.queue.name, message, exc)
-            return False
-        lane.held += 1
-        self._pending.append(Delivery(lane, task, message, generation))
-        return True
-
-    def _on_decode_error(self, message: Any, exc: Exception) -> None:
-        """Kombu could not make a message of what arrived (never passed to _on_raw)."""
-        queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
-        self._refuse(queue, message, Rejected("not_kombu", str(exc)[:200]))
-
-    def _refuse(self, queue: str | None, message: Any, exc: Exception) -> None:
-        """Log and count a refused message once, and remove it from the broker for good.
-
-        ``reject`` without requeue: RabbitMQ drops it (or dead-letters it, if a
-        policy gives the queue a dead-letter exchange); on Redis it is gone
-        already. Never requeued, so it cannot come back in a loop.
-        """
-        reason = exc.reason if isinstance(exc, Rejected) else "not_kombu"
-        self._stats.add("malformed")
-        metrics.rejected_messages_total.labels(reason=reason).inc()
-        log.warning("message rejected, not run", extra={
-            "queue": queue, "reason": reason, "error": str(exc)[:300],
-            "content_type": getattr(message, "content_type", None)})
-        if message is not None:
-            message.reject(requeue=False)

@@ -21,7 +21,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import BigInteger, Integer, String, func, select
 
-from ax_kombu.api import (
+from ax_kombu.api import Client, TaskView
+from ax_kombu.config import PRIORITIES, Settings, from_env
+from ax_kombu.exceptions import ValidationError
+from ax_kombu.store.schema import tasks
+from ax_kombu.validation import (
     MAX_CALLBACK_URL,
     MAX_HORIZON_MS,
     MAX_PAYLOAD_DEPTH,
@@ -29,12 +33,7 @@ from ax_kombu.api import (
     MAX_PROCESSOR,
     MAX_RETRY,
     MAX_TIMEOUT_MS,
-    Client,
-    TaskView,
 )
-from ax_kombu.config import PRIORITIES, Settings, from_env
-from ax_kombu.exceptions import ValidationError
-from ax_kombu.store.schema import tasks
 
 PROPERTY = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
