@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from kombu import Producer
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
-from ax_kombu.broker.connection import connection, declare_queues
+from ax_kombu.broker.connection import connection
 from ax_kombu.broker.rejects import REASONS
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
@@ -43,15 +42,6 @@ def settings(request: pytest.FixtureRequest, pg_url: str) -> Settings:
         "amqp_broker" if request.param == "amqp" else "redis_broker")
     return from_env({}, database_url=pg_url, heartbeat_interval_s=0.2, worker_grace_s=10,
                     redis_pull=request.param == "redis-puller", **broker)
-
-
-@pytest.fixture
-def dispatch(settings: Settings) -> Iterator[Dispatch]:
-    with connection(settings) as conn:
-        declare_queues(conn, settings)
-    d = Dispatch(settings)
-    yield d
-    d.close()
 
 
 def task_body(**changes: Any) -> dict[str, Any]:

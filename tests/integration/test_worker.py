@@ -29,7 +29,7 @@ from sqlalchemy import select, update
 
 import ax_kombu as ax
 from ax_kombu.api import Client, TaskView
-from ax_kombu.broker.connection import connection, declare_queues, task_queues
+from ax_kombu.broker.connection import connection, task_queues
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
@@ -105,15 +105,6 @@ def settings(pg_url: str, broker: dict[str, str]) -> Settings:
     return from_env({}, database_url=pg_url, retry_backoff_base_ms=300,
                     retry_backoff_max_ms=5000, retry_backoff_jitter=0.5,
                     heartbeat_interval_s=0.2, worker_grace_s=10, **broker)
-
-
-@pytest.fixture
-def dispatch(settings: Settings) -> Iterator[Dispatch]:
-    with connection(settings) as conn:
-        declare_queues(conn, settings)
-    d = Dispatch(settings)
-    yield d
-    d.close()
 
 
 @pytest.fixture(autouse=True)
