@@ -200,20 +200,27 @@ def test_redis_restart(pg_url: str, private_redis: PrivateRedis, tmp_path: Path)
     """A private redis-server (no persistence) stopped for 3 s and started again: the
     messages it held are gone; the ack timeout must dispatch those tasks again."""
     broker = {"broker_url": private_redis.url, "broker_key_prefix": "axfault:"}
-    cluster = Cluster(pg_url, broker, tmp_path)
+    broker_outage(Cluster(pg_url, broker, tmp_path),
+                  "Redis restart (private, 3 s down, data lost)",
+                  private_redis.stop, private_redis.start)
+
+
+def broker_outage(cluster: Cluster, title: str, stop: Callable[[], None],
+                  start: Callable[[], None]) -> None:
+    """Under the standard load, the broker is down for 3 s (``stop``, then ``start``)."""
     try:
         cluster.standard()
 
         def restart() -> tuple[int, int]:
             at = now_ms()
-            private_redis.stop()
+            stop()
             time.sleep(3)  # the outage itself
-            private_redis.start()
+            start()
             return at, now_ms() + 1000
 
-        load, start, end = load_then(cluster, 10, 3, restart)
-        verdict = judge(cluster, "Redis restart (private, 3 s down, data lost)", load.planned,
-                        fault_start=start, fault_end=end)
+        load, fault_start, fault_end = load_then(cluster, 10, 3, restart)
+        verdict = judge(cluster, title, load.planned, fault_start=fault_start,
+                        fault_end=fault_end)
         conclude(cluster, verdict)
     finally:
         cluster.close()
@@ -240,25 +247,14 @@ def test_rabbitmq_restart(pg_url: str, private_rabbit: PrivateRabbit, tmp_path: 
     """A private RabbitMQ node (own name, ports and data) whose broker application is
     stopped for 3 s (``rabbitmqctl stop_app`` / ``start_app``); the shared server is
     never touched."""
-    cluster = Cluster(pg_url, {"broker_url": private_rabbit.url}, tmp_path)
-    try:
-        cluster.standard()
+    def ctl(command: str) -> Callable[[], None]:
+        def run() -> None:
+            done = private_rabbit.ctl(command)
+            assert done.returncode == 0, done.stderr
+        return run
 
-        def restart() -> tuple[int, int]:
-            at = now_ms()
-            stopped = private_rabbit.ctl("stop_app")
-            assert stopped.returncode == 0, stopped.stderr
-            time.sleep(3)  # the outage itself
-            started = private_rabbit.ctl("start_app")
-            assert started.returncode == 0, started.stderr
-            return at, now_ms() + 1000
-
-        load, start, end = load_then(cluster, 10, 3, restart)
-        verdict = judge(cluster, "RabbitMQ restart (private, stop_app 3 s)", load.planned,
-                        fault_start=start, fault_end=end)
-        conclude(cluster, verdict)
-    finally:
-        cluster.close()
+    broker_outage(Cluster(pg_url, {"broker_url": private_rabbit.url}, tmp_path),
+                  "RabbitMQ restart (private, stop_app 3 s)", ctl("stop_app"), ctl("start_app"))
 
 
 # -- a queue without consumer ------------------------------------------------------------------
