@@ -106,13 +106,6 @@ def release_held(conn: Connection, nodes: Sequence[str]) -> int:
     return int(conn.execute(stmt, {"nodes": list(nodes)}).rowcount)
 
 
-def requeue_unacked(conn: Connection, dispatched_before_ms: int) -> list[int]:
-    """Unbounded form kept until the scheduler moves to :func:`redispatch_unacked`."""
-    stmt = text("UPDATE ax_task SET status = 'READY', last_run_node = NULL "
-                "WHERE status = 'DISPATCHING' AND dispatched_at < :cutoff RETURNING task_id")
-    return [r[0] for r in conn.execute(stmt, {"cutoff": dispatched_before_ms})]
-
-
 #: the ack timeout doubles with each re-dispatch of a task, up to 2**MAX_BACKOFF_STEPS times
 MAX_BACKOFF_STEPS = 5
 
