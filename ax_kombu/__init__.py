@@ -11,6 +11,13 @@ The public API::
 
     @ax.processor("order.close")
     def close_order(payload, ctx): ...
+
+    ax.schedule("report.daily", "report.build", {"kind": "daily"},
+                cron="0 8 * * *", tz="Asia/Shanghai")        # a recurring job
+    ax.pause("report.daily"); ax.resume("report.daily"); ax.unschedule("report.daily")
+
+    @ax.periodic(cron="*/10 * * * * *", name="cache.refresh")
+    def refresh(payload, ctx): ...                          # ctx.job, ctx.scheduled_at
 """
 
 from __future__ import annotations
@@ -25,12 +32,21 @@ from typing import Any
 from ax_kombu.api import Client, TaskId, TaskView
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import AxError, IllegalTransition, TaskNotFound, ValidationError
+from ax_kombu.exceptions import (
+    AxError,
+    IllegalTransition,
+    JobNotFound,
+    TaskNotFound,
+    ValidationError,
+)
+from ax_kombu.jobs import JobView, periodic
 from ax_kombu.worker.processors import processor
 
 __all__ = [
     "AxError",
     "IllegalTransition",
+    "JobNotFound",
+    "JobView",
     "Settings",
     "Status",
     "TaskId",
@@ -43,7 +59,14 @@ __all__ = [
     "enqueue",
     "enqueue_many",
     "get",
+    "jobs",
+    "next_fires",
+    "pause",
+    "periodic",
     "processor",
+    "resume",
+    "schedule",
+    "unschedule",
 ]
 __version__ = "0.1.0"
 
@@ -126,6 +149,74 @@ def get(task_id: int) -> TaskView:
 def cancel(task_id: int) -> TaskView:
     """Cancel a task that has not finished. Raises TaskNotFound or IllegalTransition."""
     return client().cancel(task_id)
+
+
+def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None = None,
+             every: float | timedelta | None = None, tz: str = "UTC",
+             misfire: str = "fire_once", misfire_grace_s: float | None = None,
+             priority: str = "default", max_retry: int | None = None,
+             timeout_ms: int | None = None, processor: str | None = None,
+             callback_url: str | None = None) -> JobView:
+    """Create or update the recurring job ``name`` (an idempotent upsert by name).
+
+    Each occurrence becomes an ordinary task of ``task_type`` with ``payload``; its
+    processor sees ``ctx.job`` and ``ctx.scheduled_at``. Exactly one task is created per
+    occurrence, whatever the number of schedulers. Calling it again with the same
+    arguments changes nothing; with new ones it re-plans the job (a paused job stays
+    paused).
+
+    Args:
+        name: the job's unique name (≤ 128 characters).
+        task_type, payload, priority, max_retry, timeout_ms, processor, callback_url:
+            as for :func:`enqueue`, for every occurrence.
+        cron: 5 fields (minute hour day month weekday), or 6 with seconds first,
+            e.g. ``"0 8 * * *"`` or ``"*/10 * * * * *"``; or
+        every: seconds (or a timedelta), at least 1 s — exactly one of the two.
+        tz: the IANA zone the cron expression is read in (DST as cron does:
+            :mod:`ax_kombu.core.cron`).
+        misfire: what runs after the job missed occurrences (all schedulers down, or
+            paused): ``"fire_once"`` (default: one catch-up run), ``"skip"`` (none),
+            ``"fire_all"`` (each, oldest first, at most ``AX_MISFIRE_MAX``).
+        misfire_grace_s: missed occurrences older than this are not run (None: no limit).
+    Returns:
+        The job as stored.
+    Raises:
+        ValidationError: bad input (a bad cron expression, an unknown zone, both or
+            neither of cron/every…); nothing was written.
+    """
+    return client().schedule(name, task_type, payload, cron=cron, every=every, tz=tz,
+                             misfire=misfire, misfire_grace_s=misfire_grace_s,
+                             priority=priority, max_retry=max_retry, timeout_ms=timeout_ms,
+                             processor=processor, callback_url=callback_url)
+
+
+def pause(name: str) -> JobView:
+    """Pause a recurring job: its undispatched occurrences are removed and none is created
+    until :func:`resume`. Raises JobNotFound."""
+    return client().pause(name)
+
+
+def resume(name: str) -> JobView:
+    """Resume a paused job; occurrences missed meanwhile go by its misfire policy.
+    Raises JobNotFound."""
+    return client().resume(name)
+
+
+def unschedule(name: str) -> int:
+    """Remove a recurring job and its occurrences not yet dispatched; returns how many
+    occurrences were removed. Raises JobNotFound."""
+    return client().unschedule(name)
+
+
+def jobs() -> list[JobView]:
+    """Every recurring job, by name."""
+    return client().jobs()
+
+
+def next_fires(name: str, count: int = 5) -> list[datetime]:
+    """The next ``count`` fire times of the job ``name``, as aware datetimes in its zone.
+    Raises JobNotFound."""
+    return client().next_fires(name, count)
 
 
 @atexit.register

@@ -24,14 +24,18 @@ import socket
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Self
 
+from ax_kombu import jobs as recurring
 from ax_kombu.config import Settings
-from ax_kombu.core import states
+from ax_kombu.core import cron, states
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
+from ax_kombu.exceptions import IllegalTransition, JobNotFound, TaskNotFound, ValidationError
+from ax_kombu.jobs import JobView
 from ax_kombu.store import Store, transitions
+from ax_kombu.store import jobs as job_store
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import fetch_task, insert_tasks
 from ax_kombu.validation import build_row, show
@@ -81,6 +85,9 @@ class TaskView:
     started_at: int | None
     finished_at: int | None
     last_error: str | None
+    #: the recurring job this task is an occurrence of, and the occurrence's time (epoch ms)
+    job: str | None = None
+    scheduled_at: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> TaskView:
@@ -170,6 +177,80 @@ class Client:
             raise IllegalTransition(f"task {task_id} is {view.status}; only a task that has "
                                     "not finished can be cancelled")
         return view
+
+    # -- recurring jobs (ax_kombu.jobs) -----------------------------------------------------
+
+    def schedule(self, name: str, task_type: str, payload: Any = None, *,
+                 cron: str | None = None, every: Any = None, tz: str = "UTC",
+                 misfire: str = "fire_once", misfire_grace_s: Any = None,
+                 **options: Any) -> JobView:
+        """Create or update a recurring job; see :func:`ax_kombu.schedule`.
+
+        Raises:
+            ValidationError: bad input; nothing was written.
+        """
+        now = self.store.now_ms()
+        values = recurring.build_job(self.settings, now, name, task_type, payload,
+                                     cron_expr=cron, every=every, tz=tz, misfire=misfire,
+                                     misfire_grace_s=misfire_grace_s, **options)
+        recurring.schedule_job(self.store.engine, values, now)
+        return self.job(name)
+
+    def pause(self, name: str) -> JobView:
+        """Pause a job (JobNotFound if there is none)."""
+        recurring.pause_job(self.store.engine, name, self.store.now_ms())
+        return self.job(name)
+
+    def resume(self, name: str) -> JobView:
+        """Resume a paused job (JobNotFound if there is none)."""
+        recurring.resume_job(self.store.engine, name, self.store.now_ms())
+        return self.job(name)
+
+    def unschedule(self, name: str) -> int:
+        """Remove a job and its undispatched occurrences; returns how many occurrences
+        were removed (JobNotFound if there is no such job)."""
+        return recurring.unschedule_job(self.store.engine, name)
+
+    def job(self, name: str) -> JobView:
+        """The job ``name``.
+
+        Raises:
+            JobNotFound: no such job.
+        """
+        with self.store.engine.connect() as conn:
+            row = job_store.get_job(conn, name)
+        if row is None:
+            raise JobNotFound(f"no recurring job {name!r}")
+        return recurring.view(dict(row._mapping), self.store.now_ms())
+
+    def jobs(self) -> list[JobView]:
+        """Every recurring job, by name."""
+        with self.store.engine.connect() as conn:
+            rows = job_store.list_jobs(conn)
+        now = self.store.now_ms()
+        return [recurring.view(dict(r._mapping), now) for r in rows]
+
+    def next_fires(self, name: str, count: int = 5) -> list[datetime]:
+        """The next ``count`` fire times of ``name`` (aware, in the job's zone), paused or not.
+
+        Raises:
+            JobNotFound: no such job.
+            ValidationError: ``count`` is not within 1..1000.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1000:
+            raise ValidationError(f"count must be an int within 1..1000, got {show(count)}")
+        with self.store.engine.connect() as conn:
+            row = job_store.get_job(conn, name)
+        if row is None:
+            raise JobNotFound(f"no recurring job {name!r}")
+        times = cron.upcoming(recurring.job_schedule(dict(row._mapping)), self.store.now_ms(), count)
+        return [cron.to_datetime(t, row.tz) for t in times]
+
+    def declare_periodic(self) -> list[str]:
+        """Write every ``@ax.periodic`` job declared so far; returns their names."""
+        for name, spec in recurring.declared().items():
+            self.schedule(name, **spec)
+        return sorted(recurring.declared())
 
     def close(self) -> None:
         self.ids.release()

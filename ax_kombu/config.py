@@ -85,6 +85,14 @@ class Settings:
     ack_timeout_ms: int = 30_000
     #: scheduler: a task dispatched this many times without a worker starting it fails.
     max_dispatches: int = 10
+    #: scheduler: how far ahead recurring jobs' occurrences are written as tasks (at most
+    #: ``preload_window_ms``); a scheduler outage shorter than this delays occurrences
+    #: instead of missing them.
+    job_lookahead_ms: int = 2000
+    #: scheduler: how often the recurring jobs are looked at.
+    job_interval_ms: int = 250
+    #: recurring jobs with ``misfire="fire_all"``: most missed occurrences run after an outage.
+    misfire_max: int = 100
     #: scheduler: how often orphaned due tasks are looked for.
     recovery_interval_s: float = 30.0
     #: every process: how often it writes its heartbeat.
@@ -141,12 +149,16 @@ class Settings:
             raise ConfigurationError("broker_url is empty")
         for name in ("dedup_window_ms", "max_payload_bytes", "node_lease_s", "preload_window_ms",
                      "preload_batch", "claim_batch", "preload_interval_ms", "max_held",
-                     "ack_timeout_ms", "heartbeat_misses", "claim_lead_ms", "max_dispatches"):
+                     "ack_timeout_ms", "heartbeat_misses", "claim_lead_ms", "max_dispatches",
+                     "job_lookahead_ms", "job_interval_ms", "misfire_max"):
             zero_ok = name in ("dedup_window_ms", "claim_lead_ms")
             if getattr(self, name) < 0 or (not zero_ok and getattr(self, name) == 0):
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         if self.claim_lead_ms > 1000:
             raise ConfigurationError(f"claim_lead_ms must be at most 1000, got {self.claim_lead_ms}")
+        if self.job_lookahead_ms > self.preload_window_ms:
+            raise ConfigurationError(f"job_lookahead_ms ({self.job_lookahead_ms}) must not "
+                                     f"exceed preload_window_ms ({self.preload_window_ms})")
         if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:
             raise ConfigurationError("the high, default and slow queues need distinct names")
         self._validate_worker()

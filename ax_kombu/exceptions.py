@@ -31,6 +31,12 @@ class TaskNotFound(AxError, LookupError):
     exit_code = 3
 
 
+class JobNotFound(AxError, LookupError):
+    """No recurring job has the given name."""
+
+    exit_code = 3
+
+
 class IllegalTransition(AxError):
     """A state change that the state machine does not allow was requested."""
 

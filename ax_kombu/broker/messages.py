@@ -42,6 +42,11 @@ class TaskMessage(NamedTuple):
     callback_url: str | None
     dispatched_at: int
     node: str
+    # Not on the wire: filled in from the task row when a worker starts the task.
+    #: the recurring job this task is an occurrence of (None: a one-off task)
+    job: str | None = None
+    #: that occurrence's time, epoch ms
+    scheduled_at: int | None = None
 
     def body(self) -> dict[str, Any]:
         """The body as a dict (what a consumer receives after JSON decoding)."""
@@ -76,7 +81,7 @@ class TaskMessage(NamedTuple):
         if type(body) is not dict or body.get("v") != MESSAGE_VERSION:
             raise Rejected("not_task", "not an ax task message (no \"v\": 1 object)")
         try:
-            message = cls._make([body[k] for k in cls._fields])
+            message = cls(*[body[k] for k in WIRE_FIELDS])
         except KeyError as exc:
             raise Rejected("missing_field", f"no field {exc}") from None
         for name in _INT_FIELDS:
@@ -99,6 +104,8 @@ class TaskMessage(NamedTuple):
         return message
 
 
+#: the fields a message carries (the others come from the task row)
+WIRE_FIELDS = TaskMessage._fields[:14]
 _INT32, _INT64 = 2**31 - 1, 2**63 - 1
 #: each integer field's allowed range (the task table's column types)
 _INT_RANGES = {"task_id": (0, _INT64), "attempt": (1, _INT32), "trigger_time": (0, _INT64),

@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,11 +17,14 @@ from typing import Any, ClassVar
 
 import click
 from click.core import ParameterSource
+from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.connection import check_broker_url
 from ax_kombu.config import Settings, redact_url
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.store.engine import check_database_url
+
+log = logging.getLogger("ax_kombu.daemon")
 
 #: Each URL setting: its field, its variable, its flag, and the check that judges it.
 _URL_CHECKS: tuple[tuple[str, str, str, Callable[[str], None]], ...] = (
@@ -137,3 +142,54 @@ def install_stop_signals(request_stop: Callable[[bool], None]) -> None:
 def fail(message: str, code: int = 2) -> None:
     print(f"ax: error: {redact_url(message)}", file=sys.stderr)
     sys.exit(code)
+
+
+def declare_periodic_jobs(settings: Settings) -> threading.Thread | None:
+    """Write the ``@ax.periodic`` jobs of the modules loaded (``-A``) to the store.
+
+    On a thread that retries with backoff while the database is unreachable, so a daemon
+    starts (and waits for its database) as usual. None when nothing was declared.
+    """
+    from ax_kombu.api import Client
+    from ax_kombu.jobs import declared
+
+    if not declared():
+        return None
+
+    def declare() -> None:
+        delay = 0.5
+        while True:
+            try:
+                client = Client(settings)
+                try:
+                    names = client.declare_periodic()
+                finally:
+                    client.close()
+            except SQLAlchemyError as exc:
+                log.warning("cannot write the @ax.periodic jobs yet; retrying",
+                            extra={"error": str(getattr(exc, "orig", exc)), "retry_in_s": delay})
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            log.info("periodic jobs declared", extra={"jobs": ",".join(names)})
+            return
+
+    thread = threading.Thread(target=declare, name="ax-declare-jobs", daemon=True)
+    thread.start()
+    return thread
+
+
+def import_apps(apps: tuple[str, ...], settings: Settings) -> list[str]:
+    """Import the ``-A`` modules (and ``AX_PROCESSOR_MODULES``) from the current directory;
+    returns their names.
+
+    Raises:
+        ConfigurationError: a module cannot be imported.
+    """
+    from ax_kombu.worker.processors import load_modules, split_names
+
+    if os.getcwd() not in sys.path:  # -A app.tasks names a module of the current directory
+        sys.path.insert(0, os.getcwd())
+    modules = split_names(settings.processor_modules) + split_names(apps)
+    load_modules(modules)
+    return modules

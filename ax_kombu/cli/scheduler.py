@@ -10,7 +10,9 @@ import click
 from ax_kombu.cli.base import Duration, broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
     check_urls,
+    declare_periodic_jobs,
     freeze_start_up_objects,
+    import_apps,
     install_stop_signals,
     pidfile,
     setup_logging,
@@ -28,6 +30,9 @@ log = logging.getLogger("ax_kombu.scheduler.node")
 @click.option("-n", "--node-id", envvar="AX_NODE_ID", default=None, help="This node's name (default kind@host.pid).")
 @click.option("-l", "--loglevel", envvar="AX_LOGLEVEL", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("-A", "--app", "apps", multiple=True,
+              help="Module declaring @ax.periodic jobs to write at start; repeatable "
+                   "[AX_PROCESSOR_MODULES]")
 @click.option("--pidfile", "pidfile_path", envvar="AX_PIDFILE", default=None, help="Write the pid here.")
 @click.option("--metrics-port", envvar="AX_METRICS_PORT", type=int, default=0, show_default=True,
               help="Serve Prometheus /metrics on 127.0.0.1:PORT (0: off).")
@@ -38,8 +43,8 @@ log = logging.getLogger("ax_kombu.scheduler.node")
               help="Re-dispatch a task no worker started within this (default 30s).")
 @click.option("--recovery-interval", "recovery_interval_s", type=float, default=None,
               help="Seconds between recovery scans (default 30).")
-def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_port: int,
-         **overrides: object) -> None:
+def main(node_id: str | None, loglevel: str, apps: tuple[str, ...], pidfile_path: str | None,
+         metrics_port: int, **overrides: object) -> None:
     """Run one scheduler node: preload, timing wheel, claim, publish, recover.
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
@@ -49,9 +54,11 @@ def main(node_id: str | None, loglevel: str, pidfile_path: str | None, metrics_p
     setup_logging(loglevel)
     settings = run_guarded(lambda: from_env(**overrides))
     run_guarded(lambda: check_urls(settings))
+    run_guarded(lambda: import_apps(apps, settings))
     with pidfile(pidfile_path):
         scheduler = run_guarded(lambda: Scheduler(settings, node_id))
         install_stop_signals(lambda cold: scheduler.request_stop(cold))
+        declare_periodic_jobs(settings)
         metrics.serve(metrics_port)
         freeze_start_up_objects()
         log.info("ax-scheduler ready", extra={"node": scheduler.node_id,

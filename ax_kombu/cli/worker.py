@@ -17,7 +17,9 @@ import click
 from ax_kombu.cli.base import broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
     check_urls,
+    declare_periodic_jobs,
     freeze_start_up_objects,
+    import_apps,
     install_stop_signals,
     pidfile,
     setup_logging,
@@ -27,7 +29,7 @@ from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.observability import metrics
 from ax_kombu.worker.lanes import parse_queues
 from ax_kombu.worker.node import Worker
-from ax_kombu.worker.processors import Resolver, load_modules, split_names
+from ax_kombu.worker.processors import Resolver, split_names
 
 
 def parse_concurrency(text: str | None) -> dict[str, int]:
@@ -96,16 +98,14 @@ def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: 
          pid_path: str | None, metrics_port: int, overrides: dict[str, Any]) -> int:
     settings = from_env(**overrides, **parse_concurrency(concurrency))
     check_urls(settings)
-    if os.getcwd() not in sys.path:  # -A app.tasks names a module of the current directory
-        sys.path.insert(0, os.getcwd())
-    modules = split_names(settings.processor_modules) + split_names(apps)
-    settings = settings.replace(processor_modules=",".join(modules))
     chosen = parse_queues(queues, settings)
-    load_modules(modules)
+    modules = import_apps(apps, settings)
+    settings = settings.replace(processor_modules=",".join(modules))
     resolver = Resolver(modules, split_names(settings.callback_allow_hosts),
                         settings.callback_secret)
     with pidfile(pid_path):
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
+        declare_periodic_jobs(settings)
         install_stop_signals(lambda cold: worker.request_stop(cold))
         metrics.serve(metrics_port)
         freeze_start_up_objects()

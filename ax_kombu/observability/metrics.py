@@ -37,6 +37,12 @@ fenced_total = Counter("ax_node_fenced_total",
                        "Times this process learned it had been declared dead and re-registered.")
 redispatch_failed_total = Counter("ax_redispatch_failed_total",
                                   "Tasks failed after AX_MAX_DISPATCHES dispatches without a start.")
+job_occurrences_total = Counter("ax_job_occurrences_total",
+                                "Occurrences of recurring jobs written as tasks by this scheduler "
+                                "(catch-ups after a misfire included).")
+job_misfires_total = Counter("ax_job_misfires_total",
+                             "Occurrences of recurring jobs missed while no scheduler ran them, "
+                             "by what the job's misfire policy did with them.", ["action"])
 execute_total = Counter("ax_execute_total", "Task runs by outcome.", ["queue", "result"])
 execute_duration = Histogram("ax_execute_duration_seconds", "Run time of one task.", ["queue"],
                              buckets=_FINE)

@@ -15,6 +15,11 @@ database clock (every pass re-measures it when due, see
   A preload that failed may have committed without its reply reaching us:
   the next one also takes back every row the database says this node holds
   (:func:`ax_kombu.store.recovery.held_by`), so none is stranded.
+* **Recurring jobs** — every ``job_interval_ms``, before the preload: the
+  occurrences due within ``job_lookahead_ms`` are written as tasks
+  (:mod:`ax_kombu.scheduler.recurrence`), and the preload that follows takes
+  them at once. The first pass of a starting node comes before its first
+  preload, so a misfire is settled before anything overdue is fired.
 * **Heartbeat** — every ``heartbeat_interval_s``: the node's row is refreshed
   (fenced by incarnation), the clock skew is checked (a skew above
   ``clock_skew_warn_ms`` is logged once per excursion; the gauge always shows
@@ -42,6 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
+from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, Stage
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
@@ -62,17 +68,20 @@ class Housekeeper(Stage):
         heartbeat: the node's registration (already registered when this starts).
         timing: where preloaded ids are handed; its wheel's size bounds the preload.
         info: what the heartbeat publishes about the node.
+        on_fenced: called when the node learns it was declared dead.
+        jobs: writes recurring jobs' occurrences as tasks.
     """
 
     def __init__(self, settings: Settings, store: Store, heartbeat: nodes.Heartbeat,
                  timing: TimingLoop, info: Callable[[], dict[str, Any]],
-                 on_fenced: Callable[[], None]) -> None:
+                 on_fenced: Callable[[], None], jobs: Materialiser) -> None:
         super().__init__("ax-housekeeper", threading.Event())
         self._settings = settings
         self._store = store
         self._heartbeat = heartbeat
         self._node_id = heartbeat.node_id
         self._timing = timing
+        self._jobs = jobs
         self.liveness = Liveness(settings, store, heartbeat, info, on_fenced, self.wake)
         self._wake_pending = True
         self._reconcile = False  # a preload failed: its rows may be held without our knowing
@@ -82,7 +91,7 @@ class Housekeeper(Stage):
             self._listener = WakeListener(store.engine, self.wake)
         else:
             self._poll_ms = min(self._poll_ms, POLL_WITHOUT_WAKEUPS_MS)
-        self._next = {"preload": 0, "beat": 0, "recovery": 0}
+        self._next = {"jobs": 0, "preload": 0, "beat": 0, "recovery": 0}
         self._skew_warned = False
         self._clock_steps = 0
 
@@ -124,6 +133,8 @@ class Housekeeper(Stage):
         timer = self._timing.timer
         metrics.wheel_queue_depth.labels("wheel").set(timer.wheel_depth)
         metrics.wheel_queue_depth.labels("delay").set(timer.delayed_depth)
+        if now >= self._next["jobs"]:
+            self._materialise(now)
         handing = bool(self._timing.incoming.items)
         preload_due = self._wake_pending or now >= self._next["preload"]
         if preload_due and not handing:  # the last preload is in the wheel: max_held holds
@@ -139,6 +150,15 @@ class Housekeeper(Stage):
             return 0.001 if self._timing.incoming.items else 0.0
         wake_at = min(self._next.values())
         return max(0.0, min((wake_at - now) / 1000.0, MAX_SLEEP_S))
+
+    def _materialise(self, now: int) -> None:
+        """Write the recurring jobs' next occurrences as tasks; preload them at once."""
+        self._next["jobs"] = now + self._settings.job_interval_ms  # after an error too
+        written, more = self._jobs.run(now)
+        if more:
+            self._next["jobs"] = now
+        if written:
+            self._wake_pending = True
 
     def _preload(self, now: int) -> None:
         """Take the next due tasks into memory (at most ``preload_batch``, up to ``max_held``)."""

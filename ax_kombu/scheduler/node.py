@@ -67,6 +67,7 @@ says goodbye. A stop turning cold ends every wait.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -75,13 +76,16 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
+from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.scheduler.housekeeper import Housekeeper
+from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.stage import HandOff
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store.leases import StoreLessor
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 
 log = logging.getLogger(__name__)
@@ -118,8 +122,11 @@ class Scheduler:
                                      on_published)
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
                                self.dispatcher)
+        self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
+                             settings.node_lease_s * 1000, self.store.now_ms)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
-                                       self._info, self.timing.drop_all)
+                                       self._info, self.timing.drop_all,
+                                       Materialiser(settings, self.store, self.ids))
         self._stop: str | None = None
 
     @property
@@ -234,6 +241,7 @@ class Scheduler:
             with self.store.engine.begin() as conn:
                 released = recovery.release_held(conn, [self.node_id])
             self.heartbeat.stop()
+            self.ids.release()
             log.info("scheduler stopped", extra={"node": self.node_id, "released": released})
         except SQLAlchemyError:
             log.warning("could not release held tasks; other nodes will recover them",

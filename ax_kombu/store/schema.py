@@ -16,6 +16,9 @@ Indexes, each with its reason:
 * ``(trigger_time)`` where unheld (``last_run_node IS NULL``, DELAYED/READY)
   — the scheduler's adoption scan runs on every wake-up; without it, it
   would read every task held in the window each time.
+* unique ``(job, scheduled_at)`` over occurrences of recurring jobs — exactly one task
+  per occurrence, whichever scheduler writes it first (see :mod:`ax_kombu.store.jobs`);
+  partial: one-off tasks (``job IS NULL``) write no entry there.
 * unique ``(task_type, biz_key)`` — idempotent enqueue by business key
   (NULL biz_keys never conflict, on both databases). On PostgreSQL a partial
   index over rows that have a biz_key: a task without one (most) writes no
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Index,
@@ -40,6 +44,8 @@ from sqlalchemy import (
 metadata = MetaData()
 
 _UNHELD = "last_run_node IS NULL AND status IN ('DELAYED', 'READY')"
+_OCCURRENCE = "job IS NOT NULL"
+_ACTIVE_JOB = "NOT paused AND next_fire_at IS NOT NULL"
 
 tasks = Table(
     "ax_task", metadata,
@@ -67,6 +73,9 @@ tasks = Table(
     Column("last_error", Text),
     #: times the ack timeout sent the task out again unstarted (bounded by max_dispatches)
     Column("redispatches", Integer, nullable=False, server_default="0"),
+    #: the recurring job this task is an occurrence of, and that occurrence's time (epoch ms)
+    Column("job", String(128)),
+    Column("scheduled_at", BigInteger),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -78,6 +87,42 @@ tasks = Table(
     Index("ix_ax_task_fingerprint", "fingerprint", "trigger_time"),
     Index("ix_ax_task_unheld", "trigger_time",
           postgresql_where=text(_UNHELD), sqlite_where=text(_UNHELD)),
+    Index("uq_ax_task_occurrence", "job", "scheduled_at", unique=True,
+          postgresql_where=text(_OCCURRENCE), sqlite_where=text(_OCCURRENCE)),
+)
+
+#: one row per recurring job (``ax.schedule``); its occurrences become ordinary tasks.
+#: Index: ``(next_fire_at)`` over active jobs — the materialiser asks "which jobs fire
+#: before T" every pass; paused jobs and ended schedules stay out of it.
+jobs = Table(
+    "ax_job", metadata,
+    Column("name", String(128), primary_key=True),
+    Column("task_type", String(128), nullable=False),
+    Column("payload", Text, nullable=False),
+    Column("cron", String(256)),
+    Column("every_ms", BigInteger),
+    Column("tz", String(64), nullable=False),
+    Column("misfire", String(12), nullable=False),
+    Column("misfire_grace_ms", BigInteger),
+    Column("priority", String(8), nullable=False),
+    Column("max_retry", Integer, nullable=False),
+    Column("timeout_ms", Integer, nullable=False),
+    Column("processor_name", String(255)),
+    Column("callback_url", String(2048)),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    #: where an interval's occurrences count from (epoch ms): anchor + k·every
+    Column("anchor_ms", BigInteger, nullable=False),
+    #: the first occurrence not yet written as a task (None: the schedule has ended)
+    Column("next_fire_at", BigInteger),
+    #: a digest of everything above that the user set: an unchanged schedule() writes nothing
+    Column("spec", String(32), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    CheckConstraint("(cron IS NULL) <> (every_ms IS NULL)", name="ck_ax_job_one_schedule"),
+    CheckConstraint("(processor_name IS NULL) <> (callback_url IS NULL)",
+                    name="ck_ax_job_one_target"),
+    Index("ix_ax_job_due", "next_fire_at",
+          postgresql_where=text(_ACTIVE_JOB), sqlite_where=text(_ACTIVE_JOB)),
 )
 
 #: 1024 rows, one per snowflake node id; a process leases one (see ids.py).

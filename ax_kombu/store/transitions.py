@@ -102,6 +102,9 @@ class Started(NamedTuple):
     callback_url: str | None
     payload: str
     trace_id: str
+    #: set on occurrences of recurring jobs (the processor's ``ctx.job``, ``ctx.scheduled_at``)
+    job: str | None = None
+    scheduled_at: int | None = None
 
 
 #: in :class:`Started`'s order; unqualified: SQLite's RETURNING names the updated table only

@@ -140,6 +140,11 @@ class Context(NamedTuple):
     cancelled: Cancellation | None = None
     #: when the run's ``timeout_ms`` ends, on ``time.monotonic()``
     deadline: float | None = None
+    #: the recurring job this run is an occurrence of (None: a one-off task)
+    job: str | None = None
+    #: the occurrence's time (epoch ms) — what the job was due at; the trigger time of a
+    #: catch-up run after a misfire is later
+    scheduled_at: int | None = None
 
 
 def split_names(text: str | Iterable[str]) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import WIRE_FIELDS, TaskMessage
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, transitions
@@ -43,6 +43,8 @@ from ax_kombu.worker.lanes import Delivery
 from ax_kombu.worker.results import Counters, HeldConnection
 
 log = logging.getLogger(__name__)
+
+_WIRE = len(WIRE_FIELDS)
 
 
 @dataclass(eq=False)
@@ -203,11 +205,11 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
         task = TaskMessage(row.task_id, message.attempt, row.task_type, payload,
                            row.trace_id, row.trigger_time, row.timeout_ms, row.priority,
                            row.retry_count, row.max_retry, row.processor_name, row.callback_url,
-                           message.dispatched_at, message.node)
+                           message.dispatched_at, message.node, row.job, row.scheduled_at)
         started[row.task_id] = task
-        if task != message:
+        if task[:_WIRE] != message[:_WIRE]:
             forged.append((delivery, [name for name, mine, theirs
-                                      in zip(TaskMessage._fields, task, message, strict=True)
+                                      in zip(WIRE_FIELDS, task, message, strict=False)
                                       if mine != theirs]))
     return started, forged
 

@@ -432,12 +432,10 @@ def test_next_after_and_last_before_bracket_every_instant_across_fall_back_wildc
         assert last < t < nxt, (expr, tz, wall(t, tz))
 
 
-FOLD_BUG = ("cronsim ignores fold=1: from an instant in the second pass of the repeated hour, "
-            "before the fixed wall time, next_after returns that wall time's first pass (in "
-            "the past) and last_before skips it")
+# cronsim ignores fold=1 (it reads a wall time in the repeated hour as its first pass);
+# CronSchedule._step corrects for it: these pin that correction.
 
 
-@pytest.mark.xfail(strict=True, reason=FOLD_BUG)
 @pytest.mark.parametrize(("tz", "expr", "day", "hour"), [
     (BERLIN, "30 2 * * *", (2026, 10, 25), 2), (NEW_YORK, "30 1 * * *", (2026, 11, 1), 1),
 ])
@@ -451,7 +449,6 @@ def test_fixed_wall_time_next_after_from_the_second_pass_of_the_repeated_hour(
     assert s.last_before(t) == fired
 
 
-@pytest.mark.xfail(strict=True, reason=FOLD_BUG)
 def test_plan_from_the_second_pass_does_not_recreate_a_pending_repeated_hour_occurrence() -> None:
     s = CronSchedule("30 2 * * *", BERLIN)
     fired = ms(BERLIN, 2026, 10, 25, 2, 30)  # created earlier, never dispatched
@@ -461,7 +458,6 @@ def test_plan_from_the_second_pass_does_not_recreate_a_pending_repeated_hour_occ
     assert p.missed == 1
 
 
-@pytest.mark.xfail(strict=True, reason=FOLD_BUG)
 def test_plan_skip_from_the_second_pass_does_not_run_the_missed_occurrence() -> None:
     s = CronSchedule("30 2 * * *", BERLIN)
     missed = ms(BERLIN, 2026, 10, 25, 2, 30)

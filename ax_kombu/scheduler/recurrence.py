@@ -1,0 +1,168 @@
+"""Recurring jobs become tasks here: the scheduler's materialiser.
+
+Every ``job_interval_ms`` (on the housekeeper's thread, before the preload) each
+scheduler takes the active jobs whose next occurrence falls within
+``job_lookahead_ms`` (locked, :func:`ax_kombu.store.jobs.due_jobs`) and writes
+their occurrences up to that horizon as ordinary tasks — each with the job's
+name and its occurrence time (``job``, ``scheduled_at``) and triggering at that
+time — then moves the job's ``next_fire_at`` past them, in one transaction. The
+preload takes them into the wheel straight away, so they fire on time like any
+other task.
+
+Why an occurrence cannot run twice, or be lost:
+
+* **One task per (job, occurrence)**: the unique ``(job, scheduled_at)`` index;
+  an occurrence written twice (two schedulers, a retry after a lost commit
+  reply) is one row. From there on it is a task: exactly-once dispatch per
+  attempt, at-least-once execution (:mod:`ax_kombu.scheduler.node`).
+* **None lost**: ``next_fire_at`` moves in the same transaction that writes the
+  occurrences before it; a crash before the commit leaves both as they were.
+
+**Misfires.** A job found behind — its ``next_fire_at`` more than
+``ON_TIME_MS`` in the past: every scheduler was down (longer than the
+lookahead), or the job was paused — goes by its misfire policy
+(:func:`ax_kombu.core.cron.plan`): ``fire_once`` runs the latest missed
+occurrence now, once; ``skip`` runs none; ``fire_all`` runs each, oldest first,
+at most ``misfire_max``. Occurrences written before the outage and still not
+dispatched count as missed too; those the policy drops are CANCELLED with the
+reason. A scheduler makes this pass before its first preload, so a restarted
+cluster settles the misfire before anything overdue is fired.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from sqlalchemy import Connection, Row
+
+from ax_kombu.config import Settings
+from ax_kombu.core import cron
+from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import ValidationError
+from ax_kombu.observability import metrics
+from ax_kombu.store import Store
+from ax_kombu.store import jobs as job_store
+from ax_kombu.store.tasks import wake_schedulers
+
+log = logging.getLogger(__name__)
+
+#: an occurrence first seen later than this after its time was missed, not merely late:
+#: above the pass interval (a job created just before its first occurrence is first seen
+#: up to one pass late) with room for a housekeeper slowed by a large preload
+ON_TIME_MS = 1000
+#: most jobs handled per pass (the next pass, at once, takes the rest)
+JOB_BATCH = 500
+#: most occurrences one job writes per pass
+PER_JOB = 1000
+
+
+class Materialiser:
+    """Writes the occurrences of recurring jobs as tasks, a pass at a time.
+
+    Args:
+        settings: the scheduler's settings (lookahead, interval, ``misfire_max``).
+        store: the task store.
+        ids: where task ids come from.
+    """
+
+    def __init__(self, settings: Settings, store: Store, ids: LeasedIds) -> None:
+        self._settings = settings
+        self._store = store
+        self._ids = ids
+        self._schedules: dict[tuple[Any, ...], cron.Schedule] = {}
+        self._broken: set[str] = set()
+
+    def run(self, now_ms: int) -> tuple[int, bool]:
+        """One pass at database time ``now_ms``.
+
+        Returns:
+            How many tasks were written, and whether jobs are left for another pass now.
+        """
+        horizon = now_ms + self._settings.job_lookahead_ms
+        self._ids.next_ids(0)  # renew the id lease now, not inside the transaction below
+        with self._store.engine.begin() as conn:
+            due = job_store.due_jobs(conn, horizon, JOB_BATCH)
+            if not due:
+                return 0, False
+            rows: list[dict[str, Any]] = []
+            for job in due:
+                rows += self._job(conn, job, now_ms, horizon)
+            created = job_store.insert_occurrences(conn, rows)
+            first = min((r["trigger_time"] for r in rows), default=None)
+            if first is not None and first < now_ms + self._settings.preload_window_ms:
+                wake_schedulers(conn, first)
+        metrics.job_occurrences_total.inc(len(created))
+        return len(created), len(due) == JOB_BATCH
+
+    def _job(self, conn: Connection, job: Row[Any], now_ms: int,
+             horizon: int) -> list[dict[str, Any]]:
+        """Plan one job, cancel what its misfire policy drops, move ``next_fire_at``;
+        returns the task rows to write."""
+        schedule = self._schedule(job)
+        if schedule is None:
+            return []
+        settings = self._settings
+        pending: list[tuple[int, int]] = []
+        if job.next_fire_at < now_ms - ON_TIME_MS:  # behind: what was written and not sent?
+            since = job.next_fire_at - 2 * settings.job_lookahead_ms
+            pending = job_store.pending_occurrences(conn, job.name, since, now_ms - ON_TIME_MS)
+        plan = cron.plan(schedule, job.next_fire_at, now_ms, horizon, misfire=job.misfire,
+                         grace_ms=job.misfire_grace_ms, misfire_max=settings.misfire_max,
+                         on_time_ms=ON_TIME_MS, pending=[p[1] for p in pending], limit=PER_JOB)
+        if plan.missed:
+            self._misfired(conn, job, plan, pending, now_ms)
+        job_store.update_job(conn, job.name, {"next_fire_at": plan.next_fire_at})
+        ids = self._ids.next_ids(len(plan.create))
+        return [self._row(job, task_id, scheduled_at, trigger, now_ms)
+                for task_id, (scheduled_at, trigger) in zip(ids, plan.create, strict=True)]
+
+    def _misfired(self, conn: Connection, job: Row[Any], plan: cron.Plan,
+                  pending: list[tuple[int, int]], now_ms: int) -> None:
+        dropped = set(plan.cancel)
+        reason = (f"misfire: occurrence missed while no scheduler ran job {job.name!r}; "
+                  f"dropped by its policy {job.misfire!r}")
+        cancelled = job_store.cancel_occurrences(
+            conn, [task_id for task_id, at in pending if at in dropped], now_ms, reason)
+        caught_up = sum(1 for _, trigger in plan.create if trigger == now_ms)
+        metrics.job_misfires_total.labels("run").inc(caught_up)
+        metrics.job_misfires_total.labels("dropped").inc(max(0, plan.missed - caught_up))
+        log.warning("recurring job missed occurrences; applying its misfire policy",
+                    extra={"job": job.name, "policy": job.misfire, "missed": plan.missed,
+                           "catch_up_runs": caught_up, "cancelled": len(cancelled),
+                           "behind_ms": now_ms - job.next_fire_at})
+
+    def _schedule(self, job: Row[Any]) -> cron.Schedule | None:
+        key = (job.cron, job.every_ms, job.tz, job.anchor_ms)
+        found = self._schedules.get(key)
+        if found is not None:
+            return found
+        try:
+            found = cron.make_schedule(job.cron, job.every_ms, job.tz, job.anchor_ms)
+        except ValidationError as exc:  # e.g. a zone this machine's tzdata lacks
+            if job.name not in self._broken:
+                log.error("recurring job cannot be planned here; set it again with schedule()",
+                          extra={"job": job.name, "error": str(exc)})
+                self._broken.add(job.name)
+            return None
+        if len(self._schedules) > 10_000:
+            self._schedules.clear()
+        self._schedules[key] = found
+        return found
+
+    @staticmethod
+    def _row(job: Row[Any], task_id: int, scheduled_at: int, trigger: int, now_ms: int
+             ) -> dict[str, Any]:
+        return {
+            "task_id": task_id, "task_type": job.task_type,
+            "trigger_time": trigger, "status": Status.CREATED.value, "priority": job.priority,
+            "retry_count": 0, "max_retry": job.max_retry, "timeout_ms": job.timeout_ms,
+            "processor_name": job.processor_name, "callback_url": job.callback_url,
+            "payload": job.payload, "biz_key": None,
+            "fingerprint": job_store.occurrence_fingerprint(job.name, scheduled_at),
+            "trace_id": uuid.uuid4().hex, "attempt": 0, "created_at": now_ms,
+            "job": job.name, "scheduled_at": scheduled_at,
+        }
+
