@@ -246,6 +246,12 @@ class Client:
         times = cron.upcoming(recurring.job_schedule(dict(row._mapping)), self.store.now_ms(), count)
         return [cron.to_datetime(t, row.tz) for t in times]
 
+    def occurrences(self, name: str, limit: int = 20) -> list[TaskView]:
+        """The job's latest occurrences as tasks, newest first (any status)."""
+        with self.store.engine.connect() as conn:
+            rows = job_store.latest_occurrences(conn, name, limit)
+        return [TaskView.from_row(dict(r._mapping)) for r in rows]
+
     def declare_periodic(self) -> list[str]:
         """Write every ``@ax.periodic`` job declared so far; returns their names."""
         for name, spec in recurring.declared().items():

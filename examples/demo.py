@@ -2,10 +2,12 @@
 
 Runs in a fresh temporary folder with no AX_* settings at all, so it uses the
 defaults: a SQLite store and ax's SQLite broker transport, no server. It starts
-``ax-scheduler`` and ``ax-worker -Q high,default,slow -A demo_tasks``, enqueues
-tasks due over the next few seconds (100 coupons due at the same instant among
-them), prints each one as it runs with its lateness (start − trigger), then
-stops both daemons with SIGTERM (a warm shutdown).
+``ax-scheduler`` and ``ax-worker -Q high,default,slow -A demo_tasks -A recurring_tasks``,
+enqueues tasks due over the next few seconds (100 coupons due at the same instant among
+them), prints each one as it runs with its lateness (start − trigger), shows the
+recurring job ``demo.tick`` (every second, declared with ``@ax.periodic`` in
+``recurring_tasks.py``) firing once per second, then stops both daemons with SIGTERM (a
+warm shutdown).
 
     python examples/demo.py
 """
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import time
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,10 +47,11 @@ def main() -> int:
     daemons = [start([str(BIN / "ax-scheduler"), "-l", "WARNING"], workdir,
                      workdir / "scheduler.log"),
                start([str(BIN / "ax-worker"), "-Q", "high,default,slow", "-A", "demo_tasks",
-                      "-l", "WARNING"], workdir, workdir / "worker.log")]
+                      "-A", "recurring_tasks", "-l", "WARNING"], workdir, workdir / "worker.log")]
     try:
         ids = enqueue(ax)
         ok = watch(ax, ids, deadline=time.monotonic() + 90)
+        ok = ticks(deadline=time.monotonic() + 30) and ok
     finally:
         for daemon in daemons:
             daemon.send_signal(signal.SIGTERM)
@@ -108,6 +112,30 @@ def watch(ax: object, ids: list[int], deadline: float) -> bool:
               f"{coupon_late[len(coupon_late) // 2]} ms, max {coupon_late[-1]} ms late")
     print(f"{done}/{len(views)} tasks SUCCESS")
     return done == len(views)
+
+
+def ticks(deadline: float, wanted: int = 5) -> bool:
+    """Wait for ``wanted`` runs of the every-second job; print them; True if each
+    occurrence ran once, in order, one second apart."""
+    import ax_kombu
+
+    client = ax_kombu.client()
+    done: list[ax_kombu.TaskView] = []
+    while time.monotonic() < deadline:
+        done = [t for t in client.occurrences("demo.tick", 50) if t.status.value == "SUCCESS"]
+        if len(done) >= wanted:
+            break
+        time.sleep(0.1)
+    done.sort(key=lambda t: t.scheduled_at or 0)
+    for t in done[-wanted:]:
+        assert t.scheduled_at is not None and t.started_at is not None
+        print(f"  demo.tick     due {_clock(t.scheduled_at)}  started "
+              f"{t.started_at - t.scheduled_at:+4d} ms  SUCCESS")
+    times = [t.scheduled_at or 0 for t in done]
+    steady = len(times) >= wanted and all(b - a == 1000 for a, b in pairwise(times))
+    print(f"recurring job demo.tick (every second): {len(times)} occurrences ran, "
+          f"{'each once, 1 s apart' if steady else 'NOT one per second'}")
+    return steady
 
 
 FINISHED = ("SUCCESS", "FAILED", "CANCELLED")

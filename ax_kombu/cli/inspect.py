@@ -11,7 +11,8 @@ import click
 from ax_kombu.api import Client
 from ax_kombu.cli.base import settings_from
 
-_TIMES = ("trigger_time", "created_at", "dispatched_at", "started_at", "finished_at")
+_TIMES = ("trigger_time", "created_at", "dispatched_at", "started_at", "finished_at",
+          "scheduled_at")
 
 
 def _iso(ms: int | None) -> str | None:

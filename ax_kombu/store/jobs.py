@@ -99,6 +99,13 @@ def insert_occurrences(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> l
     return [r[0] for r in conn.execute(stmt, [dict(r) for r in rows])]
 
 
+def latest_occurrences(conn: Connection, job: str, limit: int) -> list[Row[Any]]:
+    """The job's last ``limit`` occurrences (whole task rows), newest first."""
+    stmt = (select(tasks).where(tasks.c.job == job)
+            .order_by(tasks.c.scheduled_at.desc()).limit(limit))
+    return list(conn.execute(stmt))
+
+
 def pending_occurrences(conn: Connection, job: str, since_ms: int,
                         before_ms: int) -> list[tuple[int, int]]:
     """``(task_id, scheduled_at)`` of the job's undispatched occurrences scheduled in
