@@ -2,7 +2,7 @@
 
 A task with a ``callback_url`` runs as an HTTP ``POST`` of
 ``{"payload", "task_id", "attempt", "trace_id"}`` (JSON, with an ``X-Trace-Id``
-header). A 2xx answer is success; anything else is a failure. A callback_url
+header; an occurrence of a recurring job adds ``"job"`` and ``"scheduled_at"``). A 2xx answer is success; anything else is a failure. A callback_url
 comes from whoever could enqueue a task (or write to the broker), so the call
 is made as if the URL were hostile:
 
@@ -309,8 +309,11 @@ def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float, *,
     check_callback_url(url, hosts)
     target = parse_target(url)
     addresses = resolve_checked(target, host_allowed(target.host, hosts), timeout_s)
-    body = json.dumps({"payload": payload, "task_id": ctx.task_id, "attempt": ctx.attempt,
-                       "trace_id": ctx.trace_id}).encode()
+    fields = {"payload": payload, "task_id": ctx.task_id, "attempt": ctx.attempt,
+              "trace_id": ctx.trace_id}
+    if ctx.job is not None:
+        fields.update(job=ctx.job, scheduled_at=ctx.scheduled_at)
+    body = json.dumps(fields).encode()
     headers = _headers(target, body, ctx.trace_id, secret)
     status = _call(target, addresses, body, headers, deadline, url, timeout_s)
     if not 200 <= status < 300:

@@ -200,6 +200,15 @@ def test_a_listed_internal_host_is_called(server: str) -> None:
     assert json.loads(_Receiver.seen[0]["raw"])["payload"] == {"a": 1}
 
 
+def test_an_occurrence_of_a_recurring_job_says_which_in_the_body(server: str) -> None:
+    occurrence = CTX._replace(job="report.daily", scheduled_at=1_796_000_000_000)
+    assert post_callback(f"{server}/ok", {"a": 1}, occurrence, 2.0, allow_hosts=LOCAL) == 200
+    assert post_callback(f"{server}/ok", {"a": 1}, CTX, 2.0, allow_hosts=LOCAL) == 200
+    first, second = (json.loads(seen["raw"]) for seen in _Receiver.seen)
+    assert (first["job"], first["scheduled_at"]) == ("report.daily", 1_796_000_000_000)
+    assert "job" not in second and "scheduled_at" not in second
+
+
 def test_a_name_resolving_to_loopback_is_refused_unless_listed(server: str) -> None:
     url = server.replace("127.0.0.1", "localhost") + "/ok"
     with pytest.raises(ProcessorRefused, match="'localhost' refused: it resolves to"):
