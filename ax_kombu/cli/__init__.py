@@ -14,6 +14,7 @@ from ax_kombu.cli.daemon import RedactingFormatter
 from ax_kombu.cli.db import db
 from ax_kombu.cli.enqueue import enqueue
 from ax_kombu.cli.inspect import inspect
+from ax_kombu.cli.jobs import jobs
 from ax_kombu.cli.status import status
 
 
@@ -34,5 +35,5 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     ctx.obj = obj
 
 
-for command in (enqueue, inspect, cancel, db, status):
+for command in (enqueue, inspect, cancel, db, status, jobs):
     main.add_command(command)

@@ -1,0 +1,167 @@
+"""``ax jobs list|add|pause|resume|remove|next`` — recurring jobs (:mod:`ax_kombu.jobs`).
+
+Times are shown in ISO 8601 with their offset, in the job's own zone. Every error is one
+line on stderr (``ax: error: …``): bad input — a bad cron expression, an unknown zone,
+both or neither of ``--cron``/``--every``, a malformed option — exits 2 and writes
+nothing; an unknown job name exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import click
+
+from ax_kombu.api import Client
+from ax_kombu.cli.base import Duration, JsonValue, settings_from
+from ax_kombu.config import PRIORITIES
+from ax_kombu.core.cron import MISFIRE_POLICIES
+from ax_kombu.exceptions import ValidationError
+from ax_kombu.jobs import JobView
+
+_COLUMNS = ("name", "schedule", "task type", "misfire", "paused", "next fire")
+
+
+class JobsGroup(click.Group):
+    """A group whose usage errors (bad option value, missing argument) are one line, exit 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            click.echo(f"ax: error: {exc.format_message()} (see '{where} -h')", err=True)
+            sys.exit(2)
+
+
+@contextmanager
+def _client(ctx: click.Context) -> Iterator[Client]:
+    client = Client(settings_from(ctx))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _iso(at: datetime | None) -> str | None:
+    if at is None:
+        return None
+    return at.isoformat(timespec="milliseconds" if at.microsecond else "seconds")
+
+
+def _as_json(job: JobView) -> dict[str, Any]:
+    return {"name": job.name, "task_type": job.task_type, "cron": job.cron,
+            "every_s": job.every.total_seconds() if job.every is not None else None,
+            "tz": job.tz, "misfire": job.misfire, "misfire_grace_s": job.misfire_grace_s,
+            "priority": job.priority, "paused": job.paused,
+            "next_fire_at": _iso(job.next_fire_at), "payload": job.payload}
+
+
+def _summary(job: JobView) -> str:
+    """``report.daily: cron '0 8 * * *' Asia/Shanghai, next 2026-12-04T08:00:00+08:00``"""
+    when = "paused" if job.paused else f"next {_iso(job.next_fire_at) or 'never'}"
+    return f"{job.name}: {job.schedule}, {when}"
+
+
+@click.group(cls=JobsGroup)
+def jobs() -> None:
+    """Recurring jobs: list, add, pause, resume, remove, next."""
+
+
+@jobs.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@click.pass_context
+def list_jobs(ctx: click.Context, as_json: bool) -> None:
+    """Every recurring job, by name."""
+    with _client(ctx) as client:
+        found = client.jobs()
+    if as_json:
+        click.echo(json.dumps([_as_json(j) for j in found], indent=2, ensure_ascii=False))
+        return
+    if not found:
+        click.echo("(no recurring jobs)")
+        return
+    rows = [_COLUMNS] + [(j.name, j.schedule, j.task_type, j.misfire, "yes" if j.paused else "no",
+                          _iso(j.next_fire_at) or "-") for j in found]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+@jobs.command()
+@click.argument("name")
+@click.argument("task_type")
+@click.option("--cron", "cron_expr", default=None,
+              help="Cron expression, 5 fields or 6 with seconds first: '0 8 * * *'.")
+@click.option("--every", type=Duration(), default=None, help="Fixed interval: 30s, 5m, 1h.")
+@click.option("--tz", default="UTC", show_default=True, help="IANA zone of the cron expression.")
+@click.option("--payload", type=JsonValue(), default="null", help="JSON payload of each task.")
+@click.option("--misfire", type=click.Choice(MISFIRE_POLICIES), default=MISFIRE_POLICIES[0],
+              show_default=True, help="What to do with occurrences missed during downtime.")
+@click.option("--grace", type=Duration(), default=None,
+              help="Missed occurrences older than this are skipped (default: no limit).")
+@click.option("--priority", type=click.Choice(PRIORITIES), default="default", show_default=True)
+@click.option("--max-retry", type=int, default=None)
+@click.option("--timeout", "timeout_ms", type=Duration(), default=None, help="e.g. 30s")
+@click.option("--processor", default=None, help="Registered name or package.module:function.")
+@click.option("--callback-url", default=None, help="POST the payload to this URL instead.")
+@click.pass_context
+def add(ctx: click.Context, /, name: str, task_type: str, payload: Any, cron_expr: str | None,
+        every: int | None, grace: int | None, **options: Any) -> None:
+    """Create or update the recurring job NAME (exactly one of --cron or --every)."""
+    if (cron_expr is None) == (every is None):
+        raise ValidationError(f"job {name!r}: give exactly one of --cron or --every")
+    with _client(ctx) as client:
+        job = client.schedule(name, task_type, payload, cron=cron_expr,
+                              every=None if every is None else every / 1000.0,
+                              misfire_grace_s=None if grace is None else grace / 1000.0,
+                              **options)
+    click.echo(_summary(job))
+
+
+@jobs.command()
+@click.argument("name")
+@click.pass_context
+def pause(ctx: click.Context, name: str) -> None:
+    """Pause NAME: its undispatched occurrences are removed, none is created."""
+    with _client(ctx) as client:
+        job = client.pause(name)
+    click.echo(_summary(job))
+
+
+@jobs.command()
+@click.argument("name")
+@click.pass_context
+def resume(ctx: click.Context, name: str) -> None:
+    """Resume NAME; what it missed goes by its misfire policy."""
+    with _client(ctx) as client:
+        job = client.resume(name)
+    click.echo(_summary(job))
+
+
+@jobs.command()
+@click.argument("name")
+@click.pass_context
+def remove(ctx: click.Context, name: str) -> None:
+    """Remove NAME and its undispatched occurrences."""
+    with _client(ctx) as client:
+        dropped = client.unschedule(name)
+    click.echo(f"{name}: removed ({dropped} undispatched occurrence"
+               f"{'' if dropped == 1 else 's'})")
+
+
+@jobs.command("next")
+@click.argument("name")
+@click.option("-n", "--count", type=int, default=5, show_default=True)
+@click.pass_context
+def next_fires(ctx: click.Context, name: str, count: int) -> None:
+    """The next fire times of NAME, one per line (paused or not)."""
+    with _client(ctx) as client:
+        times = client.next_fires(name, count)
+    for at in times:
+        click.echo(_iso(at))
