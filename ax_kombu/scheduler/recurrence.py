@@ -107,8 +107,9 @@ class Materialiser:
         settings = self._settings
         pending: list[tuple[int, int]] = []
         if job.next_fire_at < now_ms - ON_TIME_MS:  # behind: what was written and not sent?
-            since = job.next_fire_at - 2 * settings.job_lookahead_ms
-            pending = job_store.pending_occurrences(conn, job.name, since, now_ms - ON_TIME_MS)
+            pending = job_store.pending_occurrences(
+                conn, job.name, self._written_since(schedule, job.next_fire_at),
+                now_ms - ON_TIME_MS)
         plan = cron.plan(schedule, job.next_fire_at, now_ms, horizon, misfire=job.misfire,
                          grace_ms=job.misfire_grace_ms, misfire_max=settings.misfire_max,
                          on_time_ms=ON_TIME_MS, pending=[p[1] for p in pending], limit=PER_JOB)
@@ -118,6 +119,15 @@ class Materialiser:
         ids = self._ids.next_ids(len(plan.create))
         return [self._row(job, task_id, scheduled_at, trigger, now_ms)
                 for task_id, (scheduled_at, trigger) in zip(ids, plan.create, strict=True)]
+
+    def _written_since(self, schedule: cron.Schedule, next_fire_at: int) -> int:
+        """The earliest occurrence a pass can have written ahead that may still wait: within
+        twice the lookahead before ``next_fire_at``, or the one occurrence before that
+        (a job slower than the lookahead has one written at a time). Older undispatched
+        occurrences are not the outage's (a queue without workers keeps its own)."""
+        low = next_fire_at - 2 * self._settings.job_lookahead_ms
+        before = schedule.last_before(low + 1)
+        return before if before is not None else low
 
     def _misfired(self, conn: Connection, job: Row[Any], plan: cron.Plan,
                   pending: list[tuple[int, int]], now_ms: int) -> None:

@@ -527,11 +527,6 @@ def test_an_occurrence_up_to_on_time_ms_late_is_late_not_missed(
     assert all(v.trigger_time == v.scheduled_at for v in views)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recurrence.Materialiser._job looks for written, undispatched occurrences only from "
-    "next_fire_at - 2*job_lookahead_ms; for a job whose interval exceeds ~2 lookaheads the "
-    "last one written before the outage is older than that, so the misfire policy never "
-    "sees it: it stays CREATED and runs anyway (twice with fire_once, despite skip)"))
 @pytest.mark.parametrize("misfire", ["skip", "fire_once"])
 def test_an_occurrence_written_before_the_outage_of_a_slow_job_is_misfired(
         client: Client, scheduler: Scheduler, misfire: str) -> None:
