@@ -60,12 +60,14 @@ __all__ = [
     "enqueue_many",
     "get",
     "jobs",
+    "limits",
     "next_fires",
     "pause",
     "periodic",
     "processor",
     "resume",
     "schedule",
+    "set_limit",
     "unschedule",
 ]
 __version__ = "0.1.0"
@@ -104,7 +106,9 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
             delay: float | timedelta | None = None, priority: str = "default",
             biz_key: str | None = None, max_retry: int | None = None,
             timeout_ms: int | None = None, processor: str | None = None,
-            callback_url: str | None = None, trace_id: str | None = None) -> TaskId:
+            callback_url: str | None = None, trace_id: str | None = None,
+            order_key: str | None = None, order_policy: str = "hold_failed",
+            shards: int | None = None) -> TaskId:
     """Schedule one task.
 
     Args:
@@ -122,14 +126,22 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
         callback_url: an http(s) URL with a host to POST the payload to (≤ 2048).
         trace_id: carried into logs and messages (default: a new one); ≤ 32 of
             ``[A-Za-z0-9._:-]``.
+        order_key: tasks with the same key run one at a time, in trigger order (ties by
+            id), across the cluster; ≤ 255 characters.
+        order_policy: ``"hold_failed"`` (default: a failed task that will retry keeps the
+            key, later ones wait) or ``"skip_failed"`` (later ones go on meanwhile).
+        shards: make this many tasks at once (1..1024), identical but for
+            ``ctx.shard_index`` (0..N-1) and ``ctx.shard_total``.
     Returns:
-        The task id, an int; ``.created`` is False if it duplicated an existing task.
+        The task id, an int; ``.created`` is False if it duplicated an existing task;
+        with ``shards``, it is shard 0's and ``.shards`` lists every shard's id.
     Raises:
         ValidationError: bad input; nothing was written.
     """
     return client().enqueue(task_type, payload, run_at=run_at, delay=delay, priority=priority,
                             biz_key=biz_key, max_retry=max_retry, timeout_ms=timeout_ms,
-                            processor=processor, callback_url=callback_url, trace_id=trace_id)
+                            processor=processor, callback_url=callback_url, trace_id=trace_id,
+                            order_key=order_key, order_policy=order_policy, shards=shards)
 
 
 def enqueue_many(items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
@@ -154,7 +166,7 @@ def cancel(task_id: int) -> TaskView:
 def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None = None,
              every: float | timedelta | None = None, tz: str = "UTC",
              misfire: str = "fire_once", misfire_grace_s: float | None = None,
-             priority: str = "default", max_retry: int | None = None,
+             strategy: str = "parallel", priority: str = "default", max_retry: int | None = None,
              timeout_ms: int | None = None, processor: str | None = None,
              callback_url: str | None = None) -> JobView:
     """Create or update the recurring job ``name`` (an idempotent upsert by name).
@@ -178,6 +190,11 @@ def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None
             paused): ``"fire_once"`` (default: one catch-up run), ``"skip"`` (none),
             ``"fire_all"`` (each, oldest first, at most ``AX_MISFIRE_MAX``).
         misfire_grace_s: missed occurrences older than this are not run (None: no limit).
+        strategy: when an occurrence is due while an earlier one is unfinished:
+            ``"parallel"`` (default: both run), ``"serial"`` (it waits, then runs, in
+            occurrence order), ``"cover"`` (it runs; the earlier one is cancelled, or
+            signalled if running, and recorded as superseded), ``"discard"`` (it is
+            cancelled).
     Returns:
         The job as stored.
     Raises:
@@ -186,7 +203,7 @@ def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None
     """
     return client().schedule(name, task_type, payload, cron=cron, every=every, tz=tz,
                              misfire=misfire, misfire_grace_s=misfire_grace_s,
-                             priority=priority, max_retry=max_retry, timeout_ms=timeout_ms,
+                             strategy=strategy, priority=priority, max_retry=max_retry, timeout_ms=timeout_ms,
                              processor=processor, callback_url=callback_url)
 
 
@@ -217,6 +234,21 @@ def next_fires(name: str, count: int = 5) -> list[datetime]:
     """The next ``count`` fire times of the job ``name``, as aware datetimes in its zone.
     Raises JobNotFound."""
     return client().next_fires(name, count)
+
+
+def set_limit(task_type: str, max_running: int | None) -> None:
+    """At most ``max_running`` tasks of ``task_type`` DISPATCHING or RUNNING at once, across
+    the cluster (None: no limit). Tasks over it wait READY and start as runs end.
+
+    Raises:
+        ValidationError: not a task type, or ``max_running`` not an int ≥ 1 (or None).
+    """
+    client().set_limit(task_type, max_running)
+
+
+def limits() -> dict[str, int]:
+    """Every cluster-wide limit: task type → most running at once."""
+    return client().limits()
 
 
 @atexit.register

@@ -34,24 +34,35 @@ from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, JobNotFound, TaskNotFound, ValidationError
 from ax_kombu.jobs import JobView
-from ax_kombu.store import Store, transitions
+from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import fetch_task, insert_tasks
-from ax_kombu.validation import build_row, show
+from ax_kombu.validation import (
+    MAX_TASK_TYPE,
+    build_row,
+    check_text,
+    shard_count,
+    shard_rows,
+    show,
+)
 
 _TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "biz_key",
-                        "max_retry", "timeout_ms", "processor", "callback_url", "trace_id"})
+                        "max_retry", "timeout_ms", "processor", "callback_url", "trace_id",
+                        "order_key", "order_policy", "shards"})
 
 
 class TaskId(int):
     """A task id (an ``int``) that also says whether this call created the task."""
 
     created: bool
+    #: with ``shards=N``: the ids of all N shards, in shard order (this id is shard 0's)
+    shards: tuple[int, ...]
 
-    def __new__(cls, value: int, created: bool = True) -> Self:
+    def __new__(cls, value: int, created: bool = True, shards: tuple[int, ...] = ()) -> Self:
         obj = super().__new__(cls, value)
         obj.created = created
+        obj.shards = shards
         return obj
 
     @property
@@ -88,6 +99,9 @@ class TaskView:
     #: the recurring job this task is an occurrence of, and the occurrence's time (epoch ms)
     job: str | None = None
     scheduled_at: int | None = None
+    order_key: str | None = None
+    shard_index: int | None = None
+    shard_total: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> TaskView:
@@ -128,16 +142,23 @@ class Client:
             raise ValidationError("enqueue_many takes an iterable of mappings of enqueue "
                                   f"arguments, got {type(items).__name__}")
         now = self.store.now_ms()
-        rows = [self._row(now, i, item) for i, item in enumerate(items)]
+        groups = [self._rows(now, i, item) for i, item in enumerate(items)]
+        rows = [row for group in groups for row in group]
         if not rows:
             return []
         for row, task_id in zip(rows, self.ids.next_ids(len(rows)), strict=True):
             row["task_id"] = task_id
-        results = insert_tasks(self.store.engine, rows, self.settings.dedup_window_ms,
-                               wake_before_ms=now + self.settings.preload_window_ms)
-        return [TaskId(task_id, created) for task_id, created in results]
+        results = iter(insert_tasks(self.store.engine, rows, self.settings.dedup_window_ms,
+                                    wake_before_ms=now + self.settings.preload_window_ms))
+        out = []
+        for group in groups:
+            got = [next(results) for _ in group]
+            out.append(TaskId(got[0][0], got[0][1],
+                              tuple(t for t, _ in got) if group[0].get("shard_total") else ()))
+        return out
 
-    def _row(self, now: int, index: int, item: Mapping[str, Any]) -> dict[str, Any]:
+    def _rows(self, now: int, index: int, item: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The row(s) of one item: one, or one per shard."""
         if not isinstance(item, Mapping):
             raise ValidationError(f"item {index} is not a mapping of enqueue arguments")
         unknown = set(item) - _TASK_ARGS
@@ -147,8 +168,10 @@ class Client:
         if "task_type" not in item:
             raise ValidationError(f"item {index} has no task_type")
         args = dict(item)
-        return build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
-                         **args)
+        shards = shard_count(args.pop("shards", None))
+        row = build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
+                        **args)
+        return [row] if shards is None else shard_rows(row, shards)
 
     def get(self, task_id: int) -> TaskView:
         """The task ``task_id``.
@@ -183,7 +206,7 @@ class Client:
     def schedule(self, name: str, task_type: str, payload: Any = None, *,
                  cron: str | None = None, every: Any = None, tz: str = "UTC",
                  misfire: str = "fire_once", misfire_grace_s: Any = None,
-                 **options: Any) -> JobView:
+                 strategy: str = "parallel", **options: Any) -> JobView:
         """Create or update a recurring job; see :func:`ax_kombu.schedule`.
 
         Raises:
@@ -192,7 +215,8 @@ class Client:
         now = self.store.now_ms()
         values = recurring.build_job(self.settings, now, name, task_type, payload,
                                      cron_expr=cron, every=every, tz=tz, misfire=misfire,
-                                     misfire_grace_s=misfire_grace_s, **options)
+                                     misfire_grace_s=misfire_grace_s, strategy=strategy,
+                                     **options)
         recurring.schedule_job(self.store.engine, values, now)
         return self.job(name)
 
@@ -251,6 +275,28 @@ class Client:
         with self.store.engine.connect() as conn:
             rows = job_store.latest_occurrences(conn, name, limit)
         return [TaskView.from_row(dict(r._mapping)) for r in rows]
+
+    # -- cluster-wide limits (ax_kombu.store.gates) ---------------------------------------------
+
+    def set_limit(self, task_type: str, max_running: int | None) -> None:
+        """Set or clear (None) the limit of ``task_type``; see :func:`ax_kombu.set_limit`.
+
+        Raises:
+            ValidationError: bad task type or limit; nothing was written.
+        """
+        task_type = check_text("task_type", task_type, MAX_TASK_TYPE)
+        if max_running is not None and (isinstance(max_running, bool)
+                                        or not isinstance(max_running, int)
+                                        or not 1 <= max_running <= 1_000_000):
+            raise ValidationError(f"max_running must be an int within 1..1000000 or None, "
+                                  f"got {show(max_running)}")
+        with self.store.engine.begin() as conn:
+            gates.set_limit(conn, task_type, max_running, self.store.now_ms())
+
+    def limits(self) -> dict[str, int]:
+        """Every limit: task type → most DISPATCHING or RUNNING at once."""
+        with self.store.engine.connect() as conn:
+            return gates.list_limits(conn)
 
     def declare_periodic(self) -> list[str]:
         """Write every ``@ax.periodic`` job declared so far; returns their names."""

@@ -40,7 +40,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: what decides when a job fires: changing one of these restarts its schedule from now
 _TIMING = ("cron", "every_ms", "tz")
 _SPEC = ("task_type", "payload", "cron", "every_ms", "tz", "misfire", "misfire_grace_ms",
-         "priority", "max_retry", "timeout_ms", "processor_name", "callback_url")
+         "strategy", "priority", "max_retry", "timeout_ms", "processor_name", "callback_url")
+#: what happens to an occurrence due while an earlier one is unfinished (core/gating.py)
+STRATEGIES = ("parallel", "serial", "cover", "discard")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class JobView:
     tz: str
     misfire: str
     misfire_grace_s: float | None
+    strategy: str
     priority: str
     max_retry: int
     timeout_ms: int
@@ -93,7 +96,7 @@ def view(row: Mapping[str, Any], now_ms: int) -> JobView:
         every=timedelta(milliseconds=row["every_ms"]) if row["every_ms"] is not None else None,
         tz=row["tz"], misfire=row["misfire"],
         misfire_grace_s=grace / 1000.0 if grace is not None else None,
-        priority=row["priority"], max_retry=row["max_retry"], timeout_ms=row["timeout_ms"],
+        strategy=row["strategy"], priority=row["priority"], max_retry=row["max_retry"], timeout_ms=row["timeout_ms"],
         processor_name=row["processor_name"], callback_url=row["callback_url"],
         paused=bool(row["paused"]), next_fire_at=upcoming, created_at=row["created_at"],
         updated_at=row["updated_at"])
@@ -105,7 +108,8 @@ def view(row: Mapping[str, Any], now_ms: int) -> JobView:
 def build_job(settings: Settings, now_ms: int, name: Any, task_type: Any, payload: Any = None, *,
               cron_expr: str | None = None, every: Any = None, tz: Any = "UTC",
               misfire: Any = "fire_once", misfire_grace_s: Any = None,
-              priority: str = "default", max_retry: int | None = None,
+              strategy: Any = "parallel", priority: str = "default",
+              max_retry: int | None = None,
               timeout_ms: int | None = None, processor: str | None = None,
               callback_url: str | None = None) -> dict[str, Any]:
     """Validate a job; returns its user-set columns (``spec`` included).
@@ -124,6 +128,9 @@ def build_job(settings: Settings, now_ms: int, name: Any, task_type: Any, payloa
     if misfire not in cron.MISFIRE_POLICIES:
         raise ValidationError(f"unknown misfire policy {show(misfire)}; use one of "
                               f"{', '.join(cron.MISFIRE_POLICIES)}")
+    if strategy not in STRATEGIES:
+        raise ValidationError(f"unknown strategy {show(strategy)}; use one of "
+                              f"{', '.join(STRATEGIES)}")
     row = build_row(settings, now_ms, task_type, payload, priority=priority,
                     max_retry=max_retry, timeout_ms=timeout_ms, processor=processor,
                     callback_url=callback_url)
@@ -131,7 +138,8 @@ def build_job(settings: Settings, now_ms: int, name: Any, task_type: Any, payloa
         "task_type": row["task_type"], "payload": row["payload"],
         "cron": " ".join(cron_expr.split()) if cron_expr is not None else None,
         "every_ms": every_ms, "tz": tz_name, "misfire": misfire,
-        "misfire_grace_ms": _grace_ms(misfire_grace_s), "priority": row["priority"],
+        "misfire_grace_ms": _grace_ms(misfire_grace_s), "strategy": strategy,
+        "priority": row["priority"],
         "max_retry": row["max_retry"], "timeout_ms": row["timeout_ms"],
         "processor_name": row["processor_name"], "callback_url": row["callback_url"],
     }
@@ -260,7 +268,8 @@ def periodic(*, cron: str | None = None, every: Any = None, name: str | None = N
     """
     from ax_kombu.worker.processors import processor
 
-    unknown = set(options) - {"priority", "max_retry", "timeout_ms", "misfire_grace_s"}
+    unknown = set(options) - {"priority", "max_retry", "timeout_ms", "misfire_grace_s",
+                              "strategy"}
     if unknown:
         raise ValidationError(f"periodic() got unknown option(s) {', '.join(sorted(unknown))}")
 

@@ -223,6 +223,15 @@ def _target(task_type: str, processor: Any, callback_url: Any) -> tuple[str | No
     return _text("processor", processor, MAX_PROCESSOR), None
 
 
+def check_text(name: str, value: Any, limit: int) -> str:
+    """A non-empty string of at most ``limit`` characters of valid Unicode.
+
+    Raises:
+        ValidationError: anything else.
+    """
+    return _text(name, value, limit)
+
+
 def _text(name: str, value: Any, limit: int) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValidationError(f"{name} must be a non-empty string, got {show(value)}")
@@ -248,11 +257,59 @@ def _priority(priority: Any) -> None:
                               f"{', '.join(PRIORITIES)}")
 
 
+#: what a failed task that will retry does to its order key (see ax_kombu.core.gating)
+ORDER_POLICIES = {"hold_failed": "order", "skip_failed": "order_skip"}
+MAX_ORDER_KEY = 255
+#: most shards one enqueue makes
+MAX_SHARDS = 1024
+
+
+def _order(order_key: Any, order_policy: Any) -> tuple[str | None, str | None]:
+    """``(order_key, gate)`` of a task."""
+    if order_policy not in ORDER_POLICIES:
+        raise ValidationError(f"unknown order_policy {show(order_policy)}; use one of "
+                              f"{', '.join(ORDER_POLICIES)}")
+    if order_key is None:
+        return None, None
+    return _text("order_key", order_key, MAX_ORDER_KEY), ORDER_POLICIES[order_policy]
+
+
+def shard_count(shards: Any) -> int | None:
+    """``shards`` as a number of shards (None: not sharded).
+
+    Raises:
+        ValidationError: not an int within 1..MAX_SHARDS.
+    """
+    if shards is None:
+        return None
+    return _as_int("shards", shards, 1, MAX_SHARDS)
+
+
+def shard_rows(row: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """``row`` as ``count`` shards: each with its index, its own fingerprint (shards of one
+    task are not duplicates of each other) and its own biz_key (``key#i``)."""
+    biz_key = row.get("biz_key")
+    if biz_key is not None and len(biz_key) + len(f"#{count - 1}") > MAX_BIZ_KEY:
+        raise ValidationError(f"biz_key is too long for {count} shards (each gets '#<index>'; "
+                              f"at most {MAX_BIZ_KEY} characters in all)")
+    out = []
+    for index in range(count):
+        shard = dict(row, shard_index=index, shard_total=count,
+                     fingerprint=fingerprint(f"{row['task_type']}\0shard{index}/{count}",
+                                             row["payload"]))
+        if biz_key is not None:
+            shard["biz_key"] = f"{biz_key}#{index}"
+        out.append(shard)
+    return out
+
+
 def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
               run_at: datetime | None = None, delay: Any = None, priority: str = "default",
               biz_key: str | None = None, max_retry: int | None = None,
               timeout_ms: int | None = None, processor: str | None = None,
-              callback_url: str | None = None, trace_id: str | None = None) -> dict[str, Any]:
+              callback_url: str | None = None, trace_id: str | None = None,
+              order_key: str | None = None, order_policy: str = "hold_failed"
+              ) -> dict[str, Any]:
     """Validate one task and return its row (without ``task_id``).
 
     Every field is bounded (see the ``MAX_*`` constants above): text fields by
@@ -268,9 +325,12 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
         biz_key = _text("biz_key", biz_key, MAX_BIZ_KEY)
     processor_name, callback = _target(task_type, processor, callback_url)
     payload_json = canonical_json(payload, settings.max_payload_bytes)
+    key, gate = _order(order_key, order_policy)
+    trigger = trigger_ms(now_ms, run_at, delay)
     return {
         "task_type": task_type,
-        "trigger_time": trigger_ms(now_ms, run_at, delay),
+        "trigger_time": trigger,
+        "order_key": key, "order_seq": trigger if key is not None else None, "gate": gate,
         "status": Status.CREATED.value,
         "priority": str(priority),
         "retry_count": 0,

@@ -47,6 +47,11 @@ class TaskMessage(NamedTuple):
     job: str | None = None
     #: that occurrence's time, epoch ms
     scheduled_at: int | None = None
+    #: claimed by the gated claim (its end wakes the next of its key or type)
+    gated: bool = False
+    order_key: str | None = None
+    shard_index: int | None = None
+    shard_total: int | None = None
 
     def body(self) -> dict[str, Any]:
         """The body as a dict (what a consumer receives after JSON decoding)."""

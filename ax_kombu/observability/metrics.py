@@ -43,6 +43,9 @@ job_occurrences_total = Counter("ax_job_occurrences_total",
 job_misfires_total = Counter("ax_job_misfires_total",
                              "Occurrences of recurring jobs missed while no scheduler ran them, "
                              "by what the job's misfire policy did with them.", ["action"])
+gate_total = Counter("ax_gate_total",
+                     "Gated tasks (order key, limit, job strategy) by what the gated claim did: "
+                     "start, wait (parked), cancel (discard), supersede (cover).", ["action"])
 execute_total = Counter("ax_execute_total", "Task runs by outcome.", ["queue", "result"])
 execute_duration = Histogram("ax_execute_duration_seconds", "Run time of one task.", ["queue"],
                              buckets=_FINE)

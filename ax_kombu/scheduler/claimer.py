@@ -18,6 +18,10 @@ Contracts:
   still holds (row locked by a racing claim) fire again shortly; those no
   longer ours (cancelled, claimed elsewhere, released) are dropped. A failed
   claim puts the whole batch back.
+* **Gated tasks** (an order key, a job strategy, a type with a limit) are left
+  by the claim statement; the due ones among the skipped go through the gated
+  claim at once (:mod:`ax_kombu.store.gates`: what may start is claimed, what
+  must wait is parked in the store until a run of its key or type ends).
 * **Broker down → no claims**: while the dispatcher reports the broker
   unreachable, fired ids go back to the wheel for ``republish_delay_ms`` and
   nothing is claimed, so no task is moved to DISPATCHING that cannot be sent.
@@ -31,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
@@ -40,12 +44,8 @@ from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store
-from ax_kombu.store.claims import claim
-
-#: of the ids a claim skipped, those still held by this node (and when they are due)
-_STILL_OURS = text("SELECT task_id, trigger_time FROM ax_task WHERE task_id IN :ids "
-                   "AND status IN ('DELAYED', 'READY') AND last_run_node = :node"
-                   ).bindparams(bindparam("ids", expanding=True))
+from ax_kombu.store.claims import claim, still_held
+from ax_kombu.store.gates import claim_gated
 
 
 class Claimer(Stage):
@@ -145,18 +145,42 @@ class Claimer(Stage):
         self.pause(self._hold_s)
 
     def _keep_unclaimed(self, batch: list[int], rows: Sequence[Any]) -> None:
-        """Ids the claim skipped that are still ours fire again soon; the rest are dropped."""
+        """Ids the claim skipped that are still ours: gated and due → the gated claim;
+        others fire again soon; the rest (no longer ours) are dropped."""
         claimed = {r.task_id for r in rows}
         missing = [t for t in batch if t not in claimed]
         try:
             with self._store.engine.connect() as conn:
-                ours = list(conn.execute(_STILL_OURS, {"ids": missing, "node": self._node_id}))
+                ours = still_held(conn, missing, self._node_id)
         except SQLAlchemyError as exc:
             self._timing.retry_later(missing)  # the next claim sorts out which are still ours
             self.db_failed("claim", exc)
             return
+        due_before = self._local_ms() + self._lead_ms
+        gated = [task_id for task_id, trigger, is_gated in ours
+                 if is_gated and trigger <= due_before]
+        if gated:
+            self._claim_gated(gated)
         soon = self._local_ms() + 10
-        self._timing.hand([(task_id, max(trigger, soon)) for task_id, trigger in ours])
+        self._timing.hand([(task_id, max(trigger, soon)) for task_id, trigger, is_gated in ours
+                           if not (is_gated and trigger <= due_before)])
+
+    def _claim_gated(self, task_ids: list[int]) -> None:
+        """One gated claim: claim what may start, park what must wait (one transaction)."""
+        now = self._local_ms()
+        try:
+            with self._store.engine.begin() as conn:
+                rows, decision = claim_gated(conn, task_ids, self._node_id, now,
+                                             now + self._lead_ms)
+        except SQLAlchemyError as exc:
+            self._timing.retry_later(task_ids)
+            self.db_failed("gated claim", exc)
+            return
+        for action in ("start", "wait", "cancel", "supersede"):
+            metrics.gate_total.labels(action).inc(len(getattr(decision, action)))
+        if rows:
+            rows.sort(key=lambda r: r.trigger_time)
+            self._dispatcher.inbox.put(rows)
 
     def _local_ms(self) -> int:
         return int(self._store.clock.local_ms())

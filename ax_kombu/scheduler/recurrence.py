@@ -39,6 +39,7 @@ from sqlalchemy import Connection, Row
 
 from ax_kombu.config import Settings
 from ax_kombu.core import cron
+from ax_kombu.core.gating import SERIAL_PREFIX
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
@@ -173,6 +174,17 @@ class Materialiser:
             "payload": job.payload, "biz_key": None,
             "fingerprint": job_store.occurrence_fingerprint(job.name, scheduled_at),
             "trace_id": uuid.uuid4().hex, "attempt": 0, "created_at": now_ms,
-            "job": job.name, "scheduled_at": scheduled_at,
+            "job": job.name, "scheduled_at": scheduled_at, **_strategy(job, scheduled_at),
         }
+
+
+def _strategy(job: Row[Any], scheduled_at: int) -> dict[str, Any]:
+    """The gate of an occurrence (:mod:`ax_kombu.core.gating`): a serial job's occurrences
+    share one order key, in occurrence order; cover and discard are checked at claim."""
+    if job.strategy == "serial":
+        return {"gate": "order", "order_key": SERIAL_PREFIX + job.name,
+                "order_seq": scheduled_at}
+    if job.strategy in ("cover", "discard"):
+        return {"gate": job.strategy}
+    return {}
 

@@ -26,17 +26,23 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 _CLAIM = """
     UPDATE ax_task
        SET status = 'DISPATCHING', attempt = attempt + 1,
-           last_run_node = :node, dispatched_at = :now
-     WHERE task_id {ids} AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before
+           last_run_node = :node, dispatched_at = :now{set}
+     WHERE task_id {ids} AND status IN ('DELAYED', 'READY') AND trigger_time <= :due_before{gate}
  RETURNING """ + _CLAIM_COLUMNS
+# The ordinary claim leaves gated tasks to the gated claim (ax_kombu.store.gates): those with
+# a gate, or of a type with a limit (one primary-key probe of the small ax_limit table).
+_UNGATED = (" AND gate IS NULL AND NOT EXISTS "
+            "(SELECT 1 FROM ax_limit AS l WHERE l.task_type = ax_task.task_type)")
+_FORMS = {False: {"set": "", "gate": _UNGATED}, True: {"set": ", gated = true", "gate": ""}}
 
 #: PostgreSQL takes the ids as one array; elsewhere they expand into IN (…)
-_CLAIM_PG = text(_CLAIM.format(ids="= ANY(:ids)"))
-_CLAIM_GENERIC = text(_CLAIM.format(ids="IN :ids")).bindparams(bindparam("ids", expanding=True))
+_CLAIM_PG = {g: text(_CLAIM.format(ids="= ANY(:ids)", **f)) for g, f in _FORMS.items()}
+_CLAIM_GENERIC = {g: text(_CLAIM.format(ids="IN :ids", **f)).bindparams(
+    bindparam("ids", expanding=True)) for g, f in _FORMS.items()}
 
 
 def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
-          due_before: int | None = None) -> list[Row[Any]]:
+          due_before: int | None = None, *, gated: bool = False) -> list[Row[Any]]:
     """Claim due tasks for dispatch by ``node``: DELAYED/READY → DISPATCHING, attempt + 1.
 
     One conditional statement for the whole batch: a row moves only if it is
@@ -45,6 +51,9 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
     to exactly one claimer. Rows due after ``due_before`` (default ``now_ms``)
     are left alone.
 
+    Gated tasks (:mod:`ax_kombu.store.gates`) are left alone unless ``gated``: the gated
+    claim passes it for the tasks it decided may start, and marks them.
+
     Returns:
         The claimed rows, with the columns a dispatch message needs.
     """
@@ -52,5 +61,25 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
         return []
     params = {"ids": list(task_ids), "node": node, "now": now_ms,
               "due_before": now_ms if due_before is None else due_before}
-    stmt = _CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC
+    stmt = (_CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC)[gated]
     return list(conn.execute(stmt, params))
+
+
+_STILL_HELD = """
+    SELECT task_id, trigger_time,
+           gate IS NOT NULL OR EXISTS (SELECT 1 FROM ax_limit AS l
+                                        WHERE l.task_type = ax_task.task_type) AS gated
+      FROM ax_task
+     WHERE task_id IN :ids AND status IN ('DELAYED', 'READY') AND last_run_node = :node"""
+_STILL_HELD_SQL = text(_STILL_HELD).bindparams(bindparam("ids", expanding=True))
+
+
+def still_held(conn: Connection, task_ids: Sequence[int], node: str
+               ) -> list[tuple[int, int, bool]]:
+    """Of ``task_ids`` (ids a claim skipped), those ``node`` still holds, unclaimed:
+    ``(task_id, trigger_time, gated)`` — gated ones go to the gated claim
+    (:mod:`ax_kombu.store.gates`), the others were locked by a racing claim."""
+    if not task_ids:
+        return []
+    return [(r[0], r[1], bool(r[2]))
+            for r in conn.execute(_STILL_HELD_SQL, {"ids": list(task_ids), "node": node})]

@@ -19,6 +19,8 @@ Indexes, each with its reason:
 * unique ``(job, scheduled_at)`` over occurrences of recurring jobs — exactly one task
   per occurrence, whichever scheduler writes it first (see :mod:`ax_kombu.store.jobs`);
   partial: one-off tasks (``job IS NULL``) write no entry there.
+* ``(order_key, order_seq, task_id)`` over tasks that have an order_key — "is this
+  key busy, and which of its tasks comes first" at claim time; others write no entry.
 * unique ``(task_type, biz_key)`` — idempotent enqueue by business key
   (NULL biz_keys never conflict, on both databases). On PostgreSQL a partial
   index over rows that have a biz_key: a task without one (most) writes no
@@ -45,6 +47,7 @@ metadata = MetaData()
 
 _UNHELD = "last_run_node IS NULL AND status IN ('DELAYED', 'READY')"
 _OCCURRENCE = "job IS NOT NULL"
+_ORDERED = "order_key IS NOT NULL"
 _ACTIVE_JOB = "NOT paused AND next_fire_at IS NOT NULL"
 
 tasks = Table(
@@ -76,6 +79,18 @@ tasks = Table(
     #: the recurring job this task is an occurrence of, and that occurrence's time (epoch ms)
     Column("job", String(128)),
     Column("scheduled_at", BigInteger),
+    #: tasks with the same order_key run one at a time, in (order_seq, task_id) order;
+    #: order_seq is the first trigger time (a retry keeps its place)
+    Column("order_key", String(255)),
+    Column("order_seq", BigInteger),
+    #: what the claim must check before this task may start (NULL: nothing; see
+    #: ax_kombu.store.gates): 'order', 'order_skip' (skip_failed), 'discard', 'cover'
+    Column("gate", String(12)),
+    #: claimed by the gated claim: its end frees a slot or a key (the worker wakes the next)
+    Column("gated", Boolean, nullable=False, server_default=text("false")),
+    #: one of ``shard_total`` tasks made by one enqueue (ctx.shard_index, ctx.shard_total)
+    Column("shard_index", Integer),
+    Column("shard_total", Integer),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -89,6 +104,18 @@ tasks = Table(
           postgresql_where=text(_UNHELD), sqlite_where=text(_UNHELD)),
     Index("uq_ax_task_occurrence", "job", "scheduled_at", unique=True,
           postgresql_where=text(_OCCURRENCE), sqlite_where=text(_OCCURRENCE)),
+    Index("ix_ax_task_order", "order_key", "order_seq", "task_id",
+          postgresql_where=text(_ORDERED), sqlite_where=text(_ORDERED)),
+)
+
+#: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
+#: RUNNING at once (``ax.set_limit``); enforced by the gated claim.
+limits = Table(
+    "ax_limit", metadata,
+    Column("task_type", String(128), primary_key=True),
+    Column("max_running", Integer, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    CheckConstraint("max_running >= 1", name="ck_ax_limit_positive"),
 )
 
 #: one row per recurring job (``ax.schedule``); its occurrences become ordinary tasks.
@@ -104,6 +131,8 @@ jobs = Table(
     Column("tz", String(64), nullable=False),
     Column("misfire", String(12), nullable=False),
     Column("misfire_grace_ms", BigInteger),
+    #: parallel | serial | cover | discard (ax_kombu.store.gates)
+    Column("strategy", String(12), nullable=False, server_default="parallel"),
     Column("priority", String(8), nullable=False),
     Column("max_retry", Integer, nullable=False),
     Column("timeout_ms", Integer, nullable=False),

@@ -105,6 +105,11 @@ class Started(NamedTuple):
     #: set on occurrences of recurring jobs (the processor's ``ctx.job``, ``ctx.scheduled_at``)
     job: str | None = None
     scheduled_at: int | None = None
+    #: claimed by the gated claim: its end wakes what waits on its key or type
+    gated: bool = False
+    order_key: str | None = None
+    shard_index: int | None = None
+    shard_total: int | None = None
 
 
 #: in :class:`Started`'s order; unqualified: SQLite's RETURNING names the updated table only

@@ -180,7 +180,8 @@ class Intake:
         cancel = delivery.cancel = Cancellation()
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
-                      cancel, time.monotonic() + timeout_s, task.job, task.scheduled_at)
+                      cancel, time.monotonic() + timeout_s, task.job, task.scheduled_at,
+                      task.shard_index, task.shard_total)
         done = partial(self._done, delivery)
         self.running.add(delivery)
         if not delivery.lane.pool.try_submit(partial(self._execute, task, ctx), done,

@@ -145,6 +145,9 @@ class Context(NamedTuple):
     #: the occurrence's time (epoch ms) — what the job was due at; the trigger time of a
     #: catch-up run after a misfire is later
     scheduled_at: int | None = None
+    #: this task's shard (0-based) and how many shards its enqueue made (``shards=N``)
+    shard_index: int | None = None
+    shard_total: int | None = None
 
 
 def split_names(text: str | Iterable[str]) -> list[str]:

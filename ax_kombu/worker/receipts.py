@@ -205,7 +205,8 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
         task = TaskMessage(row.task_id, message.attempt, row.task_type, payload,
                            row.trace_id, row.trigger_time, row.timeout_ms, row.priority,
                            row.retry_count, row.max_retry, row.processor_name, row.callback_url,
-                           message.dispatched_at, message.node, row.job, row.scheduled_at)
+                           message.dispatched_at, message.node, row.job, row.scheduled_at,
+                           bool(row.gated), row.order_key, row.shard_index, row.shard_total)
         started[row.task_id] = task
         if task[:_WIRE] != message[:_WIRE]:
             forged.append((delivery, [name for name, mine, theirs

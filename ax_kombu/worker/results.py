@@ -49,7 +49,7 @@ from ax_kombu.core.backoff import Uniform, backoff_ms, default_rng
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
-from ax_kombu.store import Store, transitions
+from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.store.transitions import Finish
 from ax_kombu.worker.pools import Outcome
@@ -253,6 +253,8 @@ class ResultWriter:
                                if f.status is states.Status.DELAYED and f.task_id in moved]
                     if retries:  # due soon: schedulers load it now, not at the next preload
                         wake_schedulers(conn, min(retries))
+                    gates.wake_next(conn, [(r.task.task_type, r.task.order_key)
+                                           for r in batch if r.task.gated])
                 break
             except Exception:  # a database outage: keep the results, retry
                 if self._abort.is_set():

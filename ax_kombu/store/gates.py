@@ -1,0 +1,202 @@
+"""The gated claim, and waking what it parked: order keys, limits, job strategies in SQL.
+
+The ordinary claim (:mod:`ax_kombu.store.claims`) leaves gated tasks alone — those with a
+``gate`` or of a type that has a limit in ``ax_limit``. The scheduler sends the ones it
+fired to :func:`claim_gated`, which in one transaction:
+
+1. locks their order keys, task types and jobs (PostgreSQL transaction advisory locks, in
+   sorted order; SQLite's one writer is lock enough),
+2. reads what is running, the head of each key and each limit
+   (:class:`ax_kombu.core.gating.Running`), and lets :func:`ax_kombu.core.gating.decide`
+   choose,
+3. claims the tasks that may start (the ordinary claim statement, plus ``gated = true``),
+   cancels discarded and superseded occurrences (compare-and-set, with the reason), and
+   **parks** the tasks that must wait: READY with ``last_run_node = '~parked'``, so no
+   preload takes them again and again.
+
+When a gated run ends, the worker that wrote its result calls :func:`wake_next` in the
+same transaction, under the same locks: the head of its key and as many tasks of its type
+as runs ended are un-parked (``last_run_node = NULL``) and the schedulers woken
+(``NOTIFY``); the next preload claims them. The locks make "park" and "wake" serial per
+key and type, so no task is parked just after the wake meant for it. As a backstop, the
+recovery scan releases parked tasks like any task held by a node that is not alive.
+
+Guarantees: never more than the limit of a type DISPATCHING or RUNNING at once (counted
+under the type's lock); never two tasks of one key at once, and a key's tasks start in
+``(order_seq, task_id)`` order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Row, bindparam, delete, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ax_kombu.core.gating import Candidate, Decision, Running, decide
+from ax_kombu.core.states import Status
+from ax_kombu.store import transitions
+from ax_kombu.store.claims import claim
+from ax_kombu.store.schema import limits
+from ax_kombu.store.tasks import wake_schedulers
+
+#: the pseudo-node that holds parked tasks (never a live node: recovery releases them too)
+PARKED = "~parked"
+_WAITING = ("CREATED", "DELAYED", "READY")
+_ACTIVE = ("DISPATCHING", "RUNNING")
+_LOCK_BASE = 0x6178_4700_0000  # "axG": apart from tasks.py's advisory locks
+
+
+def _expanding(sql: str, *names: str) -> Any:
+    return text(sql).bindparams(*[bindparam(n, expanding=True) for n in names])
+
+
+_CANDIDATES = _expanding(
+    "SELECT task_id, task_type, trigger_time, gate, order_key, job, scheduled_at FROM ax_task "
+    "WHERE task_id IN :ids AND status IN ('DELAYED', 'READY') AND last_run_node = :node "
+    "AND trigger_time <= :due", "ids")
+_LIMITS = _expanding("SELECT task_type, max_running FROM ax_limit WHERE task_type IN :types",
+                     "types")
+_ACTIVE_BY_TYPE = _expanding(
+    "SELECT task_type, count(*) FROM ax_task WHERE task_type IN :types "
+    "AND status IN ('DISPATCHING', 'RUNNING') GROUP BY task_type", "types")
+_BUSY_KEYS = _expanding(
+    "SELECT DISTINCT order_key FROM ax_task WHERE order_key IN :keys "
+    "AND status IN ('DISPATCHING', 'RUNNING')", "keys")
+# the first waiting task of each key; a retry waiting under skip_failed gives up its place
+_HEADS = _expanding(
+    "SELECT order_key, task_id FROM (SELECT order_key, task_id, ROW_NUMBER() OVER "
+    "(PARTITION BY order_key ORDER BY order_seq, task_id) AS n FROM ax_task "
+    "WHERE order_key IN :keys AND status IN ('CREATED', 'DELAYED', 'READY') "
+    "AND NOT (gate = 'order_skip' AND retry_count > 0)) AS w WHERE n = 1", "keys")
+_UNFINISHED = _expanding(
+    "SELECT job, task_id, scheduled_at FROM ax_task WHERE job IN :jobs "
+    "AND status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')", "jobs")
+_PARK = _expanding(
+    "UPDATE ax_task SET status = 'READY', last_run_node = :parked WHERE task_id IN :ids "
+    "AND status IN ('DELAYED', 'READY') AND last_run_node = :node", "ids")
+_WAKE_KEY = text(
+    "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
+    "WHERE order_key = :key AND last_run_node = :parked AND status = 'READY' "
+    "ORDER BY order_seq, task_id LIMIT 1)")
+_WAKE_TYPE = text(
+    "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
+    "WHERE task_type = :type AND last_run_node = :parked AND status = 'READY' "
+    "ORDER BY trigger_time, task_id LIMIT :n)")
+_WAKE_ALL_OF_TYPE = text(
+    "UPDATE ax_task SET last_run_node = NULL WHERE task_type = :type "
+    "AND last_run_node = :parked AND status = 'READY'")
+
+
+def lock(conn: Connection, kinds: Iterable[tuple[str, str]]) -> None:
+    """Take the transaction-scoped locks of ``(kind, name)`` pairs (PostgreSQL), sorted."""
+    if conn.dialect.name != "postgresql":
+        return
+    keys = sorted({_LOCK_BASE + int.from_bytes(hashlib.blake2b(
+        f"{kind}\0{name}".encode(), digest_size=6).digest(), "big") for kind, name in kinds})
+    if keys:
+        conn.execute(text("SELECT count(pg_advisory_xact_lock(k)) FROM "
+                          "unnest(CAST(:keys AS BIGINT[])) AS k"), {"keys": keys})
+
+
+def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
+                due_before: int) -> tuple[list[Row[Any]], Decision]:
+    """Claim what may start of ``task_ids`` (gated tasks this node holds), park what must
+    wait, cancel what its job's strategy drops. Call inside a transaction.
+
+    Returns:
+        The claimed rows (as :func:`ax_kombu.store.claims.claim` returns them) and the
+        decision taken.
+    """
+    found = [Candidate(*r) for r in conn.execute(
+        _CANDIDATES, {"ids": list(task_ids), "node": node, "due": due_before})]
+    if not found:
+        return [], Decision()
+    keys = {c.order_key for c in found if c.order_key is not None}
+    types = {c.task_type for c in found}
+    jobs = {c.job for c in found if c.job is not None and c.gate in ("discard", "cover")}
+    lock(conn, [("k", k) for k in keys] + [("t", t) for t in types] + [("j", j) for j in jobs])
+    decision = decide(found, _running(conn, keys, types, jobs))
+    for task_id, reason in decision.cancel + decision.supersede:
+        transitions.transition(conn, [task_id], [Status(s) for s in _WAITING + _ACTIVE],
+                               Status.CANCELLED,
+                               values={"finished_at": now_ms, "last_error": reason})
+    rows = claim(conn, decision.start, node, now_ms, due_before, gated=True)
+    if decision.wait:
+        conn.execute(_PARK, {"ids": decision.wait, "node": node, "parked": PARKED})
+    return rows, decision
+
+
+def _running(conn: Connection, keys: Collection[str], types: Collection[str],
+             jobs: Collection[str]) -> Running:
+    limits = dict(conn.execute(_LIMITS, {"types": list(types)}).all()) if types else {}
+    active = (dict(conn.execute(_ACTIVE_BY_TYPE, {"types": list(limits)}).all())
+              if limits else {})
+    busy: frozenset[str] = frozenset()
+    heads: dict[str, int] = {}
+    if keys:
+        busy = frozenset(r[0] for r in conn.execute(_BUSY_KEYS, {"keys": list(keys)}))
+        heads = dict(conn.execute(_HEADS, {"keys": list(keys)}).all())
+    unfinished: dict[str, list[tuple[int, int]]] = {}
+    if jobs:
+        for job, task_id, scheduled_at in conn.execute(_UNFINISHED, {"jobs": list(jobs)}):
+            unfinished.setdefault(job, []).append((task_id, scheduled_at or 0))
+    return Running(limits, active, busy, heads, unfinished)
+
+
+def wake_next(conn: Connection, ended: Sequence[tuple[str, str | None]]) -> int:
+    """Gated runs ended — ``(task_type, order_key)`` each: un-park the next of each key and
+    one task of the type per run ended, and wake the schedulers. Call inside the
+    transaction that records the ends. Returns how many were un-parked."""
+    if not ended:
+        return 0
+    keys = sorted({k for _, k in ended if k is not None})
+    per_type: dict[str, int] = {}
+    for task_type, _ in ended:
+        per_type[task_type] = per_type.get(task_type, 0) + 1
+    lock(conn, [("k", k) for k in keys] + [("t", t) for t in per_type])
+    woken = 0
+    for key in keys:
+        woken += conn.execute(_WAKE_KEY, {"key": key, "parked": PARKED}).rowcount or 0
+    for task_type, n in sorted(per_type.items()):
+        woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": n,
+                                           "parked": PARKED}).rowcount or 0
+    if woken:
+        wake_schedulers(conn, 0)
+    return woken
+
+
+def wake_type(conn: Connection, task_type: str) -> int:
+    """Un-park every task of ``task_type`` (its limit was raised or cleared)."""
+    lock(conn, [("t", task_type)])
+    woken = conn.execute(_WAKE_ALL_OF_TYPE, {"type": task_type, "parked": PARKED}).rowcount or 0
+    if woken:
+        wake_schedulers(conn, 0)
+    return woken
+
+
+# -- limits --------------------------------------------------------------------------------------
+
+
+def set_limit(conn: Connection, task_type: str, max_running: int | None, now_ms: int) -> None:
+    """Set (or with None clear) the limit of ``task_type``; tasks parked by a lower limit
+    are woken, and so is the next claim's view of it."""
+    lock(conn, [("t", task_type)])
+    if max_running is None:
+        conn.execute(delete(limits).where(limits.c.task_type == task_type))
+    else:
+        stmt = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(
+            limits).values(task_type=task_type, max_running=max_running, updated_at=now_ms)
+        conn.execute(stmt.on_conflict_do_update(
+            index_elements=["task_type"],
+            set_={"max_running": max_running, "updated_at": now_ms}))
+    wake_type(conn, task_type)
+
+
+def list_limits(conn: Connection) -> dict[str, int]:
+    """Every limit: task type → most DISPATCHING or RUNNING at once."""
+    rows = conn.execute(select(limits.c.task_type, limits.c.max_running)
+                        .order_by(limits.c.task_type))
+    return {r[0]: r[1] for r in rows}
