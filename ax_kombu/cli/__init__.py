@@ -15,6 +15,7 @@ from ax_kombu.cli.db import db
 from ax_kombu.cli.enqueue import enqueue
 from ax_kombu.cli.inspect import inspect
 from ax_kombu.cli.jobs import jobs
+from ax_kombu.cli.limits import limits
 from ax_kombu.cli.status import status
 
 
@@ -35,5 +36,5 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     ctx.obj = obj
 
 
-for command in (enqueue, inspect, cancel, db, status, jobs):
+for command in (enqueue, inspect, cancel, db, status, jobs, limits):
     main.add_command(command)

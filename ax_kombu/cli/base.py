@@ -4,13 +4,38 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
 
+from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env, parse_duration_ms, redact_url
 from ax_kombu.exceptions import AxError
+
+
+class OneLineGroup(click.Group):
+    """A subcommand group whose usage errors (bad option value, missing argument) are one
+    line on stderr and exit 2, like every other error of ``ax``."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            click.echo(f"ax: error: {exc.format_message()} (see '{where} -h')", err=True)
+            sys.exit(2)
+
+
+@contextmanager
+def client_for(ctx: click.Context) -> Iterator[Client]:
+    """A producer client on the command's settings, closed after the block."""
+    client = Client(settings_from(ctx))
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 class AxGroup(click.Group):

@@ -25,6 +25,12 @@ from ax_kombu.exceptions import ValidationError
 @click.option("--timeout", "timeout_ms", type=Duration(), default=None, help="e.g. 30s")
 @click.option("--processor", default=None, help="Registered name or package.module:function.")
 @click.option("--callback-url", default=None, help="POST the payload to this URL instead.")
+@click.option("--order-key", default=None,
+              help="Run one at a time with the other tasks of this key, in trigger order.")
+@click.option("--order-policy", type=click.Choice(["hold_failed", "skip_failed"]),
+              default="hold_failed", show_default=True,
+              help="Whether a failed task waiting for its retry holds its key.")
+@click.option("--shards", type=int, default=None, help="Make N shards of the task (1..1024).")
 @click.pass_context
 def enqueue(ctx: click.Context, /, task_type: str, payload: Any, delay: int | None,
             run_at: str | None, **options: Any) -> None:
@@ -42,4 +48,4 @@ def enqueue(ctx: click.Context, /, task_type: str, payload: Any, delay: int | No
     finally:
         client.close()
     suffix = "" if task_id.created else "  (duplicate: existing task, nothing created)"
-    click.echo(f"{int(task_id)}{suffix}")
+    click.echo(f"{' '.join(map(str, task_id.shards)) or int(task_id)}{suffix}")

@@ -9,43 +9,18 @@ nothing; an unknown job name exits 3.
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 import click
 
-from ax_kombu.api import Client
-from ax_kombu.cli.base import Duration, JsonValue, settings_from
+from ax_kombu.cli.base import Duration, JsonValue, OneLineGroup, client_for
 from ax_kombu.config import PRIORITIES
 from ax_kombu.core.cron import MISFIRE_POLICIES
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.jobs import JobView
+from ax_kombu.jobs import STRATEGIES, JobView
 
-_COLUMNS = ("name", "schedule", "task type", "misfire", "paused", "next fire")
-
-
-class JobsGroup(click.Group):
-    """A group whose usage errors (bad option value, missing argument) are one line, exit 2."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as exc:
-            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-            click.echo(f"ax: error: {exc.format_message()} (see '{where} -h')", err=True)
-            sys.exit(2)
-
-
-@contextmanager
-def _client(ctx: click.Context) -> Iterator[Client]:
-    client = Client(settings_from(ctx))
-    try:
-        yield client
-    finally:
-        client.close()
+_COLUMNS = ("name", "schedule", "task type", "misfire", "strategy", "paused", "next fire")
 
 
 def _iso(at: datetime | None) -> str | None:
@@ -58,7 +33,7 @@ def _as_json(job: JobView) -> dict[str, Any]:
     return {"name": job.name, "task_type": job.task_type, "cron": job.cron,
             "every_s": job.every.total_seconds() if job.every is not None else None,
             "tz": job.tz, "misfire": job.misfire, "misfire_grace_s": job.misfire_grace_s,
-            "priority": job.priority, "paused": job.paused,
+            "strategy": job.strategy, "priority": job.priority, "paused": job.paused,
             "next_fire_at": _iso(job.next_fire_at), "payload": job.payload}
 
 
@@ -68,7 +43,7 @@ def _summary(job: JobView) -> str:
     return f"{job.name}: {job.schedule}, {when}"
 
 
-@click.group(cls=JobsGroup)
+@click.group(cls=OneLineGroup)
 def jobs() -> None:
     """Recurring jobs: list, add, pause, resume, remove, next."""
 
@@ -78,7 +53,7 @@ def jobs() -> None:
 @click.pass_context
 def list_jobs(ctx: click.Context, as_json: bool) -> None:
     """Every recurring job, by name."""
-    with _client(ctx) as client:
+    with client_for(ctx) as client:
         found = client.jobs()
     if as_json:
         click.echo(json.dumps([_as_json(j) for j in found], indent=2, ensure_ascii=False))
@@ -86,8 +61,9 @@ def list_jobs(ctx: click.Context, as_json: bool) -> None:
     if not found:
         click.echo("(no recurring jobs)")
         return
-    rows = [_COLUMNS] + [(j.name, j.schedule, j.task_type, j.misfire, "yes" if j.paused else "no",
-                          _iso(j.next_fire_at) or "-") for j in found]
+    rows = [_COLUMNS] + [(j.name, j.schedule, j.task_type, j.misfire, j.strategy,
+                          "yes" if j.paused else "no", _iso(j.next_fire_at) or "-")
+                         for j in found]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -103,6 +79,9 @@ def list_jobs(ctx: click.Context, as_json: bool) -> None:
 @click.option("--payload", type=JsonValue(), default="null", help="JSON payload of each task.")
 @click.option("--misfire", type=click.Choice(MISFIRE_POLICIES), default=MISFIRE_POLICIES[0],
               show_default=True, help="What to do with occurrences missed during downtime.")
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="parallel", show_default=True,
+              help="An occurrence due while the previous one runs: run both (parallel), wait "
+                   "(serial), replace it (cover) or drop the new one (discard).")
 @click.option("--grace", type=Duration(), default=None,
               help="Missed occurrences older than this are skipped (default: no limit).")
 @click.option("--priority", type=click.Choice(PRIORITIES), default="default", show_default=True)
@@ -116,7 +95,7 @@ def add(ctx: click.Context, /, name: str, task_type: str, payload: Any, cron_exp
     """Create or update the recurring job NAME (exactly one of --cron or --every)."""
     if (cron_expr is None) == (every is None):
         raise ValidationError(f"job {name!r}: give exactly one of --cron or --every")
-    with _client(ctx) as client:
+    with client_for(ctx) as client:
         job = client.schedule(name, task_type, payload, cron=cron_expr,
                               every=None if every is None else every / 1000.0,
                               misfire_grace_s=None if grace is None else grace / 1000.0,
@@ -129,7 +108,7 @@ def add(ctx: click.Context, /, name: str, task_type: str, payload: Any, cron_exp
 @click.pass_context
 def pause(ctx: click.Context, name: str) -> None:
     """Pause NAME: its undispatched occurrences are removed, none is created."""
-    with _client(ctx) as client:
+    with client_for(ctx) as client:
         job = client.pause(name)
     click.echo(_summary(job))
 
@@ -139,7 +118,7 @@ def pause(ctx: click.Context, name: str) -> None:
 @click.pass_context
 def resume(ctx: click.Context, name: str) -> None:
     """Resume NAME; what it missed goes by its misfire policy."""
-    with _client(ctx) as client:
+    with client_for(ctx) as client:
         job = client.resume(name)
     click.echo(_summary(job))
 
@@ -149,7 +128,7 @@ def resume(ctx: click.Context, name: str) -> None:
 @click.pass_context
 def remove(ctx: click.Context, name: str) -> None:
     """Remove NAME and its undispatched occurrences."""
-    with _client(ctx) as client:
+    with client_for(ctx) as client:
         dropped = client.unschedule(name)
     click.echo(f"{name}: removed ({dropped} undispatched occurrence"
                f"{'' if dropped == 1 else 's'})")
@@ -161,7 +140,7 @@ def remove(ctx: click.Context, name: str) -> None:
 @click.pass_context
 def next_fires(ctx: click.Context, name: str, count: int) -> None:
     """The next fire times of NAME, one per line (paused or not)."""
-    with _client(ctx) as client:
+    with client_for(ctx) as client:
         times = client.next_fires(name, count)
     for at in times:
         click.echo(_iso(at))

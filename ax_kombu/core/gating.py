@@ -10,8 +10,8 @@ in trigger order (ties by id):
   share the key ``ax.job:<name>``): it starts only if no task of its key is DISPATCHING or
   RUNNING and it is the key's head — the first waiting task of the key by
   ``(order_seq, task_id)``. A task waiting for a retry keeps its place (it is the head),
-  unless its gate is ``order_skip`` (``order_policy="skip_failed"``). Otherwise it
-  **waits** (parked, READY).
+  unless its gate is ``order_skip`` (``order_policy="skip_failed"``): then it gives its
+  place up until its retry is due. Otherwise it **waits** (parked, READY).
 * **limit**: at most ``limit`` tasks of the type DISPATCHING or RUNNING; over it, it
   **waits**.
 * **discard** (a job's occurrence): if an earlier occurrence of the job is unfinished,
@@ -138,6 +138,8 @@ class _Batch:
     def _supersede(self, c: Candidate) -> None:
         for task_id in self._unfinished_before(c):
             self.superseded.add(task_id)
+            if task_id in self.result.wait:  # waiting in this batch: superseded instead
+                self.result.wait.remove(task_id)
             reason = f"superseded by task {c.task_id}, a later occurrence of job {c.job!r}"
             self.result.supersede.append((task_id, reason))
             started = self.taken.get(c.job or "")

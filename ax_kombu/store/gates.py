@@ -65,12 +65,14 @@ _ACTIVE_BY_TYPE = _expanding(
 _BUSY_KEYS = _expanding(
     "SELECT DISTINCT order_key FROM ax_task WHERE order_key IN :keys "
     "AND status IN ('DISPATCHING', 'RUNNING')", "keys")
-# the first waiting task of each key; a retry waiting under skip_failed gives up its place
+# the first waiting task of each key; under skip_failed a retry not yet due gives up its
+# place (the key goes on without it) and takes it back when due
 _HEADS = _expanding(
     "SELECT order_key, task_id FROM (SELECT order_key, task_id, ROW_NUMBER() OVER "
     "(PARTITION BY order_key ORDER BY order_seq, task_id) AS n FROM ax_task "
     "WHERE order_key IN :keys AND status IN ('CREATED', 'DELAYED', 'READY') "
-    "AND NOT (gate = 'order_skip' AND retry_count > 0)) AS w WHERE n = 1", "keys")
+    "AND NOT (gate = 'order_skip' AND retry_count > 0 AND trigger_time > :due)) AS w "
+    "WHERE n = 1", "keys")
 _UNFINISHED = _expanding(
     "SELECT job, task_id, scheduled_at FROM ax_task WHERE job IN :jobs "
     "AND status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')", "jobs")
@@ -84,6 +86,7 @@ _WAKE_KEY = text(
 _WAKE_TYPE = text(
     "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
     "WHERE task_type = :type AND last_run_node = :parked AND status = 'READY' "
+    "AND EXISTS (SELECT 1 FROM ax_limit AS l WHERE l.task_type = :type) "
     "ORDER BY trigger_time, task_id LIMIT :n)")
 _WAKE_ALL_OF_TYPE = text(
     "UPDATE ax_task SET last_run_node = NULL WHERE task_type = :type "
@@ -118,7 +121,7 @@ def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: in
     types = {c.task_type for c in found}
     jobs = {c.job for c in found if c.job is not None and c.gate in ("discard", "cover")}
     lock(conn, [("k", k) for k in keys] + [("t", t) for t in types] + [("j", j) for j in jobs])
-    decision = decide(found, _running(conn, keys, types, jobs))
+    decision = decide(found, _running(conn, keys, types, jobs, due_before))
     for task_id, reason in decision.cancel + decision.supersede:
         transitions.transition(conn, [task_id], [Status(s) for s in _WAITING + _ACTIVE],
                                Status.CANCELLED,
@@ -130,7 +133,7 @@ def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: in
 
 
 def _running(conn: Connection, keys: Collection[str], types: Collection[str],
-             jobs: Collection[str]) -> Running:
+             jobs: Collection[str], due_before: int) -> Running:
     limits = dict(conn.execute(_LIMITS, {"types": list(types)}).all()) if types else {}
     active = (dict(conn.execute(_ACTIVE_BY_TYPE, {"types": list(limits)}).all())
               if limits else {})
@@ -138,7 +141,7 @@ def _running(conn: Connection, keys: Collection[str], types: Collection[str],
     heads: dict[str, int] = {}
     if keys:
         busy = frozenset(r[0] for r in conn.execute(_BUSY_KEYS, {"keys": list(keys)}))
-        heads = dict(conn.execute(_HEADS, {"keys": list(keys)}).all())
+        heads = dict(conn.execute(_HEADS, {"keys": list(keys), "due": due_before}).all())
     unfinished: dict[str, list[tuple[int, int]]] = {}
     if jobs:
         for job, task_id, scheduled_at in conn.execute(_UNFINISHED, {"jobs": list(jobs)}):

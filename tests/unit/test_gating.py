@@ -334,10 +334,6 @@ def test_decide_does_not_depend_on_the_order_candidates_are_given(
     assert d.start == [3, 2] and d.wait == [1]
 
 
-@pytest.mark.xfail(strict=True, reason="a cover occurrence supersedes an earlier one that the "
-                   "same decision already put in `wait` (the job's task type was changed by "
-                   "schedule(), so the earlier waits for its old type's limit): the id is "
-                   "listed in both wait and supersede")
 def test_an_earlier_occurrence_waiting_for_its_limit_is_not_also_superseded() -> None:
     old = occurrence(1, "feed", 100, "cover", task_type="old")
     new = occurrence(2, "feed", 200, "cover", task_type="new")
