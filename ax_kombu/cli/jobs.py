@@ -1,4 +1,4 @@
-"""``ax jobs list|add|pause|resume|remove|next`` — recurring jobs (:mod:`ax_kombu.jobs`).
+"""``ax jobs list|add|pause|resume|remove|next`` — recurring jobs (:mod:`ax_kombu.recurring`).
 
 Times are shown in ISO 8601 with their offset, in the job's own zone. Every error is one
 line on stderr (``ax: error: …``): bad input — a bad cron expression, an unknown zone,
@@ -22,7 +22,7 @@ from ax_kombu.cli.base import Duration, JsonValue, settings_from
 from ax_kombu.config import PRIORITIES
 from ax_kombu.core.cron import MISFIRE_POLICIES
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.jobs import JobView
+from ax_kombu.recurring import JobView
 
 _COLUMNS = ("name", "schedule", "task type", "misfire", "paused", "next fire")
 

@@ -25,7 +25,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import JobNotFound, ValidationError
-from ax_kombu.jobs import build_job, schedule_job
+from ax_kombu.recurring import build_job, schedule_job
 from ax_kombu.scheduler.recurrence import ON_TIME_MS, Materialiser
 from ax_kombu.store import Store, claims, transitions
 from ax_kombu.store import jobs as job_store
