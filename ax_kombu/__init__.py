@@ -39,7 +39,7 @@ from ax_kombu.exceptions import (
     TaskNotFound,
     ValidationError,
 )
-from ax_kombu.jobs import JobView, periodic
+from ax_kombu.recurring import JobView, periodic
 from ax_kombu.worker.processors import processor
 
 __all__ = [

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Self
 
-from ax_kombu import jobs as recurring
+from ax_kombu import recurring
 from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, JobNotFound, TaskNotFound, ValidationError
-from ax_kombu.jobs import JobView
+from ax_kombu.recurring import JobView
 from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.leases import StoreLessor
@@ -201,7 +201,7 @@ class Client:
                                     "not finished can be cancelled")
         return view
 
-    # -- recurring jobs (ax_kombu.jobs) -----------------------------------------------------
+    # -- recurring jobs (ax_kombu.recurring) -----------------------------------------------------
 
     def schedule(self, name: str, task_type: str, payload: Any = None, *,
                  cron: str | None = None, every: Any = None, tz: str = "UTC",

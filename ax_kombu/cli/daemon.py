@@ -151,7 +151,7 @@ def declare_periodic_jobs(settings: Settings) -> threading.Thread | None:
     starts (and waits for its database) as usual. None when nothing was declared.
     """
     from ax_kombu.api import Client
-    from ax_kombu.jobs import declared
+    from ax_kombu.recurring import declared
 
     if not declared():
         return None

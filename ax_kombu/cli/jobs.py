@@ -1,4 +1,4 @@
-"""``ax jobs list|add|pause|resume|remove|next`` — recurring jobs (:mod:`ax_kombu.jobs`).
+"""``ax jobs list|add|pause|resume|remove|next`` — recurring jobs (:mod:`ax_kombu.recurring`).
 
 Times are shown in ISO 8601 with their offset, in the job's own zone. Every error is one
 line on stderr (``ax: error: …``): bad input — a bad cron expression, an unknown zone,
@@ -18,7 +18,7 @@ from ax_kombu.cli.base import Duration, JsonValue, OneLineGroup, client_for
 from ax_kombu.config import PRIORITIES
 from ax_kombu.core.cron import MISFIRE_POLICIES
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.jobs import STRATEGIES, JobView
+from ax_kombu.recurring import STRATEGIES, JobView
 
 _COLUMNS = ("name", "schedule", "task type", "misfire", "strategy", "paused", "next fire")
 

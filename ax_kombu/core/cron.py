@@ -209,6 +209,8 @@ class Plan:
 
     Attributes:
         create: ``(scheduled_at, trigger_time)`` of each task to create, in order.
+        retrigger: ``(scheduled_at, trigger_time)`` of missed occurrences already in the
+            store that run as catch-ups: their trigger time moves to the pass.
         cancel: occurrences already in the store, not started and missed, to cancel.
         next_fire_at: the first occurrence not yet created (None: the schedule ended).
         missed: how many occurrences were missed (at least; counting stops past
@@ -216,6 +218,7 @@ class Plan:
     """
 
     create: list[tuple[int, int]] = field(default_factory=list)
+    retrigger: list[tuple[int, int]] = field(default_factory=list)
     cancel: list[int] = field(default_factory=list)
     next_fire_at: int | None = None
     missed: int = 0
@@ -237,8 +240,11 @@ def plan(schedule: Schedule, next_fire_at: int, now_ms: int, horizon_ms: int, *,
     * ``skip``: none runs; the job resumes at its next future occurrence.
     * ``fire_all``: each runs now, oldest first — at most ``misfire_max``, the latest ones.
 
-    A missed occurrence in ``pending`` that is dropped is listed in ``cancel``; one that is
-    kept is left to run (it is already due).
+    Catch-up runs trigger at ``now_ms``, 1 ms apart in occurrence order (so they are
+    dispatched oldest first, and ``trigger_time != scheduled_at`` tells them apart); a
+    missed occurrence in ``pending`` that runs is listed in ``retrigger``, one that is
+    dropped in ``cancel``. An occurrence due less than ``on_time_ms`` ago is not missed:
+    it runs as usual.
     """
     cutoff = now_ms - on_time_ms
     result = Plan()
@@ -251,8 +257,9 @@ def plan(schedule: Schedule, next_fire_at: int, now_ms: int, horizon_ms: int, *,
                                        now_ms - grace_ms if grace_ms is not None else None,
                                        misfire_max)
         result.cancel = [p for p in pending if p not in keep]
-        fresh = sorted(set(keep) - set(pending))
-        result.create = [(t, now_ms) for t in fresh]
+        kept = set(pending)
+        for i, at in enumerate(sorted(keep)):
+            (result.retrigger if at in kept else result.create).append((at, now_ms + i))
     t = start
     while t is not None and t <= horizon_ms and len(result.create) < limit:
         result.create.append((t, t))

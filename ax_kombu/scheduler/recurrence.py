@@ -115,7 +115,8 @@ class Materialiser:
                          grace_ms=job.misfire_grace_ms, misfire_max=settings.misfire_max,
                          on_time_ms=ON_TIME_MS, pending=[p[1] for p in pending], limit=PER_JOB)
         if plan.missed:
-            self._misfired(conn, job, plan, pending, now_ms)
+            self._misfired(conn, job, plan, {at: task_id for task_id, at in pending},
+                           now_ms)
         job_store.update_job(conn, job.name, {"next_fire_at": plan.next_fire_at})
         ids = self._ids.next_ids(len(plan.create))
         return [self._row(job, task_id, scheduled_at, trigger, now_ms)
@@ -131,13 +132,14 @@ class Materialiser:
         return before if before is not None else low
 
     def _misfired(self, conn: Connection, job: Row[Any], plan: cron.Plan,
-                  pending: list[tuple[int, int]], now_ms: int) -> None:
-        dropped = set(plan.cancel)
+                  pending: dict[int, int], now_ms: int) -> None:
+        """Cancel the written occurrences the policy drops, move the kept ones to the pass."""
         reason = (f"misfire: occurrence missed while no scheduler ran job {job.name!r}; "
                   f"dropped by its policy {job.misfire!r}")
         cancelled = job_store.cancel_occurrences(
-            conn, [task_id for task_id, at in pending if at in dropped], now_ms, reason)
-        caught_up = sum(1 for _, trigger in plan.create if trigger == now_ms)
+            conn, [pending[at] for at in plan.cancel], now_ms, reason)
+        job_store.retrigger(conn, [(pending[at], trigger) for at, trigger in plan.retrigger])
+        caught_up = len(plan.retrigger) + sum(1 for at, trigger in plan.create if trigger != at)
         metrics.job_misfires_total.labels("run").inc(caught_up)
         metrics.job_misfires_total.labels("dropped").inc(max(0, plan.missed - caught_up))
         log.warning("recurring job missed occurrences; applying its misfire policy",

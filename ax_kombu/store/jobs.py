@@ -125,6 +125,17 @@ def cancel_occurrences(conn: Connection, task_ids: Sequence[int], now_ms: int,
                                   values={"finished_at": now_ms, "last_error": reason})
 
 
+def retrigger(conn: Connection, moves: Sequence[tuple[int, int]]) -> int:
+    """Set ``(task_id, trigger_time)`` on undispatched occurrences (catch-ups); returns how
+    many moved (a claim that got there first keeps its row as it was)."""
+    moved = 0
+    for task_id, trigger in moves:
+        moved += conn.execute(
+            update(tasks).where(tasks.c.task_id == task_id, tasks.c.status.in_(UNDISPATCHED))
+            .values(trigger_time=trigger)).rowcount or 0
+    return moved
+
+
 def drop_undispatched(conn: Connection, job: str, from_ms: int | None = None) -> list[int]:
     """Delete the job's undispatched occurrences (scheduled at or after ``from_ms`` if
     given); returns their scheduled times."""

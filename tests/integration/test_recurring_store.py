@@ -25,7 +25,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import JobNotFound, ValidationError
-from ax_kombu.jobs import build_job, schedule_job
+from ax_kombu.recurring import build_job, schedule_job
 from ax_kombu.scheduler.recurrence import ON_TIME_MS, Materialiser
 from ax_kombu.store import Store, claims, transitions
 from ax_kombu.store import jobs as job_store
@@ -473,8 +473,9 @@ def test_fire_all_runs_the_latest_missed_oldest_first_up_to_misfire_max(
                                9000, 10_000, 11_000, 12_000]
     assert_misfire_cancelled(views[:4], now)
     catch_up = views[4:7]
-    assert all(v.trigger_time == now and v.status is Status.CREATED for v in catch_up)
-    assert [v.task_id for v in catch_up] == sorted(v.task_id for v in catch_up)  # oldest first
+    # catch-ups trigger at the pass, 1 ms apart: dispatched oldest first
+    assert [v.trigger_time for v in catch_up] == [now, now + 1, now + 2]
+    assert all(v.status is Status.CREATED for v in catch_up)
     assert all(v.trigger_time == v.scheduled_at for v in views[7:])
 
 
@@ -487,9 +488,9 @@ def test_fire_all_under_the_cap_keeps_the_written_ones_and_adds_the_rest(
     views = occurrences(client, "beat")
     assert times(views, a) == list(range(1000, 12_001, 1000))
     assert all(v.status is Status.CREATED for v in views)
-    assert {v.task_id for v in views[:4]} == written  # already due: left to run
-    assert all(v.trigger_time == v.scheduled_at for v in views[:4])
-    assert all(v.trigger_time == now for v in views[4:8])
+    assert {v.task_id for v in views[:4]} == written  # kept: run as catch-ups
+    # all eight catch-ups trigger at the pass, oldest first, the written ones included
+    assert [v.trigger_time for v in views[:8]] == [now + i for i in range(8)]
     assert all(v.trigger_time == v.scheduled_at for v in views[8:])
 
 
@@ -503,7 +504,7 @@ def test_misfire_grace_drops_the_older_missed_occurrences(
     assert times(views, a) == [1000, 2000, 3000, 4000, 7000, 8000, 9000, 10_000, 11_000,
                                12_000]
     assert_misfire_cancelled(views[:4], now)
-    assert [v.trigger_time for v in views[4:6]] == [now, now]
+    assert [v.trigger_time for v in views[4:6]] == [now, now + 1]
 
 
 def test_fire_once_with_everything_older_than_the_grace_runs_nothing(
@@ -569,7 +570,8 @@ def test_pause_removes_the_undispatched_and_resume_applies_the_misfire_policy(
     scheduler.run(now)
     views = occurrences(client, "beat")
     assert views[0].task_id == sent.task_id and views[0].status is Status.DISPATCHING
-    caught_up = [when(v) - a for v in views if v.trigger_time == now != v.scheduled_at]
+    caught_up = [when(v) - a for v in views
+                 if now <= v.trigger_time < now + 100 and v.trigger_time != v.scheduled_at]
     assert caught_up == missed_runs
     on_time = [when(v) - a for v in views[1:] if v.trigger_time == v.scheduled_at]
     assert on_time == [7000, 8000, 9000, 10_000]

@@ -630,16 +630,19 @@ def test_skip_runs_nothing_cancels_all_pending_and_resumes_at_the_next_future_oc
 
 def test_fire_all_runs_every_missed_occurrence_now_oldest_first() -> None:
     p = run(IntervalSchedule(1000, 0), 5_000, 9_500, 11_000, misfire="fire_all")
-    assert p.create == [(5_000, 9_500), (6_000, 9_500), (7_000, 9_500), (8_000, 9_500),
-                        (9_000, 9_500), (10_000, 10_000), (11_000, 11_000)]
+    # catch-ups trigger at the pass, 1 ms apart in occurrence order: dispatched oldest first
+    assert p.create == [(5_000, 9_500), (6_000, 9_501), (7_000, 9_502), (8_000, 9_503),
+                        (9_000, 9_504), (10_000, 10_000), (11_000, 11_000)]
     assert p.missed == 5
     assert p.cancel == []
 
 
-def test_fire_all_leaves_pending_missed_occurrences_to_run() -> None:
+def test_fire_all_runs_pending_missed_occurrences_as_catch_ups_first() -> None:
     p = run(IntervalSchedule(1000, 0), 5_000, 8_500, 8_500, misfire="fire_all",
             pending=[4_000, 3_000])
-    assert p.create == [(5_000, 8_500), (6_000, 8_500), (7_000, 8_500), (8_000, 8_500)]
+    # the written ones are kept and move to the pass, before the fresh ones (oldest first)
+    assert p.retrigger == [(3_000, 8_500), (4_000, 8_501)]
+    assert p.create == [(5_000, 8_502), (6_000, 8_503), (7_000, 8_504), (8_000, 8_505)]
     assert p.cancel == []
     assert p.missed == 6
 
@@ -647,7 +650,7 @@ def test_fire_all_leaves_pending_missed_occurrences_to_run() -> None:
 def test_fire_all_is_capped_at_misfire_max_keeping_the_latest() -> None:
     p = run(IntervalSchedule(1000, 0), 1_000, 50_500, 50_500, misfire="fire_all", misfire_max=3,
             pending=[500])
-    assert p.create == [(48_000, 50_500), (49_000, 50_500), (50_000, 50_500)]
+    assert p.create == [(48_000, 50_500), (49_000, 50_501), (50_000, 50_502)]
     assert p.cancel == [500]
     assert 3 < p.missed <= 51
     assert p.next_fire_at == 51_000
@@ -657,6 +660,7 @@ def test_fire_all_cap_cancels_older_pending_but_keeps_pending_among_the_latest()
     p = run(IntervalSchedule(1000, 0), 1_000, 10_500, 10_500, misfire="fire_all", misfire_max=3,
             pending=[2_000, 8_000, 9_000, 10_000])
     assert p.create == []
+    assert p.retrigger == [(8_000, 10_500), (9_000, 10_501), (10_000, 10_502)]
     assert p.cancel == [2_000]
 
 
@@ -676,7 +680,7 @@ def test_fire_once_drops_the_catch_up_when_it_is_older_than_the_grace() -> None:
 def test_fire_all_runs_only_the_missed_occurrences_within_the_grace() -> None:
     p = run(IntervalSchedule(1000, 0), 5_000, 20_500, 20_500, misfire="fire_all",
             grace_ms=2_500, pending=[3_000])
-    assert p.create == [(18_000, 20_500), (19_000, 20_500), (20_000, 20_500)]
+    assert p.create == [(18_000, 20_500), (19_000, 20_501), (20_000, 20_502)]
     assert p.cancel == [3_000]
 
 
@@ -730,7 +734,7 @@ def test_plan_fire_all_over_fall_back_runs_each_pass_of_the_repeated_hour_once()
     p = run(s, nfa, now, now, misfire="fire_all")
     assert scheduled(p) == between(s, nfa, now)
     assert len(scheduled(p)) == len(set(scheduled(p))) == (now - nfa) // (20 * MINUTE) + 1
-    assert all(trigger == now for _, trigger in p.create)
+    assert [trigger for _, trigger in p.create] == [now + i for i in range(len(p.create))]
 
 
 @pytest.mark.parametrize(("tz", "expr", "day"), [
@@ -800,7 +804,7 @@ def test_repeated_passes_never_create_the_same_occurrence_twice(
         for sched, trig in p.create:
             assert sched not in created
             assert (sched - anchor) % every == 0 and sched > anchor
-            assert trig == (sched if sched >= now - on_time_ms else now)
+            assert trig == sched if sched >= now - on_time_ms else now <= trig <= now + 2 * misfire_max
             created[sched] = trig
         assert set(p.cancel) <= set(pending)
         cancelled |= set(p.cancel)
