@@ -83,7 +83,8 @@ def test_add_is_listed_with_its_next_fire_and_is_idempotent(ax: Ax) -> None:
     assert daily["next_fire_at"] in expected
     assert daily == {"name": "report.daily", "task_type": "report", "cron": "0 8 * * *",
                      "every_s": None, "tz": "Asia/Shanghai", "misfire": "fire_once",
-                     "misfire_grace_s": None, "priority": "default", "paused": False,
+                     "misfire_grace_s": None, "strategy": "parallel", "priority": "default",
+                     "paused": False,
                      "next_fire_at": daily["next_fire_at"], "payload": {"kind": "daily"}}
     assert (tick["cron"], tick["every_s"], tick["tz"], tick["misfire"], tick["misfire_grace_s"],
             tick["priority"], tick["payload"]) == (None, 90.0, "UTC", "skip", 1.5, "high", None)
@@ -92,12 +93,12 @@ def test_add_is_listed_with_its_next_fire_and_is_idempotent(ax: Ax) -> None:
     assert timedelta(0) < tick_at - datetime.now(UTC) <= timedelta(seconds=90)
 
     header, *rows = text.splitlines()
-    assert header.split() == ["name", "schedule", "task", "type", "misfire", "paused", "next",
-                              "fire"]
+    assert header.split() == ["name", "schedule", "task", "type", "misfire", "strategy",
+                              "paused", "next", "fire"]
     assert rows[0].split() == ["report.daily", "cron", "'0", "8", "*", "*", "*'",
-                               "Asia/Shanghai", "report", "fire_once", "no",
+                               "Asia/Shanghai", "report", "fire_once", "parallel", "no",
                                daily["next_fire_at"]]
-    assert rows[1].split() == ["tick", "every", "90s", "beat", "skip", "no",
+    assert rows[1].split() == ["tick", "every", "90s", "beat", "skip", "parallel", "no",
                                tick["next_fire_at"]]
 
 
