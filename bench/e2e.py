@@ -12,6 +12,9 @@ Scenarios:
   p50/p99 of start − trigger.
 * ``steady`` — a producer process enqueues RATE tasks/s (default 2,000) with delays
   spread over 0.05–30 s for DURATION s (default 60): p50/p99/max of start − trigger.
+* ``gated`` — ``burst`` through the gated claim: each task has one of KEYS order keys
+  (default 1,000) and its type a cluster-wide limit (default 50); ``--keys 0 --limit 0``
+  is the same burst without either, for a same-run baseline.
 
 The worker runs with the ordinary flags (``-c``, ``--prefetch-multiplier``) and
 defaults otherwise; a task the worker did not start within the ack timeout is
@@ -19,6 +22,7 @@ dispatched again, and the ``redispatched`` figure counts those.
 
     .venv/bin/python -m bench.e2e burst [--n 100000] [--concurrency high=8,default=16,slow=8]
     .venv/bin/python -m bench.e2e steady [--rate 2000 --duration 60]
+    .venv/bin/python -m bench.e2e gated [--n 10000 --keys 1000 --limit 50]
 
 This module is also the worker's processor module (``-A bench.e2e``).
 """
@@ -50,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @ax.processor("bench.burst")
 @ax.processor("bench.steady")
+@ax.processor("bench.gated")
 def noop(payload: Any, ctx: Any) -> None:
     """Does nothing: the figures are ax's own cost."""
 
@@ -160,9 +165,13 @@ def burst(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
         wait_ready(client, procs)
         trigger = client.store.now_ms() + int(args.lead * 1000)
         run_at = datetime.fromtimestamp(trigger / 1000, UTC)
+        if args.scenario == "gated" and args.limit:
+            client.set_limit("bench.gated", args.limit)
+        kind = "bench.gated" if args.scenario == "gated" else "bench.burst"
+        keys = args.keys if args.scenario == "gated" else 0
         for base in range(0, args.n, 20_000):
-            client.enqueue_many([{"task_type": "bench.burst", "payload": {"i": i},
-                                  "run_at": run_at}
+            client.enqueue_many([{"task_type": kind, "payload": {"i": i}, "run_at": run_at,
+                                  "order_key": f"k{i % keys}" if keys else None}
                                  for i in range(base, min(args.n, base + 20_000))])
         if client.store.now_ms() >= trigger:
             raise SystemExit(f"enqueueing took longer than --lead {args.lead}s; raise it")
@@ -208,7 +217,9 @@ def _cleanup_redis(settings: Settings) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", choices=["burst", "steady"])
+    parser.add_argument("scenario", choices=["burst", "steady", "gated"])
+    parser.add_argument("--keys", type=int, default=1000, help="gated: order keys (0: none)")
+    parser.add_argument("--limit", type=int, default=50, help="gated: the type's limit (0: none)")
     parser.add_argument("--n", type=int, default=100_000, help="burst: tasks due at once")
     parser.add_argument("--lead", type=float, default=15.0, help="burst: seconds until due")
     parser.add_argument("--rate", type=int, default=2000, help="steady: tasks/s enqueued")
@@ -229,12 +240,13 @@ def main() -> None:
         settings = from_env({}, database_url=url, broker_url=args.broker,
                             broker_key_prefix=f"axbench{os.getpid()}:")
         try:
-            result = (burst if args.scenario == "burst" else steady)(settings, args)
+            result = (steady if args.scenario == "steady" else burst)(settings, args)
         finally:
             _cleanup_redis(settings)
     flags = f"-c {args.concurrency or 'default'}" + (
         f" --prefetch-multiplier {args.prefetch_multiplier}" if args.prefetch_multiplier else ""
-    ) + "".join(f" {item}" for item in args.set)
+    ) + "".join(f" {item}" for item in args.set) + (
+        f" --keys {args.keys} --limit {args.limit}" if args.scenario == "gated" else "")
     print(f"{args.scenario} (ax e2e, 1 scheduler + 1 worker {flags}) on {machine()}: "
           + ", ".join(f"{k}={v}" for k, v in result.items()))
 
