@@ -54,9 +54,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @ax.processor("bench.burst")
 @ax.processor("bench.steady")
-@ax.processor("bench.gated")
 def noop(payload: Any, ctx: Any) -> None:
     """Does nothing: the figures are ax's own cost."""
+
+
+@ax.processor("bench.gated")
+def gated(payload: Any, ctx: Any) -> None:
+    """Sleeps ``payload["ms"]`` (``--task-ms``; 0: returns at once)."""
+    if payload.get("ms"):
+        time.sleep(payload["ms"] / 1000.0)
 
 
 # -- the daemons ----------------------------------------------------------------------------------
@@ -167,10 +173,12 @@ def burst(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
         run_at = datetime.fromtimestamp(trigger / 1000, UTC)
         if args.scenario == "gated" and args.limit:
             client.set_limit("bench.gated", args.limit)
-        kind = "bench.gated" if args.scenario == "gated" else "bench.burst"
-        keys = args.keys if args.scenario == "gated" else 0
+        gated = args.scenario == "gated"
+        keys = args.keys if gated else 0
         for base in range(0, args.n, 20_000):
-            client.enqueue_many([{"task_type": kind, "payload": {"i": i}, "run_at": run_at,
+            client.enqueue_many([{"task_type": "bench.gated" if gated else "bench.burst",
+                                  "run_at": run_at,
+                                  "payload": {"i": i, "ms": args.task_ms} if gated else {"i": i},
                                   "order_key": f"k{i % keys}" if keys else None}
                                  for i in range(base, min(args.n, base + 20_000))])
         if client.store.now_ms() >= trigger:
@@ -220,6 +228,7 @@ def main() -> None:
     parser.add_argument("scenario", choices=["burst", "steady", "gated"])
     parser.add_argument("--keys", type=int, default=1000, help="gated: order keys (0: none)")
     parser.add_argument("--limit", type=int, default=50, help="gated: the type's limit (0: none)")
+    parser.add_argument("--task-ms", type=int, default=0, help="gated: each task sleeps this")
     parser.add_argument("--n", type=int, default=100_000, help="burst: tasks due at once")
     parser.add_argument("--lead", type=float, default=15.0, help="burst: seconds until due")
     parser.add_argument("--rate", type=int, default=2000, help="steady: tasks/s enqueued")
@@ -246,7 +255,8 @@ def main() -> None:
     flags = f"-c {args.concurrency or 'default'}" + (
         f" --prefetch-multiplier {args.prefetch_multiplier}" if args.prefetch_multiplier else ""
     ) + "".join(f" {item}" for item in args.set) + (
-        f" --keys {args.keys} --limit {args.limit}" if args.scenario == "gated" else "")
+        f" --keys {args.keys} --limit {args.limit} --task-ms {args.task_ms}"
+        if args.scenario == "gated" else "")
     print(f"{args.scenario} (ax e2e, 1 scheduler + 1 worker {flags}) on {machine()}: "
           + ", ".join(f"{k}={v}" for k, v in result.items()))
 
