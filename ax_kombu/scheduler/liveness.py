@@ -32,7 +32,7 @@ from sqlalchemy import Connection
 
 from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.observability import metrics
-from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store import Store, gates, nodes, recovery
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ class Liveness:
             dead = nodes.claim_dead(conn, self.silence_ms)
             released = recovery.release_held(conn, dead)
             recovered = recovery.recover_running(conn, dead, now)
+            if recovered:  # a gated run ended with its worker: wake what waited on it
+                gates.wake_stranded(conn)
         if dead:
             log.warning("nodes stopped heartbeating; recovering their tasks",
                         extra={"nodes": dead, "released": released, "running": len(recovered)})
@@ -114,6 +116,9 @@ class Liveness:
                 self._settings.max_dispatches)
             orphans = recovery.release_orphans(conn, silent_since, silent_since)
             running = recovery.recover_orphan_running(conn, now, silent_since)
+            stranded = gates.wake_stranded(conn)
+        if stranded:
+            log.info("woke parked tasks whose key or limit had room", extra={"woken": stranded})
         if unacked or orphans or running:
             gave_up = sum(1 for _, status in unacked if status == "FAILED")
             log.warning("recovery found tasks to dispatch again",

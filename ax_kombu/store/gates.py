@@ -18,8 +18,9 @@ When a gated run ends, the worker that wrote its result calls :func:`wake_next` 
 same transaction, under the same locks: the head of its key and as many tasks of its type
 as runs ended are un-parked (``last_run_node = NULL``) and the schedulers woken
 (``NOTIFY``); the next preload claims them. The locks make "park" and "wake" serial per
-key and type, so no task is parked just after the wake meant for it. As a backstop, the
-recovery scan releases parked tasks like any task held by a node that is not alive.
+key and type, so no task is parked just after the wake meant for it. As a backstop for a
+wake that never comes (the worker died running the task), the scheduler's recovery calls
+:func:`wake_stranded` after it recovers a dead node's tasks and at every recovery scan.
 
 Guarantees: never more than the limit of a type DISPATCHING or RUNNING at once (counted
 under the type's lock); never two tasks of one key at once, and a key's tasks start in
@@ -166,6 +167,43 @@ def wake_next(conn: Connection, ended: Sequence[tuple[str, str | None]]) -> int:
     for task_type, n in sorted(per_type.items()):
         woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": n,
                                            "parked": PARKED}).rowcount or 0
+    if woken:
+        wake_schedulers(conn, 0)
+    return woken
+
+
+_STRANDED_KEYS = text(
+    "SELECT DISTINCT p.task_type, p.order_key FROM ax_task AS p "
+    "WHERE p.status = 'READY' AND p.last_run_node = :parked AND p.order_key IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM ax_task AS a WHERE a.order_key = p.order_key "
+    "AND a.status IN ('DISPATCHING', 'RUNNING')) LIMIT :n")
+_STRANDED_TYPES = text(
+    "SELECT l.task_type, l.max_running - (SELECT count(*) FROM ax_task AS a "
+    "WHERE a.task_type = l.task_type AND a.status IN ('DISPATCHING', 'RUNNING')) "
+    "FROM ax_limit AS l WHERE EXISTS (SELECT 1 FROM ax_task AS p WHERE p.task_type = "
+    "l.task_type AND p.status = 'READY' AND p.last_run_node = :parked)")
+_UNLIMITED_PARKED = text(
+    "UPDATE ax_task SET last_run_node = NULL WHERE status = 'READY' "
+    "AND last_run_node = :parked AND order_key IS NULL AND NOT EXISTS "
+    "(SELECT 1 FROM ax_limit AS l WHERE l.task_type = ax_task.task_type)")
+
+
+def wake_stranded(conn: Connection, most: int = 1000) -> int:
+    """The backstop for wakes that never came (a worker that died running a gated task, a
+    task cancelled while running): un-park the head of every parked key with nothing in
+    progress, as many of each limited type as it has room for, and parked tasks whose
+    limit is gone. Returns how many were un-parked."""
+    ended = [(t, k) for t, k in conn.execute(_STRANDED_KEYS, {"parked": PARKED, "n": most})]
+    keys = sorted({k for _, k in ended})
+    lock(conn, [("k", k) for k in keys])
+    woken = sum(conn.execute(_WAKE_KEY, {"key": k, "parked": PARKED}).rowcount or 0
+                for k in keys)
+    for task_type, room in conn.execute(_STRANDED_TYPES, {"parked": PARKED}).all():
+        if room > 0:
+            lock(conn, [("t", task_type)])
+            woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": room,
+                                               "parked": PARKED}).rowcount or 0
+    woken += conn.execute(_UNLIMITED_PARKED, {"parked": PARKED}).rowcount or 0
     if woken:
         wake_schedulers(conn, 0)
     return woken

@@ -210,12 +210,13 @@ def release_orphans(conn: Connection, due_before_ms: int, alive_after_ms: int) -
     """Let go of due DELAYED/READY tasks held by a node that is not alive; returns how many.
 
     Catches what the dead-node path cannot: a holder whose node row is gone
-    or was stopped without releasing its tasks.
+    or was stopped without releasing its tasks. Parked tasks (waiting for their order key
+    or limit, :mod:`ax_kombu.store.gates`) are not orphans: ``wake_stranded`` looks after them.
     """
     stmt = text("""
         UPDATE ax_task SET last_run_node = NULL
          WHERE status IN ('DELAYED', 'READY') AND trigger_time < :due_before
-           AND last_run_node IS NOT NULL
+           AND last_run_node IS NOT NULL AND last_run_node <> '~parked'
            AND last_run_node NOT IN (SELECT node_id FROM ax_node
                                       WHERE stopped_at IS NULL AND heartbeat_at >= :alive)""")
     return int(conn.execute(stmt, {"due_before": due_before_ms,

@@ -238,15 +238,24 @@ def test_set_limit_refuses_bad_input_and_writes_nothing(client: Client) -> None:
     assert client.limits() == {"b": 1, "mail": 1_000_000}
 
 
-def test_parked_tasks_are_released_by_the_orphan_scan(client: Client) -> None:
-    """The backstop: '~parked' is never a live node."""
-    client.set_limit("mail", 1)
-    ids = enqueue(client, "mail", 3)
+def test_parked_tasks_are_not_orphans_and_the_stranded_scan_wakes_only_what_has_room(
+        client: Client) -> None:
+    """The backstop for a wake that never came: runs ended without a worker's wake (its
+    worker died) leave room that wake_stranded gives to parked tasks; the orphan scan
+    leaves '~parked' alone (it is not a node)."""
+    client.set_limit("mail", 2)
+    ids = enqueue(client, "mail", 5)
+    keyed = enqueue(client, "acct", 3, first=5, order_key="k")
     preload(client)
-    claim_gated(client, ids)
+    assert claimed_ids(client, ids + keyed) == [*ids[:2], keyed[0]]
     with client.store.engine.begin() as conn:
-        assert recovery.release_orphans(conn, NOW + 1, NOW - 10_000) == 2
-    assert parked(client, ids) == []
+        assert recovery.release_orphans(conn, NOW + 1, NOW - 10_000) == 0
+        assert gates.wake_stranded(conn) == 0  # every limit full, every key busy
+    end_run(client, ids[0], ended=[])  # as if the worker died after writing: no wake
+    end_run(client, keyed[0], ended=[])
+    with client.store.engine.begin() as conn:
+        assert gates.wake_stranded(conn) == 2  # one of 'mail' (room 1), the head of 'k'
+    assert parked(client, ids + keyed) == [*ids[3:], keyed[2]]
 
 
 # -- order keys --------------------------------------------------------------------------------
