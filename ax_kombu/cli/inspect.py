@@ -10,6 +10,7 @@ import click
 
 from ax_kombu.api import Client
 from ax_kombu.cli.base import settings_from
+from ax_kombu.exceptions import JobNotFound
 
 _TIMES = ("trigger_time", "created_at", "dispatched_at", "started_at", "finished_at",
           "scheduled_at")
@@ -29,6 +30,11 @@ def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
     client = Client(settings_from(ctx))
     try:
         view = dataclasses.asdict(client.get(task_id))
+        if view["job"] is not None:  # the strategy its job runs under (None: job removed)
+            try:
+                view["strategy"] = client.job(view["job"]).strategy
+            except JobNotFound:
+                view["strategy"] = None
     finally:
         client.close()
     view["status"] = str(view["status"])

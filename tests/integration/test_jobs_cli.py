@@ -137,3 +137,29 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(ax: Ax) -> None:
         line = _one_error_line(ax("jobs", "add", "bad", "t", *extra), 2)
         assert "Usage" not in line, case
     assert ax.jobs() == []
+
+
+def test_inspect_shows_an_occurrences_job_strategy_and_a_tasks_order_key_and_shard(
+        ax: Ax) -> None:
+    from ax_kombu.api import Client
+    from ax_kombu.config import from_env
+    from ax_kombu.core.ids import LeasedIds
+    from ax_kombu.scheduler.recurrence import Materialiser
+    from ax_kombu.store.leases import StoreLessor
+
+    ax.ok("jobs", "add", "recon", "recon.run", "--every", "1s", "--strategy", "serial")
+    settings = from_env({}, database_url=ax.db)
+    client = Client(settings)
+    try:
+        ids = LeasedIds(StoreLessor(client.store.engine), "test", 60_000, client.store.now_ms)
+        Materialiser(settings, client.store, ids).run(client.store.now_ms())
+        occurrence = client.occurrences("recon", 1)[0]
+        sharded = client.enqueue("reindex", {"index": "orders"}, order_key="k", shards=2)
+    finally:
+        client.close()
+    shown = json.loads(ax.ok("inspect", str(occurrence.task_id), "--json"))
+    assert (shown["job"], shown["strategy"], shown["order_key"]) == (
+        "recon", "serial", "ax.job:recon")
+    second = json.loads(ax.ok("inspect", str(sharded.shards[1]), "--json"))
+    assert (second["order_key"], second["shard_index"], second["shard_total"]) == ("k", 1, 2)
+    assert "strategy" not in second
