@@ -108,7 +108,7 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
             timeout_ms: int | None = None, processor: str | None = None,
             callback_url: str | None = None, trace_id: str | None = None,
             order_key: str | None = None, order_policy: str = "hold_failed",
-            shards: int | None = None) -> TaskId:
+            shards: int | str | None = None) -> TaskId:
     """Schedule one task.
 
     Args:
@@ -131,7 +131,10 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
         order_policy: ``"hold_failed"`` (default: a failed task that will retry keeps the
             key, later ones wait) or ``"skip_failed"`` (later ones go on meanwhile).
         shards: make this many tasks at once (1..1024), identical but for
-            ``ctx.shard_index`` (0..N-1) and ``ctx.shard_total``.
+            ``ctx.shard_index`` (0..N-1) and ``ctx.shard_total``; or ``"workers"``: one
+            task per live worker consuming the priority's queue, resolved when it is
+            dispatched, each run on its worker (a worker that dies before its shard
+            starts: the shard goes to another one).
     Returns:
         The task id, an int; ``.created`` is False if it duplicated an existing task;
         with ``shards``, it is shard 0's and ``.shards`` lists every shard's id.

@@ -40,6 +40,7 @@ from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import fetch_task, insert_tasks
 from ax_kombu.validation import (
     MAX_TASK_TYPE,
+    broadcast_row,
     build_row,
     check_text,
     shard_count,
@@ -102,6 +103,8 @@ class TaskView:
     order_key: str | None = None
     shard_index: int | None = None
     shard_total: int | None = None
+    #: a shard of ``shards="workers"``: the worker it was sent to
+    target_node: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> TaskView:
@@ -171,7 +174,9 @@ class Client:
         shards = shard_count(args.pop("shards", None))
         row = build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
                         **args)
-        return [row] if shards is None else shard_rows(row, shards)
+        if shards == "workers":
+            return [broadcast_row(row)]
+        return [row] if shards is None else shard_rows(row, int(shards))
 
     def get(self, task_id: int) -> TaskView:
         """The task ``task_id``.

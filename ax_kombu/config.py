@@ -38,6 +38,12 @@ def parse_duration_ms(text: str) -> int:
     return round(float(match.group(1)) * _UNIT_MS[match.group(2)])
 
 
+def worker_queue(node_id: str) -> str:
+    """The queue a worker consumes besides the priority queues: what is sent to it alone
+    (a shard of ``shards="workers"``)."""
+    return f"ax.worker.{node_id}"
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything an ax process can be told. See the module docstring for precedence."""
@@ -105,6 +111,9 @@ class Settings:
     pool_high: int = 8
     pool_default: int = 16
     pool_slow: int = 8
+    #: worker: slots for what is sent to this worker alone (``shards="workers"``), from
+    #: its own queue (``ax.worker.<name>``).
+    pool_own: int = 2
     #: worker: broker prefetch per queue = pool slots not in use × this.
     prefetch_multiplier: int = 1
     #: worker: retry n waits min(max, base · 2ⁿ), minus up to ``jitter`` of it at random.
@@ -164,7 +173,7 @@ class Settings:
         self._validate_worker()
 
     def _validate_worker(self) -> None:
-        for name in ("pool_high", "pool_default", "pool_slow", "prefetch_multiplier",
+        for name in ("pool_high", "pool_default", "pool_slow", "pool_own", "prefetch_multiplier",
                      "worker_batch_size", "worker_batch_ms", "worker_receipt_writers"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")

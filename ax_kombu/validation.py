@@ -274,15 +274,30 @@ def _order(order_key: Any, order_policy: Any) -> tuple[str | None, str | None]:
     return _text("order_key", order_key, MAX_ORDER_KEY), ORDER_POLICIES[order_policy]
 
 
-def shard_count(shards: Any) -> int | None:
-    """``shards`` as a number of shards (None: not sharded).
+def shard_count(shards: Any) -> int | str | None:
+    """``shards`` as a number of shards, or ``"workers"`` (None: not sharded).
 
     Raises:
-        ValidationError: not an int within 1..MAX_SHARDS.
+        ValidationError: not an int within 1..MAX_SHARDS, nor ``"workers"``.
     """
-    if shards is None:
-        return None
+    if shards is None or shards == "workers":
+        return shards  # type: ignore[no-any-return]
+    if isinstance(shards, str):
+        raise ValidationError(f"shards must be an int within 1..{MAX_SHARDS} or \"workers\", "
+                              f"got {show(shards)}")
     return _as_int("shards", shards, 1, MAX_SHARDS)
+
+
+def broadcast_row(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` as a ``shards="workers"`` task: one row now, one shard per live worker of its
+    queue made when a scheduler claims it (:mod:`ax_kombu.store.gates`).
+
+    Raises:
+        ValidationError: combined with an order key (a broadcast is not ordered).
+    """
+    if row.get("order_key") is not None:
+        raise ValidationError("shards=\"workers\" cannot be combined with order_key")
+    return dict(row, gate="workers")
 
 
 def shard_rows(row: dict[str, Any], count: int) -> list[dict[str, Any]]:

@@ -52,6 +52,8 @@ class TaskMessage(NamedTuple):
     order_key: str | None = None
     shard_index: int | None = None
     shard_total: int | None = None
+    #: the queue to publish to when not the priority's (a worker's own queue)
+    route: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The body as a dict (what a consumer receives after JSON decoding)."""

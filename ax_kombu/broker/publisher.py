@@ -118,7 +118,8 @@ class Publisher:
 
     def _send(self, message: TaskMessage) -> None:
         assert self._producer is not None
-        self._producer.publish(message.to_json(), routing_key=self._queues[message.priority],
+        self._producer.publish(message.to_json(),
+                               routing_key=message.route or self._queues[message.priority],
                                exchange="", headers={"trace_id": message.trace_id},
                                delivery_mode=2, content_type="application/json",
                                content_encoding="utf-8")
@@ -146,7 +147,7 @@ class Publisher:
         channel: Any = self._producer.channel
         by_queue: dict[str, list[str]] = {}
         for m in messages:
-            queue = self._queues[m.priority]
+            queue = m.route or self._queues[m.priority]
             by_queue.setdefault(queue, []).append(redis_envelope(m, queue))
         if self._redis is None:  # Kombu's conn_or_acquire() would build a client per batch
             self._redis = channel.Client(connection_pool=channel.pool)

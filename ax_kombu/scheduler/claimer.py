@@ -39,13 +39,14 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
+from ax_kombu.core.ids import LeasedIds
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
 from ax_kombu.scheduler.timing import TimingLoop
-from ax_kombu.store import Store
+from ax_kombu.store import Store, nodes
 from ax_kombu.store.claims import claim, still_held
-from ax_kombu.store.gates import claim_gated
+from ax_kombu.store.gates import Broadcast, claim_gated
 
 
 class Claimer(Stage):
@@ -61,11 +62,12 @@ class Claimer(Stage):
     """
 
     def __init__(self, settings: Settings, store: Store, node_id: str, fired: HandOff[int],
-                 timing: TimingLoop, dispatcher: Dispatcher) -> None:
+                 timing: TimingLoop, dispatcher: Dispatcher, ids: LeasedIds) -> None:
         super().__init__("ax-claimer", fired.ready)
         self._batch = settings.claim_batch
         self._lead_ms = settings.claim_lead_ms
         self._hold_s = settings.republish_delay_ms / 1000.0
+        self._hold_ms = settings.republish_delay_ms
         self._store = store
         self._node_id = node_id
         self._fired = fired
@@ -73,6 +75,11 @@ class Claimer(Stage):
         self._dispatcher = dispatcher
         self._pg = store.engine.dialect.name == "postgresql"
         self._conn: Connection | None = None  # PostgreSQL: this stage's own, in autocommit
+        self._ids = ids
+        self._broadcast = Broadcast(
+            lambda conn, priority: nodes.workers_consuming(
+                conn, settings.queue_for(priority), settings.silence_ms),
+            ids.next_ids)
 
     @property
     def due(self) -> int:
@@ -166,18 +173,25 @@ class Claimer(Stage):
                            if not (is_gated and trigger <= due_before)])
 
     def _claim_gated(self, task_ids: list[int]) -> None:
-        """One gated claim: claim what may start, park what must wait (one transaction)."""
+        """One gated claim: claim what may start, park what must wait (one transaction).
+        What it leaves held (a broadcast with no live worker yet) is tried again later."""
         now = self._local_ms()
         try:
+            self._ids.next_ids(0)  # renew the id lease now, not inside the transaction
             with self._store.engine.begin() as conn:
                 rows, decision = claim_gated(conn, task_ids, self._node_id, now,
-                                             now + self._lead_ms)
+                                             now + self._lead_ms, self._broadcast)
         except SQLAlchemyError as exc:
             self._timing.retry_later(task_ids)
             self.db_failed("gated claim", exc)
             return
         for action in ("start", "wait", "cancel", "supersede"):
             metrics.gate_total.labels(action).inc(len(getattr(decision, action)))
+        settled = {r.task_id for r in rows} | set(decision.wait) | {
+            task_id for task_id, _ in decision.cancel + decision.supersede}
+        left = [task_id for task_id in task_ids if task_id not in settled]
+        if left:
+            self._timing.hand([(task_id, now + self._hold_ms) for task_id in left])
         if rows:
             rows.sort(key=lambda r: r.trigger_time)
             self._dispatcher.inbox.put(rows)

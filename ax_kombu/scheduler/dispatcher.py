@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.broker.publisher import Publisher
-from ax_kombu.config import Settings
+from ax_kombu.config import Settings, worker_queue
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
@@ -32,8 +32,11 @@ log = logging.getLogger(__name__)
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
     """The message for one claimed row (columns in TaskMessage order, see claims.claim)."""
-    return TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6], row[7],
-                       row[8], row[9], row[10], row[11], now_ms, node)
+    message = TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6],
+                          row[7], row[8], row[9], row[10], row[11], now_ms, node)
+    if row[12] is not None:  # a shard for one worker: to that worker's own queue
+        message = message._replace(route=worker_queue(row[12]))
+    return message
 
 
 class Dispatcher(threading.Thread):

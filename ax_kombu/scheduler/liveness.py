@@ -98,6 +98,10 @@ class Liveness:
             recovered = recovery.recover_running(conn, dead, now)
             if recovered:  # a gated run ended with its worker: wake what waited on it
                 gates.wake_stranded(conn)
+            resent = gates.retarget(conn, dead)
+        if resent:
+            log.warning("shards sent to dead workers go to other workers",
+                        extra={"nodes": dead, "shards": len(resent)})
         if dead:
             log.warning("nodes stopped heartbeating; recovering their tasks",
                         extra={"nodes": dead, "released": released, "running": len(recovered)})

@@ -120,10 +120,10 @@ class Scheduler:
         self.timing = TimingLoop(settings, self.store.clock, fired)
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
                                      on_published)
-        self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
-                               self.dispatcher)
         self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
                              settings.node_lease_s * 1000, self.store.now_ms)
+        self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
+                               self.dispatcher, self.ids)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
                                        self._info, self.timing.drop_all,
                                        Materialiser(settings, self.store, self.ids))

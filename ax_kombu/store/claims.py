@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Row, bindparam, text
 
 #: in the order of :class:`ax_kombu.broker.messages.TaskMessage`'s first fields (see dispatch.to_message)
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
-                  "priority, retry_count, max_retry, processor_name, callback_url")
+                  "priority, retry_count, max_retry, processor_name, callback_url, target_node")
 
 # One conditional UPDATE, as on SQLite. Racing claimers: a row locked by another claim is
 # waited for (that claim commits within its one round trip), then its status is tested again,

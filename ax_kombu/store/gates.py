@@ -30,18 +30,19 @@ under the type's lock); never two tasks of one key at once, and a key's tasks st
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Row, bindparam, delete, select, text
+from sqlalchemy import Connection, Row, bindparam, delete, insert, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ax_kombu.core.gating import Candidate, Decision, Running, decide
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
-from ax_kombu.store.schema import limits
+from ax_kombu.store.schema import limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.validation import fingerprint
 
 #: the pseudo-node that holds parked tasks (never a live node: recovery releases them too)
 PARKED = "~parked"
@@ -105,10 +106,22 @@ def lock(conn: Connection, kinds: Iterable[tuple[str, str]]) -> None:
                           "unnest(CAST(:keys AS BIGINT[])) AS k"), {"keys": keys})
 
 
+class Broadcast(NamedTuple):
+    """What the gated claim needs to expand a ``shards="workers"`` task."""
+
+    #: ``workers(conn, priority)``: the live workers consuming that priority's queue
+    workers: Callable[[Connection, str], list[str]]
+    #: ``new_ids(n)``: n fresh task ids
+    new_ids: Callable[[int], list[int]]
+
+
 def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
-                due_before: int) -> tuple[list[Row[Any]], Decision]:
+                due_before: int, broadcast: Broadcast | None = None
+                ) -> tuple[list[Row[Any]], Decision]:
     """Claim what may start of ``task_ids`` (gated tasks this node holds), park what must
-    wait, cancel what its job's strategy drops. Call inside a transaction.
+    wait, cancel what its job's strategy drops, expand a ``shards="workers"`` task into one
+    shard per live worker (``broadcast``; without it, or without a live worker, such a
+    task stays held and unclaimed). Call inside a transaction.
 
     Returns:
         The claimed rows (as :func:`ax_kombu.store.claims.claim` returns them) and the
@@ -127,10 +140,43 @@ def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: in
         transitions.transition(conn, [task_id], [Status(s) for s in _WAITING + _ACTIVE],
                                Status.CANCELLED,
                                values={"finished_at": now_ms, "last_error": reason})
-    rows = claim(conn, decision.start, node, now_ms, due_before, gated=True)
+    start = list(decision.start)
+    for c in found:
+        if c.gate == "workers" and c.task_id in start:
+            start.remove(c.task_id)
+            start += _expand(conn, c.task_id, node, now_ms, broadcast)
+    rows = claim(conn, start, node, now_ms, due_before, gated=True)
     if decision.wait:
         conn.execute(_PARK, {"ids": decision.wait, "node": node, "parked": PARKED})
     return rows, decision
+
+
+_BROADCAST_ROW = text("SELECT * FROM ax_task WHERE task_id = :id")
+_SHARD_ZERO = text("UPDATE ax_task SET gate = NULL, shard_index = 0, shard_total = :n, "
+                   "target_node = :target WHERE task_id = :id")
+
+
+def _expand(conn: Connection, task_id: int, node: str, now_ms: int,
+            broadcast: Broadcast | None) -> list[int]:
+    """One shard per live worker of the task's queue: the task becomes shard 0 (for the
+    first worker), copies of it the others, each held by ``node``; returns their ids
+    (none: no live worker yet, the task waits)."""
+    if broadcast is None:
+        return []
+    (row,) = conn.execute(_BROADCAST_ROW, {"id": task_id}).mappings().all()
+    workers = broadcast.workers(conn, row["priority"])
+    if not workers:
+        return []
+    conn.execute(_SHARD_ZERO, {"n": len(workers), "target": workers[0], "id": task_id})
+    copies = [dict(row, task_id=new_id, gate=None, shard_index=i, shard_total=len(workers),
+                   target_node=worker, biz_key=None, created_at=now_ms,
+                   fingerprint=fingerprint(f"{row['task_type']}\0shard{i}/{len(workers)}",
+                                           f"{row['fingerprint']}"))
+              for i, (new_id, worker) in enumerate(
+                  zip(broadcast.new_ids(len(workers) - 1), workers[1:], strict=True), start=1)]
+    if copies:
+        conn.execute(insert(tasks), copies)
+    return [task_id, *[c["task_id"] for c in copies]]
 
 
 def _running(conn: Connection, keys: Collection[str], types: Collection[str],
@@ -207,6 +253,22 @@ def wake_stranded(conn: Connection, most: int = 1000) -> int:
     if woken:
         wake_schedulers(conn, 0)
     return woken
+
+
+_RETARGET = _expanding(
+    "UPDATE ax_task SET status = 'READY', last_run_node = NULL, target_node = NULL, "
+    "last_error = 'worker ' || target_node || ' died before this shard started; sent to "
+    "another worker' WHERE target_node IN :dead AND status = 'DISPATCHING' RETURNING task_id",
+    "dead")
+
+
+def retarget(conn: Connection, dead: Sequence[str]) -> list[int]:
+    """Shards sent to workers now dead and not started: back to READY for any live worker
+    of their queue (the reason in ``last_error``); returns their ids. Their messages left
+    in the dead worker's queue carry an attempt that is no longer the row's."""
+    if not dead:
+        return []
+    return [r[0] for r in conn.execute(_RETARGET, {"dead": list(dead)})]
 
 
 def wake_type(conn: Connection, task_type: str) -> int:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, insert, select, text, update
 
+from ax_kombu.config import worker_queue
 from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms
@@ -188,9 +189,9 @@ def live_nodes(conn: Connection, max_silence_ms: int) -> list[Row[Any]]:
         .order_by(nodes.c.kind, nodes.c.node_id)))
 
 
-def consumed_queues(conn: Connection, max_silence_ms: int) -> set[str]:
-    """The queue names some live worker consumes (from the ``queues`` in its heartbeat)."""
-    names: set[str] = set()
+def _worker_queues(conn: Connection, max_silence_ms: int) -> dict[str, set[str]]:
+    """Each live worker's queues (from the ``queues`` in its heartbeat)."""
+    found: dict[str, set[str]] = {}
     for row in live_nodes(conn, max_silence_ms):
         if row.kind != "worker":
             continue
@@ -198,9 +199,20 @@ def consumed_queues(conn: Connection, max_silence_ms: int) -> set[str]:
             queues = json.loads(row.info or "{}").get("queues", [])
         except (ValueError, AttributeError):
             continue
-        names.update(q for q in queues if isinstance(q, str))
-    return names
+        found[row.node_id] = {q for q in queues if isinstance(q, str)}
+    return found
+
+
+def consumed_queues(conn: Connection, max_silence_ms: int) -> set[str]:
+    """The queue names some live worker consumes (from the ``queues`` in its heartbeat)."""
+    return set().union(*_worker_queues(conn, max_silence_ms).values())
+
+
+def workers_consuming(conn: Connection, queue: str, max_silence_ms: int) -> list[str]:
+    """The live workers that consume ``queue`` and a queue of their own, by name."""
+    return sorted(node for node, queues in _worker_queues(conn, max_silence_ms).items()
+                  if queue in queues and worker_queue(node) in queues)
 
 
 __all__ = ["Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
-           "default_node_id", "live_nodes", "pid_running"]
+           "default_node_id", "live_nodes", "pid_running", "workers_consuming"]

@@ -84,13 +84,16 @@ tasks = Table(
     Column("order_key", String(255)),
     Column("order_seq", BigInteger),
     #: what the claim must check before this task may start (NULL: nothing; see
-    #: ax_kombu.store.gates): 'order', 'order_skip' (skip_failed), 'discard', 'cover'
+    #: ax_kombu.store.gates): 'order', 'order_skip' (skip_failed), 'discard', 'cover',
+    #: 'workers' (one shard per live worker, made when it is claimed)
     Column("gate", String(12)),
     #: claimed by the gated claim: its end frees a slot or a key (the worker wakes the next)
     Column("gated", Boolean, nullable=False, server_default=text("false")),
     #: one of ``shard_total`` tasks made by one enqueue (ctx.shard_index, ctx.shard_total)
     Column("shard_index", Integer),
     Column("shard_total", Integer),
+    #: a shard of ``shards="workers"``: the worker it is sent to (its own queue)
+    Column("target_node", String(128)),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,

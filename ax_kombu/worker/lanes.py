@@ -40,6 +40,9 @@ from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.worker.pools import Pool
 from ax_kombu.worker.processors import Cancellation, split_names
 
+#: the lane of the worker's own queue (what is sent to it alone), besides the priorities
+OWN_LANE = "own"
+
 #: a task allowed longer than this has its message acked when it starts
 ACK_AT_START_MS = 10 * 60 * 1000
 

@@ -40,10 +40,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kombu import Queue
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.connection import task_queues
-from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.config import PRIORITIES, Settings, redact_url, worker_queue
 from ax_kombu.exceptions import StoreError
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
@@ -53,7 +54,7 @@ from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
-from ax_kombu.worker.lanes import Lane, parse_queues
+from ax_kombu.worker.lanes import OWN_LANE, Lane, parse_queues
 from ax_kombu.worker.processors import Resolver, split_names
 from ax_kombu.worker.receipts import ReceiptWriter
 from ax_kombu.worker.results import Counters, ResultWriter
@@ -91,6 +92,12 @@ class Worker:
         self.lanes = [Lane(p, broker_queues[p], settings.pool_size(p),
                            settings.prefetch_multiplier, wakeup.poke)
                       for p in parse_queues(queues, settings)]
+        # what is sent to this worker alone (a shard of shards="workers"), in its own pool;
+        # RabbitMQ drops the queue a day after its worker is last seen
+        own = worker_queue(self.node_id)
+        self.lanes.append(Lane(OWN_LANE, Queue(own, routing_key=own, durable=True,
+                                               expires=86_400.0),
+                               settings.pool_own, settings.prefetch_multiplier, wakeup.poke))
         #: set while consuming (tests wait for it)
         self.ready = threading.Event()
         self.receipts = ReceiptWriter(self.store, self.node_id, wakeup.poke,

@@ -442,6 +442,45 @@ def test_shards_without_biz_key_dedup_by_fingerprint(client: Client) -> None:
     assert count_rows(client) == 4
 
 
+def test_a_workers_broadcast_becomes_one_shard_per_live_worker_when_claimed(
+        client: Client) -> None:
+    task_id = client.enqueue("cache.flush", {}, shards="workers", priority="high",
+                             run_at=at(T0))
+    assert task_id.shards == ()  # the workers are known only at dispatch
+    preload(client)
+    assert claim_plain(client, [task_id]) == []  # gated: left to the gated claim
+    fresh = iter(range(9_000_000, 9_000_100))
+    no_one = gates.Broadcast(lambda conn, priority: [], lambda n: [next(fresh) for _ in range(n)])
+    with client.store.engine.begin() as conn:
+        rows, _ = gates.claim_gated(conn, [task_id], NODE, NOW, NOW + 20, no_one)
+    assert rows == [] and state(client, [task_id])[task_id].status == "READY"  # waits
+    asked: list[str] = []
+
+    def workers(conn: Any, priority: str) -> list[str]:
+        asked.append(priority)
+        return ["w-a", "w-b", "w-c"]
+
+    with client.store.engine.begin() as conn:
+        rows, _ = gates.claim_gated(conn, [task_id], NODE, NOW, NOW + 20,
+                                    gates.Broadcast(workers, no_one.new_ids))
+    assert asked == ["high"]
+    assert sorted((r.target_node, r.task_id == task_id) for r in rows) == [
+        ("w-a", True), ("w-b", False), ("w-c", False)]
+    views = {v.target_node: v for v in (client.get(r.task_id) for r in rows)}
+    assert [(views[w].shard_index, views[w].shard_total) for w in ("w-a", "w-b", "w-c")] == [
+        (0, 3), (1, 3), (2, 3)]
+    assert all(v.status.value == "DISPATCHING" and v.priority == "high" for v in views.values())
+    assert len({v.fingerprint for v in views.values()}) == 3
+    # w-b dies before its shard starts: the shard goes back for any worker, saying why
+    with client.store.engine.begin() as conn:
+        assert gates.retarget(conn, ["w-b"]) == [views["w-b"].task_id]
+    resent = client.get(views["w-b"].task_id)
+    assert (resent.status.value, resent.target_node, resent.shard_index) == ("READY", None, 1)
+    assert "worker w-b died before this shard started" in (resent.last_error or "")
+    preload(client)
+    assert claim_plain(client, [resent.task_id]) == [resent.task_id]  # an ordinary task now
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
@@ -454,7 +493,8 @@ def test_shards_without_biz_key_dedup_by_fingerprint(client: Client) -> None:
     ({"shards": 0}, "shards"),
     ({"shards": 1025}, "shards"),
     ({"shards": True}, "shards"),
-    ({"shards": "workers"}, "shards"),
+    ({"shards": "all"}, "shards"),
+    ({"shards": "workers", "order_key": "k"}, "order_key"),
     ({"shards": 1024, "biz_key": "b" * 252}, "biz_key"),
 ])
 def test_bad_gate_or_shard_input_writes_nothing(client: Client, options: dict[str, Any],

@@ -13,12 +13,16 @@ def test_claim_columns_are_in_message_order() -> None:
     columns = [c.strip() for c in _CLAIM_COLUMNS.split(",")]
     fields = list(TaskMessage._fields[:12])
     renamed = {"processor_name": "processor"}
-    assert [renamed.get(c, c) for c in columns] == fields
+    assert [renamed.get(c, c) for c in columns[:12]] == fields
+    assert columns[12:] == ["target_node"]  # routing only, not in the message
 
 
 def test_to_message_and_json_round_trip() -> None:
-    row = (5, 2, "t", '{"a":[1,"x"]}', "tr", 100, 500, "high", 1, 3, None, "http://127.0.0.1/x")
+    row = (5, 2, "t", '{"a":[1,"x"]}', "tr", 100, 500, "high", 1, 3, None, "http://127.0.0.1/x",
+           None)
     message = to_message(row, "node-1", 123)
+    assert message.route is None
+    assert to_message(row[:12] + ("w7",), "node-1", 123).route == "ax.worker.w7"
     assert isinstance(message.payload, RawJson)
     body = json.loads(message.to_json())
     assert body["payload"] == {"a": [1, "x"]} and body["callback_url"] == "http://127.0.0.1/x"

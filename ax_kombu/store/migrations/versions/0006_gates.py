@@ -4,7 +4,8 @@
   a partial index over tasks that have a key.
 * ``ax_task.gate``: what the claim checks first ('order', 'order_skip',
   'discard', 'cover'); ``ax_task.gated``: claimed by the gated claim.
-* ``ax_task.shard_index`` / ``shard_total``: the shards of one enqueue.
+* ``ax_task.shard_index`` / ``shard_total``: the shards of one enqueue;
+  ``target_node``: the worker a ``shards="workers"`` shard is sent to.
 * ``ax_job.strategy``: parallel, serial, cover or discard.
 * ``ax_limit``: at most N tasks of a type DISPATCHING or RUNNING at once.
 
@@ -35,6 +36,7 @@ def upgrade() -> None:
                                        server_default=sa.text("false")))
     op.add_column("ax_task", sa.Column("shard_index", sa.Integer))
     op.add_column("ax_task", sa.Column("shard_total", sa.Integer))
+    op.add_column("ax_task", sa.Column("target_node", sa.String(128)))
     op.create_index("ix_ax_task_order", "ax_task", ["order_key", "order_seq", "task_id"],
                     postgresql_where=_ORDERED, sqlite_where=_ORDERED)
     op.add_column("ax_job", sa.Column("strategy", sa.String(12), nullable=False,
@@ -54,5 +56,6 @@ def downgrade() -> None:
         batch.drop_column("strategy")
     op.drop_index("ix_ax_task_order", table_name="ax_task")
     with op.batch_alter_table("ax_task") as batch:
-        for column in ("shard_total", "shard_index", "gated", "gate", "order_seq", "order_key"):
+        for column in ("target_node", "shard_total", "shard_index", "gated", "gate",
+                       "order_seq", "order_key"):
             batch.drop_column(column)
