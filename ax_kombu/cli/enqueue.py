@@ -30,7 +30,8 @@ from ax_kombu.exceptions import ValidationError
 @click.option("--order-policy", type=click.Choice(["hold_failed", "skip_failed"]),
               default="hold_failed", show_default=True,
               help="Whether a failed task waiting for its retry holds its key.")
-@click.option("--shards", type=int, default=None, help="Make N shards of the task (1..1024).")
+@click.option("--shards", default=None, metavar="N|workers",
+              help="Make N shards of the task (1..1024), or one per live worker of its queue.")
 @click.pass_context
 def enqueue(ctx: click.Context, /, task_type: str, payload: Any, delay: int | None,
             run_at: str | None, **options: Any) -> None:
@@ -41,6 +42,9 @@ def enqueue(ctx: click.Context, /, task_type: str, payload: Any, delay: int | No
             when = datetime.fromisoformat(run_at)
         except ValueError:
             raise ValidationError(f"--at {run_at!r} is not an ISO 8601 time") from None
+    shards = options.get("shards")
+    if shards is not None and shards.isdigit():
+        options["shards"] = int(shards)  # else "workers", or a bad value the library names
     client = Client(settings_from(ctx))
     try:
         task_id = client.enqueue(task_type, payload, run_at=when,
