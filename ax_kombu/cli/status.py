@@ -21,7 +21,7 @@ from ax_kombu.cli.base import broker_option, settings_from
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import StoreError
-from ax_kombu.store import Store
+from ax_kombu.store import Store, gates
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.nodes import live_nodes
 from ax_kombu.store.recovery import waiting_without_consumer
@@ -49,6 +49,8 @@ def _store_view(settings: Settings) -> dict[str, Any]:
                                                        .group_by(tasks.c.status)).all())
             consumers = _consumers(settings, rows)
             waiting = waiting_without_consumer(conn, [p for p, n in consumers.items() if not n])
+            parked = gates.parked_by_type(conn)
+            limits = gates.list_limits(conn)
     except SQLAlchemyError as exc:
         raise StoreError(f"cannot read the store {redact_url(settings.database_url)}: "
                          f"{type(exc).__name__}") from None
@@ -58,7 +60,8 @@ def _store_view(settings: Settings) -> dict[str, Any]:
               "heartbeat_age_s": round((now - r.heartbeat_at) / 1000, 1),
               "info": _redacted(json.loads(r.info or "{}"))} for r in rows]
     return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status},
-            "consumers": consumers, "waiting_without_consumer": waiting}
+            "consumers": consumers, "waiting_without_consumer": waiting,
+            "limits": limits, "waiting_for_key_or_limit": parked}
 
 
 def _consumers(settings: Settings, rows: list[Any]) -> dict[str, int]:
@@ -126,6 +129,11 @@ def _print(view: dict[str, Any]) -> None:
                              "  ".join(f"{p} {queues[p]}" for p in PRIORITIES)))
     click.echo("workers " + "  ".join(_consumed(view, p) for p in PRIORITIES))
     click.echo("tasks   " + "  ".join(f"{s} {n}" for s, n in view["tasks"].items()))
+    if view["limits"]:
+        click.echo("limits  " + "  ".join(f"{t} {n}" for t, n in view["limits"].items()))
+    if view["waiting_for_key_or_limit"]:
+        click.echo("waiting for an order key or a limit (READY, parked)  " + "  ".join(
+            f"{t} {n}" for t, n in view["waiting_for_key_or_limit"].items()))
 
 
 def _consumed(view: dict[str, Any], priority: str) -> str:

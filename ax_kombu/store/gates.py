@@ -298,6 +298,14 @@ def set_limit(conn: Connection, task_type: str, max_running: int | None, now_ms:
     wake_type(conn, task_type)
 
 
+def parked_by_type(conn: Connection) -> dict[str, int]:
+    """How many tasks of each type are parked (waiting for their order key or limit)."""
+    rows = conn.execute(text("SELECT task_type, count(*) FROM ax_task WHERE status = 'READY' "
+                             "AND last_run_node = :parked GROUP BY task_type ORDER BY task_type"),
+                        {"parked": PARKED})
+    return {r[0]: int(r[1]) for r in rows}
+
+
 def list_limits(conn: Connection) -> dict[str, int]:
     """Every limit: task type → most DISPATCHING or RUNNING at once."""
     rows = conn.execute(select(limits.c.task_type, limits.c.max_running)

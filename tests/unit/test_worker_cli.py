@@ -121,3 +121,21 @@ def test_status_names_a_queue_without_consumer_and_what_waits_for_it(tmp_path: P
     result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker"])
     assert result.exit_code == 0, result.output
     assert "high 1  default 1  slow: no consumer, 3 waiting" in result.output
+
+
+def test_status_shows_limits_and_what_waits_for_a_key_or_a_limit(tmp_path: Path) -> None:
+    from ax_kombu.store import gates, recovery
+
+    url = f"sqlite:///{tmp_path / 'ax.db'}"
+    client = Client(from_env({}, database_url=url))
+    client.set_limit("sms.send", 1)
+    ids = [int(client.enqueue("sms.send", {"i": i})) for i in range(3)]
+    with client.store.engine.begin() as conn:
+        now = client.store.now_ms() + 10
+        recovery.preload(conn, "s0", now, now + 1000, 100)
+        gates.claim_gated(conn, ids, "s0", now, now)  # one claimed, two parked
+    client.close()
+    result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker"])
+    assert result.exit_code == 0, result.output
+    assert "limits  sms.send 1" in result.output
+    assert "waiting for an order key or a limit (READY, parked)  sms.send 2" in result.output
