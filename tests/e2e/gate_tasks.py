@@ -29,7 +29,7 @@ LEDGER_ENV = "E2E_GATES_LEDGER"
 NODE_ENV = "E2E_GATES_NODE"
 #: every task type the gate tests use; each runs :func:`run`
 TASK_TYPES = ("e2e.ordered", "e2e.limited", "e2e.serial", "e2e.discard", "e2e.cover",
-              "e2e.shard")
+              "e2e.shard", "e2e.broadcast", "e2e.broadcast_orphan")
 
 
 def record(path: str, payload: Any, ctx: Context, start: float, end: float) -> None:

@@ -15,7 +15,15 @@ whether ``ctx.cancelled`` was set — and the verdicts are computed from that le
 * **cover job** (every 1 s, runs wait 5 s on ``ctx.cancelled``): each new occurrence
   supersedes the running one — CANCELLED "superseded by task …", its ``ctx.cancelled`` set
   at the worker's next heartbeat, its result never recorded SUCCESS;
-* **shards**: ``enqueue(..., shards=8)`` runs shard 0..7 once each, ``shard_total`` 8.
+* **shards**: ``enqueue(..., shards=8)`` runs shard 0..7 once each, ``shard_total`` 8;
+* **a shard per worker**: ``enqueue(..., shards="workers")`` runs one shard on each of the
+  two workers (index 0 and 1 of 2), each on the worker its row names (``target_node``);
+* **a shard whose worker died** (SIGKILL while its heartbeat is still fresh, the task
+  enqueued at once, so the claim still counts it live): once the worker is declared dead
+  its shard goes back (``last_error`` "… died before this shard started …") and runs on
+  the other worker, once; restarted, the killed worker refuses the stale message left in
+  its own queue. This one kills a worker of the shared cluster, so it runs last and
+  restarts it.
 
 Heartbeats are 0.5 s (× 3 misses), as in :mod:`tests.e2e.test_recurring`. Every wait polls
 against a deadline, but for the wall-clock time the job scenarios let pass; a failure shows
@@ -39,6 +47,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from ax_kombu.config import worker_queue
 from ax_kombu.core import cron
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.gates import PARKED
@@ -499,3 +508,146 @@ def test_shards_run_each_index_once(cluster: GateCluster) -> None:
     assert {e.shard_total for e in runs} == {SHARDS}
     assert {e.task_id: e.shard_index for e in runs} == {
         t: i for i, t in enumerate(task_id.shards)}, "shard index not in enqueue's shard order"
+
+
+# -- a shard per worker --------------------------------------------------------------------------
+
+
+def heartbeat_age_ms(cluster: GateCluster, name: str) -> int:
+    """How long ago (store clock, ms) ``name`` last heartbeated."""
+    (row,) = cluster.query("SELECT heartbeat_at FROM ax_node WHERE node_id = :n", n=name)
+    return cluster.client.store.now_ms() - int(row.heartbeat_at)
+
+
+def shard_rows(cluster: GateCluster, task_type: str) -> dict[int, Any]:
+    return cluster.rows("task_type = :t", t=task_type)
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_workers_broadcast_runs_one_shard_on_each_worker(cluster: GateCluster) -> None:
+    cluster.check_alive()
+    cluster.wait_for(lambda: all(heartbeat_age_ms(cluster, w) < 1000 for w in WORKERS), 10,
+                     "both workers heartbeating")
+    first = int(cluster.client.enqueue("e2e.broadcast", {"sleep": 0.05}, shards="workers"))
+    runs = cluster.wait_runs("e2e.broadcast", lambda r: len(r) >= len(WORKERS), 20,
+                             f"{len(WORKERS)} broadcast shards ran")
+    cluster.wait_for(lambda: len(cluster.rows("task_type = 'e2e.broadcast' AND status = "
+                                              "'SUCCESS'")) == len(WORKERS), 15,
+                     "every broadcast shard recorded SUCCESS", detail=cluster.statuses)
+    rows = shard_rows(cluster, "e2e.broadcast")
+    runs = cluster.runs("e2e.broadcast")  # again: nothing more ran after both SUCCESS
+    where = {e.task_id: e.node for e in runs}
+    shown = [(t, r.status, r.shard_index, r.shard_total, r.target_node)
+             for t, r in sorted(rows.items())]
+    context = (f"runs: {[(e.task_id, e.node, e.shard_index, e.shard_total) for e in runs]}; "
+               f"rows: {shown}\n{cluster.tails()}")
+    placed = [(t, f"{r.shard_index}/{r.shard_total}", r.target_node, where.get(t))
+              for t, r in sorted(rows.items())]
+    print(f"\nshards=\"workers\": {len(rows)} shards, {len(runs)} runs; "
+          f"(task, index/total, target → ran on) "
+          f"{placed}")
+    assert len(runs) == len(WORKERS) and len(where) == len(WORKERS), (
+        f"not one run per shard; {context}")
+    assert set(rows) == set(where) and first in rows, f"runs and shard rows differ; {context}"
+    assert sorted(where.values()) == sorted(WORKERS), f"not one shard per worker; {context}"
+    assert sorted(r.shard_index for r in rows.values()) == list(range(len(WORKERS))), context
+    assert rows[first].shard_index == 0, f"the enqueued task is not shard 0; {context}"
+    assert {r.shard_total for r in rows.values()} == {len(WORKERS)}, context
+    assert {(e.shard_index, e.shard_total) for e in runs} == {
+        (r.shard_index, r.shard_total) for r in rows.values()}, context
+    wrong = {t: (r.target_node, where[t]) for t, r in rows.items() if r.target_node != where[t]}
+    assert not wrong, f"shards that ran on another worker than their target: {wrong}; {context}"
+
+
+def own_queue_depth(cluster: GateCluster, node: str) -> int:
+    """Messages waiting in ``node``'s own queue (every priority list of it) in Redis."""
+    import redis
+
+    client = redis.Redis.from_url(cluster.broker["broker_url"])
+    try:
+        keys = client.keys(cluster.broker["broker_key_prefix"] + worker_queue(node) + "*")
+        return sum(client.llen(k) for k in keys if client.type(k) == b"list")
+    finally:
+        client.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_shard_whose_worker_died_before_starting_runs_on_another(cluster: GateCluster
+                                                                    ) -> None:
+    # last in the module: it kills gate-w1 (and restarts it at the end)
+    cluster.check_alive()
+    victim_name, survivor = WORKERS[1], WORKERS[0]
+    (victim,) = [d for d in cluster.daemons if d.name == victim_name]
+    # a heartbeat just written, so the claim (within ms of the enqueue) still counts the
+    # victim live: it is declared dead only after 3 × 0.5 s of silence
+    cluster.wait_for(lambda: heartbeat_age_ms(cluster, victim_name) < 150
+                     and heartbeat_age_ms(cluster, survivor) < 1000, 10,
+                     f"a fresh heartbeat of {victim_name}")
+    cluster.kill(victim)
+    age = heartbeat_age_ms(cluster, victim_name)
+    first = int(cluster.client.enqueue("e2e.broadcast_orphan", {"sleep": 0.05},
+                                       shards="workers"))
+    killed_at = time.time()
+
+    def expanded() -> dict[int, Any]:
+        rows = shard_rows(cluster, "e2e.broadcast_orphan")
+        return rows if rows and rows[first].shard_total is not None else {}
+
+    rows = cluster.wait_for(expanded, 10, "the broadcast expanded into shards",
+                            detail=lambda: shard_rows(cluster, "e2e.broadcast_orphan"))
+    seen = {t: (r.status, r.shard_index, r.shard_total, r.target_node) for t, r in rows.items()}
+    assert rows[first].shard_total == len(WORKERS), (
+        f"{victim_name} (SIGKILLed, heartbeat {age} ms old at the enqueue) was already "
+        f"counted dead when the task was claimed: {seen}\n{cluster.tails()}")
+    (orphan,) = [t for t, r in rows.items() if r.target_node == victim_name]
+
+    def both_ran() -> bool:
+        runs = cluster.runs("e2e.broadcast_orphan")
+        done = cluster.rows("task_type = 'e2e.broadcast_orphan' AND status = 'SUCCESS'")
+        return len({e.task_id for e in runs}) >= len(WORKERS) and len(done) >= len(WORKERS)
+
+    cluster.wait_for(both_ran, 20, "both shards ran and recorded SUCCESS",
+                     detail=lambda: (cluster.runs("e2e.broadcast_orphan"),
+                                     shard_rows(cluster, "e2e.broadcast_orphan")))
+    rows = shard_rows(cluster, "e2e.broadcast_orphan")
+    runs = cluster.runs("e2e.broadcast_orphan")
+    depth = own_queue_depth(cluster, victim_name)  # the message no one took
+    orphan_run = [e for e in runs if e.task_id == orphan]
+    ran = [(e.task_id, e.node, e.shard_index, e.attempt, round(e.start - killed_at, 3))
+           for e in runs]
+    shown = [(t, r.status, r.shard_index, r.shard_total, r.target_node, r.attempt, r.last_error)
+             for t, r in sorted(rows.items())]
+    context = f"runs: {ran}; rows: {shown}\n{cluster.tails()}"
+    print(f"\nshards=\"workers\", {victim_name} SIGKILLed (heartbeat {age} ms old) just "
+          f"before the enqueue: at the claim {seen}, {depth} message(s) left in its own "
+          f"queue; shard {orphan} re-sent and ran on "
+          f"{[e.node for e in orphan_run]} {[round(e.start - killed_at, 2) for e in orphan_run]} s "
+          f"after the kill, attempt {rows[orphan].attempt}: {rows[orphan].last_error!r}")
+    assert len(runs) == len(WORKERS) and {e.task_id for e in runs} == set(rows), (
+        f"not each shard exactly once; {context}")
+    assert {e.node for e in runs} == {survivor}, f"a shard did not run on {survivor}; {context}"
+    assert sorted(e.shard_index for e in runs) == list(range(len(WORKERS))), context
+    assert "died before this shard started" in (rows[orphan].last_error or ""), (
+        f"the re-sent shard {orphan} does not say why; {context}")
+    assert rows[orphan].target_node is None, context
+    assert depth == 1, f"{depth} messages in {victim_name}'s own queue, not its shard's; {context}"
+
+    # the cluster whole again: the victim restarted under its name refuses the stale
+    # message left in its own queue; nothing runs a third time
+    log = cluster.tmp / f"{victim_name}.log"
+    before = log.stat().st_size
+    cluster.daemons.remove(victim)
+    cluster.worker(victim_name, args=("-A", MODULE), env={_NODE_KEY: victim_name})
+    cluster.wait_for(lambda: heartbeat_age_ms(cluster, victim_name) < 1000
+                     and victim_name in cluster.live_nodes(), 30, f"{victim_name} restarted")
+    cluster.wait_for(lambda: own_queue_depth(cluster, victim_name) == 0, 15,
+                     f"{victim_name}'s own queue drained")
+    cluster.wait_for(lambda: "stale message" in log.read_bytes()[before:].decode(errors="replace"),
+                     15, f"{victim_name} refused the stale shard message")
+    cluster.check_alive()
+    again = cluster.runs("e2e.broadcast_orphan")
+    assert len(again) == len(WORKERS), f"a shard ran again after the restart; {context}"
