@@ -94,12 +94,22 @@ def daemons(settings: Settings, args: argparse.Namespace) -> Iterator[list[subpr
         worker_args += ["-c", args.concurrency]
     if args.prefetch_multiplier:
         worker_args += ["--prefetch-multiplier", str(args.prefetch_multiplier)]
+    specs = [("scheduler", "bench-scheduler", ["-l", "WARNING"]),
+             ("worker", "bench-worker", worker_args)]
+    with spawned(specs, _env(settings, args.set), logs) as procs:
+        yield procs
+
+
+@contextmanager
+def spawned(specs: list[tuple[str, str, list[str]]], env: dict[str, str],
+            logs: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``(kind, name, args)`` daemons started with ``env``, logging to ``logs/<name>.log``;
+    warm-stopped (SIGTERM, then killed after 60 s) on exit."""
     procs = []
-    for kind, extra in (("scheduler", ["-l", "WARNING"]), ("worker", worker_args)):
-        with open(logs / f"{kind}.log", "wb") as out:
-            procs.append(subprocess.Popen([*_command(kind), "-n", f"bench-{kind}", *extra],
-                                          env=_env(settings, args.set), stdout=out,
-                                          stderr=subprocess.STDOUT))
+    for kind, name, extra in specs:
+        with open(logs / f"{name}.log", "wb") as out:
+            procs.append(subprocess.Popen([*_command(kind), "-n", name, *extra], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
     try:
         yield procs
     finally:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
 
 from .common import machine, scratch_database
-from .e2e import _command, _env, wait_done
+from .e2e import _env, spawned, wait_done
 
 SLOTS = {"w4": 4, "w32": 32}
 
@@ -45,22 +44,8 @@ def cluster(settings: Settings, logs: Path) -> Iterator[list[subprocess.Popen[by
         ("worker", name, ["-Q", "default", "-A", "bench.e2e", "-l", "WARNING",
                           "-c", f"high=1,default={slots},slow=1"])
         for name, slots in SLOTS.items()]
-    procs = []
-    for kind, name, extra in specs:
-        with open(logs / f"{name}.log", "wb") as out:
-            procs.append(subprocess.Popen([*_command(kind), "-n", name, *extra],
-                                          env=_env(settings), stdout=out,
-                                          stderr=subprocess.STDOUT))
-    try:
+    with spawned(specs, _env(settings), logs) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def run(settings: Settings, args: argparse.Namespace, scenario: str) -> dict[str, Any]:
