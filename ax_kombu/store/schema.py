@@ -94,6 +94,8 @@ tasks = Table(
     Column("shard_total", Integer),
     #: a shard of ``shards="workers"``: the worker it is sent to (its own queue)
     Column("target_node", String(128)),
+    #: the processor's return value as JSON (SUCCESS only; at most AX_MAX_RESULT_BYTES)
+    Column("result", Text),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -109,6 +111,30 @@ tasks = Table(
           postgresql_where=text(_OCCURRENCE), sqlite_where=text(_OCCURRENCE)),
     Index("ix_ax_task_order", "order_key", "order_seq", "task_id",
           postgresql_where=text(_ORDERED), sqlite_where=text(_ORDERED)),
+)
+
+#: one row per ended attempt of a task: who ran it, when, how it ended. Written once, when
+#: the attempt ends (in the transaction that records the end), so a task costs one insert.
+#: Indexes: the primary key; ``(task_type, finished_at)`` — run-time statistics per type
+#: (``ax plan --from-history``) and the time-ordered scans of retention.
+attempts = Table(
+    "ax_attempt", metadata,
+    Column("task_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("attempt", Integer, primary_key=True, autoincrement=False),
+    Column("task_type", String(128), nullable=False),
+    #: the worker that ran it (or, never started, the scheduler that dispatched it)
+    Column("node", String(128)),
+    Column("trigger_time", BigInteger, nullable=False),
+    Column("dispatched_at", BigInteger),
+    Column("started_at", BigInteger),
+    Column("finished_at", BigInteger, nullable=False),
+    #: SUCCESS, FAILED, RETRY (failed; retried), CANCELLED, LOST (its worker died), UNACKED
+    #: (no worker started it within the ack timeout)
+    Column("outcome", String(12), nullable=False),
+    Column("error", Text),
+    #: finished_at - started_at (None: never started)
+    Column("duration_ms", BigInteger),
+    Index("ix_ax_attempt_type_finished", "task_type", "finished_at"),
 )
 
 #: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
