@@ -16,6 +16,9 @@ from ax_kombu.cli.enqueue import enqueue
 from ax_kombu.cli.inspect import inspect
 from ax_kombu.cli.jobs import jobs
 from ax_kombu.cli.limits import limits
+from ax_kombu.cli.list import list_tasks
+from ax_kombu.cli.purge import purge
+from ax_kombu.cli.retry import retry
 from ax_kombu.cli.status import status
 
 
@@ -36,5 +39,5 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     ctx.obj = obj
 
 
-for command in (enqueue, inspect, cancel, db, status, jobs, limits):
+for command in (enqueue, inspect, cancel, db, status, jobs, limits, list_tasks, retry, purge):
     main.add_command(command)

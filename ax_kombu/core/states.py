@@ -8,7 +8,7 @@
                    worker pool full, an earlier incarnation's claim)
                  | FAILED (dispatched AX_MAX_DISPATCHES times, never started)
     RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff, also "worker lost")
-    FAILED ─▶ READY                          (manual retry)
+    FAILED | CANCELLED ─▶ READY              (manual retry: ``ax retry``)
     any non-final ─▶ CANCELLED
 
 Every change is one ``UPDATE … WHERE task_id … AND status IN (…)`` statement
@@ -54,7 +54,9 @@ TRANSITIONS: Mapping[Status, frozenset[Status]] = {
     S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.CANCELLED}),
     S.SUCCESS: frozenset(),
     S.FAILED: frozenset({S.READY}),
-    S.CANCELLED: frozenset(),
+    # the manual retry (``ax retry``, :func:`ax_kombu.store.admin.retry_tasks`) may bring back
+    # a cancelled task too; nothing else leaves CANCELLED
+    S.CANCELLED: frozenset({S.READY}),
 }
 
 
