@@ -32,7 +32,7 @@ from ax_kombu.api import Client, TaskView
 from ax_kombu.broker.connection import connection, task_queues
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.publisher import Publisher
-from ax_kombu.config import Settings, from_env
+from ax_kombu.config import Settings, from_env, worker_queue
 from ax_kombu.core.states import Status
 from ax_kombu.store import claims, transitions
 from ax_kombu.store.schema import nodes, tasks
@@ -156,8 +156,10 @@ def test_success_is_recorded_with_the_run_columns(settings: Settings,
         node = conn.execute(select(nodes).where(nodes.c.node_id == worker.node_id)).one()
     info = json.loads(node.info)
     assert node.kind == "worker" and node.stopped_at is not None
-    assert info["pools"] == {"high": 8, "default": 16, "slow": 8}
-    assert info["queues"] == [settings.queue_high, settings.queue_default, settings.queue_slow]
+    # the three priority lanes, and the worker's own queue (shards="workers")
+    assert info["pools"] == {"high": 8, "default": 16, "slow": 8, "own": 2}
+    assert info["queues"] == [settings.queue_high, settings.queue_default, settings.queue_slow,
+                              worker_queue(worker.node_id)]
 
 
 def _retried(dispatch: Dispatch, task_id: int, count: int) -> bool:
@@ -534,7 +536,8 @@ def test_redis_is_pulled_in_batches_unless_turned_off(settings: Settings, dispat
         pulled = [lane.pulled is not None for lane in worker.lanes]
         consumers = [lane.consumer is not None for lane in worker.lanes]
     expect_pull = pull and settings.broker_url.startswith("redis")
-    assert pulled == [expect_pull] * 3 and consumers == [not expect_pull] * 3
+    lanes = len(worker.lanes)  # the three priorities and the worker's own queue
+    assert lanes == 4 and pulled == [expect_pull] * lanes and consumers == [not expect_pull] * lanes
 
 
 def test_a_start_whose_commit_reply_was_lost_still_runs_once(
