@@ -17,6 +17,7 @@ from ax_kombu.cli.inspect import inspect
 from ax_kombu.cli.jobs import jobs
 from ax_kombu.cli.limits import limits
 from ax_kombu.cli.list import list_tasks
+from ax_kombu.cli.plan import plan
 from ax_kombu.cli.purge import purge
 from ax_kombu.cli.retry import retry
 from ax_kombu.cli.status import status
@@ -39,5 +40,6 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     ctx.obj = obj
 
 
-for command in (enqueue, inspect, cancel, db, status, jobs, limits, list_tasks, retry, purge):
+for command in (enqueue, inspect, cancel, db, status, jobs, limits, plan, list_tasks, retry,
+                purge):
     main.add_command(command)

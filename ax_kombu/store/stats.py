@@ -1,0 +1,59 @@
+"""Run-time statistics from the attempt history (``ax_attempt``), for ``ax plan --from-history``.
+
+One bounded read on the ``(task_type, finished_at)`` index: the durations of the most recent
+:data:`MAX_RUNS` attempts of a type that started and finished at or after a time. The
+average and the percentiles are computed here in Python from those durations, so the same
+statement serves PostgreSQL and SQLite (neither's percentile functions are needed).
+Attempts that never started (``duration_ms`` NULL: lost or unacknowledged before a worker
+took them) are not runs and are left out; every outcome of a run counts (a failed run took
+a thread for as long as a successful one). A negative duration (the clocks that stamped its
+start and end disagreeing) counts as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, select
+
+from ax_kombu.core.planning import percentile
+from ax_kombu.store.schema import attempts
+
+#: the most recent runs read; a larger history is sampled by its newest end
+MAX_RUNS = 100_000
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    """How long the runs of one task type took (milliseconds)."""
+
+    task_type: str
+    #: runs measured (at most MAX_RUNS)
+    runs: int
+    avg_ms: float
+    p50_ms: int
+    p99_ms: int
+
+
+def run_times(conn: Connection, task_type: str, since_ms: int) -> RunTimes | None:
+    """The run times of ``task_type`` over its runs that finished at or after ``since_ms``.
+
+    Args:
+        conn: a connection to the store.
+        task_type: the task type.
+        since_ms: epoch ms (database clock); older runs are not read.
+
+    Returns:
+        The statistics of the newest :data:`MAX_RUNS` such runs, or None if there are none.
+    """
+    query = (select(attempts.c.duration_ms)
+             .where(attempts.c.task_type == task_type, attempts.c.finished_at >= since_ms,
+                    attempts.c.duration_ms.is_not(None))
+             .order_by(attempts.c.finished_at.desc())
+             .limit(MAX_RUNS))
+    durations = sorted(max(0, int(d)) for d in conn.execute(query).scalars())
+    if not durations:
+        return None
+    return RunTimes(task_type=task_type, runs=len(durations),
+                    avg_ms=sum(durations) / len(durations),
+                    p50_ms=percentile(durations, 50), p99_ms=percentile(durations, 99))
