@@ -57,6 +57,23 @@ ensure_faketime() {
     >/dev/null 2>&1 || ensure_pkg faketime faketime || echo "services: faketime missing" >&2
 }
 
+# promtool, for tests/unit/test_monitoring.py (`promtool check/test rules` on deploy/; those
+# tests skip, saying so, without it). Debian ships it only in the `prometheus` package; the
+# server it also brings is not started here (and with a policy-rc.d denying starts, not at all).
+ensure_promtool() {
+  command -v promtool >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "services: promtool missing and cannot install it (needs root and apt-get);" \
+      "install Debian's prometheus package" >&2
+    return 0
+  fi
+  echo "services: installing prometheus (for promtool)"
+  (timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 \
+    apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+    || echo "services: apt-get could not install prometheus (offline? locked?)" >&2
+  command -v promtool >/dev/null 2>&1 || echo "services: promtool missing" >&2
+}
+
 case "${1:-start}" in
   start)
     rc=0
@@ -64,6 +81,7 @@ case "${1:-start}" in
     start_redis || rc=1
     start_rabbitmq || rc=1
     ensure_faketime
+    ensure_promtool
     exit $rc ;;
   status)
     for pair in PostgreSQL:5432 Redis:6379 RabbitMQ:5672; do

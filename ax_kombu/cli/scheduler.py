@@ -35,7 +35,9 @@ log = logging.getLogger("ax_kombu.scheduler.node")
                    "[AX_PROCESSOR_MODULES]")
 @click.option("--pidfile", "pidfile_path", envvar="AX_PIDFILE", default=None, help="Write the pid here.")
 @click.option("--metrics-port", envvar="AX_METRICS_PORT", type=int, default=0, show_default=True,
-              help="Serve Prometheus /metrics on 127.0.0.1:PORT (0: off).")
+              help="Serve Prometheus /metrics on PORT (0: off).")
+@click.option("--metrics-addr", envvar="AX_METRICS_ADDR", default="127.0.0.1", show_default=True,
+              help="Address /metrics listens on (0.0.0.0: every interface).")
 @click.option("--preload-window", "preload_window_ms", type=Duration(), default=None,
               help="How far ahead tasks are loaded (default 10s).")
 @click.option("--claim-batch", type=int, default=None, help="Tasks per claim (default 1000).")
@@ -44,7 +46,7 @@ log = logging.getLogger("ax_kombu.scheduler.node")
 @click.option("--recovery-interval", "recovery_interval_s", type=float, default=None,
               help="Seconds between recovery scans (default 30).")
 def main(node_id: str | None, loglevel: str, apps: tuple[str, ...], pidfile_path: str | None,
-         metrics_port: int, **overrides: object) -> None:
+         metrics_port: int, metrics_addr: str, **overrides: object) -> None:
     """Run one scheduler node: preload, timing wheel, claim, publish, recover.
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
@@ -59,7 +61,8 @@ def main(node_id: str | None, loglevel: str, apps: tuple[str, ...], pidfile_path
         scheduler = run_guarded(lambda: Scheduler(settings, node_id))
         install_stop_signals(lambda cold: scheduler.request_stop(cold))
         declare_periodic_jobs(settings)
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, metrics_addr)
+        metrics.node_up.labels(kind="scheduler").set(1)
         freeze_start_up_objects()
         log.info("ax-scheduler ready", extra={"node": scheduler.node_id,
                                               "db": redact_url(settings.database_url),

@@ -76,13 +76,15 @@ def node_name(template: str | None) -> str | None:
 @click.option("--pidfile", "pidfile_path", default=None, envvar="AX_PIDFILE",
               help="Write the pid here [AX_PIDFILE]")
 @click.option("--metrics-port", envvar="AX_METRICS_PORT", type=int, default=0, show_default=True,
-              help="Serve Prometheus /metrics on 127.0.0.1:PORT, 0: off [AX_METRICS_PORT]")
+              help="Serve Prometheus /metrics on PORT, 0: off [AX_METRICS_PORT]")
+@click.option("--metrics-addr", envvar="AX_METRICS_ADDR", default="127.0.0.1", show_default=True,
+              help="Address /metrics listens on, 0.0.0.0: every interface [AX_METRICS_ADDR]")
 @db_option
 @broker_option
 def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
          prefetch_multiplier: int | None, hostname: str | None, loglevel: str,
-         pidfile_path: str | None, metrics_port: int, database_url: str | None,
-         broker_url: str | None) -> None:
+         pidfile_path: str | None, metrics_port: int, metrics_addr: str,
+         database_url: str | None, broker_url: str | None) -> None:
     """Run tasks from the high, default and slow queues in bounded pools.
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
@@ -91,11 +93,12 @@ def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
     overrides = {"prefetch_multiplier": prefetch_multiplier, "database_url": database_url,
                  "broker_url": broker_url}
     sys.exit(run_guarded(lambda: _run(queues, apps, concurrency, hostname, pidfile_path,
-                                      metrics_port, overrides)))
+                                      metrics_port, metrics_addr, overrides)))
 
 
 def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: str | None,
-         pid_path: str | None, metrics_port: int, overrides: dict[str, Any]) -> int:
+         pid_path: str | None, metrics_port: int, metrics_addr: str,
+         overrides: dict[str, Any]) -> int:
     settings = from_env(**overrides, **parse_concurrency(concurrency))
     check_urls(settings)
     chosen = parse_queues(queues, settings)
@@ -107,7 +110,8 @@ def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: 
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
         declare_periodic_jobs(settings)
         install_stop_signals(lambda cold: worker.request_stop(cold))
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, metrics_addr)
+        metrics.node_up.labels(kind="worker").set(1)
         freeze_start_up_objects()
         return worker.run()
 

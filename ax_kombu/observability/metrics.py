@@ -1,12 +1,20 @@
 """Every Prometheus metric ax exports, in one place.
 
 The key user-facing figure is ``ax_schedule_delay_seconds``: publish time
-minus the task's trigger time. The shipped alert rules (docs/alerts.yml)
-page on it.
+minus the task's trigger time. The shipped alert rules
+(``deploy/prometheus/ax-alerts.yml``) page on it, and the Grafana dashboard
+(``deploy/grafana/ax-dashboard.json``) opens with it; a unit test checks that
+every metric those files name is defined here, so rename nothing.
+
+Label values stay few: ``queue`` is a priority (high, default, slow), and a
+task's type becomes a label only through :func:`type_label`, which reports
+types outside the ``AX_METRICS_TASK_TYPES`` allow-list as ``"other"``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
@@ -60,6 +68,57 @@ rejected_messages_total = Counter(
     "Messages a worker refused as hostile or malformed, each counted once, by reason "
     "(ax_kombu.broker.rejects.REASONS; 'forged' for a message contradicting its task row).",
     ["reason"])
+node_up = Gauge("ax_node_up",
+                "1 while this daemon runs, by kind: scheduler or worker (set by ax-scheduler / "
+                "ax-worker at start; the series goes away with the process).", ["kind"])
+execute_timeout_total = Counter(
+    "ax_execute_timeout_total",
+    "Runs that overran their timeout_ms (counted when the watchdog signals the cancellation; "
+    "the run's outcome is recorded as ax_execute_total{result=\"timeout\"} when it returns).")
+dedup_total = Counter(
+    "ax_dedup_total",
+    "Enqueued tasks not created because they duplicate an existing one, by kind: biz_key "
+    "(same task_type and biz_key) or fingerprint (same fingerprint within the dedup window).",
+    ["kind"])
+oldest_overdue = Gauge(
+    "ax_oldest_overdue_seconds",
+    "Database time minus the trigger time of the oldest task that is due and not dispatched "
+    "(CREATED, DELAYED or READY, parked gated tasks excluded); 0 when none is overdue.")
+pool_size = Gauge("ax_pool_size", "Slots (threads) of this worker's pool for a queue.", ["queue"])
+pool_busy = Gauge("ax_pool_busy",
+                  "Slots of this worker's pool for a queue held by a run (stuck runs included).",
+                  ["queue"])
+pool_prefetched = Gauge(
+    "ax_pool_prefetched",
+    "Messages this worker holds for a queue, received from the broker and not acked yet "
+    "(running, or waiting in the lane's backlog for a slot).", ["queue"])
+queue_waiting_without_consumer = Gauge(
+    "ax_queue_waiting_without_consumer",
+    "Tasks READY or DISPATCHING for a queue that no live worker consumes (0 when some worker "
+    "consumes it).", ["queue"])
+
+#: the variable naming the task types that may appear as a ``task_type`` label value
+TASK_TYPES_ENV = "AX_METRICS_TASK_TYPES"
+#: the label value of every task type outside the allow-list
+OTHER_TYPE = "other"
+
+
+def type_label(task_type: str) -> str:
+    """The ``task_type`` label value for ``task_type``: itself if allowed, else ``"other"``.
+
+    Each label value is a time series kept in every process and in Prometheus,
+    so task types are labels only where listed: ``AX_METRICS_TASK_TYPES`` is a
+    comma-separated allow-list (e.g. ``email.send,report.build``). Unset or
+    empty, every type is reported as ``"other"``. The variable is read on each
+    call (its parsing is cached), so a test may change it.
+    """
+    allowed = _allowed_types(os.environ.get(TASK_TYPES_ENV, ""))
+    return task_type if task_type in allowed else OTHER_TYPE
+
+
+@functools.lru_cache(maxsize=8)
+def _allowed_types(text: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
 def observe_many(histogram: Any, values: Iterable[float]) -> None:
