@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from ax_kombu.api import Client, TaskId, TaskView
+from ax_kombu.api import AttemptView, Client, TaskId, TaskView
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import (
@@ -38,11 +38,13 @@ from ax_kombu.exceptions import (
     JobNotFound,
     TaskNotFound,
     ValidationError,
+    WaitTimeout,
 )
 from ax_kombu.recurring import JobView, periodic
 from ax_kombu.worker.processors import processor
 
 __all__ = [
+    "AttemptView",
     "AxError",
     "IllegalTransition",
     "JobNotFound",
@@ -53,6 +55,7 @@ __all__ = [
     "TaskNotFound",
     "TaskView",
     "ValidationError",
+    "WaitTimeout",
     "cancel",
     "client",
     "configure",
@@ -69,6 +72,7 @@ __all__ = [
     "schedule",
     "set_limit",
     "unschedule",
+    "wait",
 ]
 __version__ = "0.1.0"
 
@@ -159,6 +163,12 @@ def enqueue_many(items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
 def get(task_id: int) -> TaskView:
     """A read-only view of the task. Raises TaskNotFound."""
     return client().get(task_id)
+
+
+def wait(task_id: int, timeout: float = 30.0) -> TaskView:
+    """Wait until the task has finished; returns it (``.result`` holds what the processor
+    returned). Raises TaskNotFound, or WaitTimeout after ``timeout`` seconds."""
+    return client().wait(task_id, timeout)
 
 
 def cancel(task_id: int) -> TaskView:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Self
@@ -32,12 +33,18 @@ from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import IllegalTransition, JobNotFound, TaskNotFound, ValidationError
+from ax_kombu.exceptions import (
+    IllegalTransition,
+    JobNotFound,
+    TaskNotFound,
+    ValidationError,
+    WaitTimeout,
+)
 from ax_kombu.recurring import JobView
 from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.leases import StoreLessor
-from ax_kombu.store.tasks import fetch_task, insert_tasks
+from ax_kombu.store.tasks import attempts_of, fetch_task, insert_tasks
 from ax_kombu.validation import (
     MAX_TASK_TYPE,
     broadcast_row,
@@ -105,13 +112,39 @@ class TaskView:
     shard_total: int | None = None
     #: a shard of ``shards="workers"``: the worker it was sent to
     target_node: str | None = None
+    #: the processor's return value (SUCCESS; None if it returned None or it was not stored)
+    result: Any = None
+    #: every ended attempt, oldest first (the current one, if it has not ended, is the row)
+    attempts: tuple[AttemptView, ...] = ()
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> TaskView:
-        data = {k: row[k] for k in cls.__dataclass_fields__}
+    def from_row(cls, row: Mapping[str, Any],
+                 attempts: Sequence[Mapping[str, Any]] = ()) -> TaskView:
+        data = {k: row[k] for k in cls.__dataclass_fields__ if k != "attempts"}
         data["status"] = Status(row["status"])
         data["payload"] = json.loads(row["payload"])
-        return cls(**data)
+        data["result"] = json.loads(row["result"]) if row.get("result") is not None else None
+        return cls(**data, attempts=tuple(AttemptView(**a) for a in attempts))
+
+
+@dataclass(frozen=True)
+class AttemptView:
+    """One ended attempt of a task (``ax_attempt``): who ran it, when, how it ended."""
+
+    task_id: int
+    attempt: int
+    task_type: str
+    #: the worker that ran it (never started: the scheduler that dispatched it)
+    node: str | None
+    trigger_time: int
+    dispatched_at: int | None
+    started_at: int | None
+    finished_at: int
+    #: SUCCESS, FAILED, RETRY (failed, retried), CANCELLED, LOST (its worker died) or
+    #: UNACKED (no worker started it within the ack timeout)
+    outcome: str
+    error: str | None
+    duration_ms: int | None
 
 
 class Client:
@@ -186,9 +219,31 @@ class Client:
         """
         with self.store.engine.connect() as conn:
             row = fetch_task(conn, int(task_id))
+            history = attempts_of(conn, int(task_id)) if row is not None else []
         if row is None:
             raise TaskNotFound(f"no task {task_id}")
-        return TaskView.from_row(dict(row._mapping))
+        return TaskView.from_row(dict(row._mapping), [dict(a._mapping) for a in history])
+
+    def wait(self, task_id: int, timeout: float = 30.0) -> TaskView:
+        """Wait until the task has finished (SUCCESS, FAILED or CANCELLED); returns it.
+
+        Polls the store, starting at 10 ms and backing off to 0.5 s.
+
+        Raises:
+            TaskNotFound: no such task.
+            WaitTimeout: it had not finished after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        pause = 0.01
+        while True:
+            view = self.get(task_id)
+            if view.status in states.FINAL:
+                return view
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(f"task {task_id} is still {view.status} after {timeout} s")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
 
     def cancel(self, task_id: int) -> TaskView:
         """Cancel a task that has not finished.

@@ -67,6 +67,8 @@ class Settings:
     #: two tasks with the same type and payload closer than this are duplicates.
     dedup_window_ms: int = 5000
     max_payload_bytes: int = 65536
+    #: worker: a processor's return value is stored (as JSON) up to this size.
+    max_result_bytes: int = 65536
     default_max_retry: int = 3
     default_timeout_ms: int = 60_000
     #: how long a process holds its snowflake node id before renewing it.
@@ -156,7 +158,7 @@ class Settings:
             raise ConfigurationError("database_url is empty")
         if not self.broker_url:
             raise ConfigurationError("broker_url is empty")
-        for name in ("dedup_window_ms", "max_payload_bytes", "node_lease_s", "preload_window_ms",
+        for name in ("dedup_window_ms", "max_payload_bytes", "max_result_bytes", "node_lease_s", "preload_window_ms",
                      "preload_batch", "claim_batch", "preload_interval_ms", "max_held",
                      "ack_timeout_ms", "heartbeat_misses", "claim_lead_ms", "max_dispatches",
                      "job_lookahead_ms", "job_interval_ms", "misfire_max"):

@@ -37,6 +37,12 @@ class JobNotFound(AxError, LookupError):
     exit_code = 3
 
 
+class WaitTimeout(AxError, TimeoutError):
+    """``ax.wait`` gave up: the task had not finished within the timeout."""
+
+    exit_code = 1
+
+
 class IllegalTransition(AxError):
     """A state change that the state machine does not allow was requested."""
 

@@ -44,6 +44,13 @@ def sleep(payload: Any, ctx: Context) -> None:
     time.sleep(float(payload["s"]))
 
 
+@ax.processor("t.echo")
+def echo(payload: Any, ctx: Context) -> Any:
+    """Returns ``payload["value"]`` (a set when ``payload["set"]``: not JSON)."""
+    _count(ctx)
+    return set(payload["value"]) if payload.get("set") else payload["value"]
+
+
 @ax.processor("t.hang")
 def hang(payload: Any, ctx: Context) -> None:
     """Blocks until the test sets :data:`release` (at most 10 s)."""

@@ -54,6 +54,8 @@ class TaskMessage(NamedTuple):
     shard_total: int | None = None
     #: the queue to publish to when not the priority's (a worker's own queue)
     route: str | None = None
+    #: when the worker's start of this attempt was written (DB clock)
+    started_at: int | None = None
 
     def body(self) -> dict[str, Any]:
         """The body as a dict (what a consumer receives after JSON decoding)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from datetime import UTC, datetime
+from typing import Any
 
 import click
 
@@ -40,9 +41,24 @@ def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
     view["status"] = str(view["status"])
     for name in _TIMES:
         view[name] = _iso(view[name])
+    history = view.pop("attempts")
+    for attempt in history:
+        for name in ("trigger_time", "dispatched_at", "started_at", "finished_at"):
+            attempt[name] = _iso(attempt[name])
     if as_json:
-        click.echo(json.dumps(view, indent=2, ensure_ascii=False))
+        click.echo(json.dumps({**view, "attempts": history}, indent=2, ensure_ascii=False))
         return
     for key, value in view.items():
-        shown = json.dumps(value, ensure_ascii=False) if key == "payload" else value
+        shown = json.dumps(value, ensure_ascii=False) if key in ("payload", "result") else value
         click.echo(f"{key:>15}: {'' if shown is None else shown}")
+    _print_attempts(history)
+
+
+def _print_attempts(history: list[dict[str, Any]]) -> None:
+    """The attempt history as a table (``ax_attempt``)."""
+    click.echo(f"{'attempts':>15}: {len(history) or 'none ended yet'}")
+    for a in history:
+        took = f"{a['duration_ms']} ms" if a["duration_ms"] is not None else "not started"
+        line = (f"  #{a['attempt']:<3} {a['outcome']:<9} {a['node'] or '-':<20} "
+                f"ended {a['finished_at']}  {took}")
+        click.echo(line + (f"  {a['error']}" if a["error"] else ""))

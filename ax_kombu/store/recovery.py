@@ -111,6 +111,28 @@ MAX_BACKOFF_STEPS = 5
 
 _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACKOFF_STEPS} "
                 f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
+_UNACKED_WHERE = f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND priority IN :priorities"
+# The attempt a recovery ends goes to the history first, from the row as it still is; on
+# PostgreSQL the rows are locked as they are read, so a worker's late result waits and then
+# finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).
+_RECORD_ENDED = """
+INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
+                        started_at, finished_at, outcome, error, duration_ms)
+SELECT task_id, attempt, task_type, last_run_node, trigger_time, dispatched_at, started_at,
+       :now, :outcome, :ended_why, :now - started_at
+  FROM ax_task WHERE {where}{lock}
+    ON CONFLICT (task_id, attempt) DO NOTHING"""
+
+
+def _record_ended(conn: Connection, where: str, params: dict[str, Any], outcome: str,
+                  why: str, *expanding: str) -> None:
+    """Record in the history the attempts of the rows ``where`` selects, as ``outcome``."""
+    lock = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
+    stmt = text(_RECORD_ENDED.format(where=where, lock=lock)).bindparams(
+        *[bindparam(name, expanding=True) for name in expanding])
+    conn.execute(stmt, {**params, "outcome": outcome, "ended_why": why})
+
+
 _REQUEUE_UNACKED = f"""
 UPDATE ax_task
    SET status = CASE WHEN redispatches + 1 < :max_dispatches THEN 'READY' ELSE 'FAILED' END,
@@ -119,7 +141,7 @@ UPDATE ax_task
        last_error = CASE WHEN redispatches + 1 < :max_dispatches THEN last_error
                          ELSE :gave_up END,
        last_run_node = NULL
- WHERE status = 'DISPATCHING' AND {_UNACKED_AGE} AND priority IN :priorities
+ WHERE {_UNACKED_WHERE}
 RETURNING task_id, status"""
 
 
@@ -146,6 +168,9 @@ def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
                f"(ack timeout {ack_timeout_ms} ms, doubling per dispatch); see AX_MAX_DISPATCHES")
     params = {"now": now_ms, "ack_ms": ack_timeout_ms, "priorities": list(priorities),
               "max_dispatches": max_dispatches, "gave_up": gave_up}
+    _record_ended(conn, _UNACKED_WHERE, params, "UNACKED",
+                  f"not started by a worker within the ack timeout ({ack_timeout_ms} ms, "
+                  "doubling per dispatch)", "priorities")
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 
@@ -191,6 +216,8 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
     params: dict[str, Any] = {"nodes": list(nodes), "now": now_ms, "error": "worker lost"}
     if keep:
         params["keep"] = list(keep)
+    _record_ended(conn, f"status = 'RUNNING' AND {which}", params, "LOST", "worker lost",
+                  *(["nodes", "keep"] if keep else ["nodes"]))
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 
@@ -203,6 +230,7 @@ def recover_orphan_running(conn: Connection, now_ms: int,
     """
     stmt = text(_RECOVER_RUNNING.format(which=_NOT_ALIVE))
     params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms}
+    _record_ended(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", params, "LOST", "worker lost")
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 

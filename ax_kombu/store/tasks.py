@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, text
 
-from ax_kombu.store.schema import tasks
+from ax_kombu.store.schema import attempts, tasks
 
 #: column order used for COPY
 COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_count",
@@ -198,6 +198,12 @@ def _copy(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
 def fetch_task(conn: Connection, task_id: int) -> Row[Any] | None:
     """The whole row of ``task_id``, or None."""
     return conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
+
+
+def attempts_of(conn: Connection, task_id: int) -> list[Row[Any]]:
+    """The ended attempts of ``task_id`` (``ax_attempt`` rows), oldest first."""
+    return list(conn.execute(select(attempts).where(attempts.c.task_id == task_id)
+                             .order_by(attempts.c.attempt)))
 
 
 def cancelled_among(conn: Connection, task_ids: Sequence[int]) -> list[int]:

@@ -52,7 +52,9 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 # by the (status, trigger_time) index — a walk over every DISPATCHING or RUNNING row,
 # possibly 100,000s — instead of one primary-key lookup per batch row.
 
-_PG_TYPES = {"id": "BIGINT", "att": "INTEGER", "st": "TEXT", "at": "BIGINT", "err": "TEXT"}
+_PG_TYPES = {"id": "BIGINT", "att": "INTEGER", "st": "TEXT", "at": "BIGINT", "err": "TEXT",
+             "res": "TEXT", "type": "TEXT", "node": "TEXT", "trig": "BIGINT", "disp": "BIGINT",
+             "start": "BIGINT", "fin": "BIGINT", "out": "TEXT", "dur": "BIGINT"}
 
 
 @functools.lru_cache(maxsize=16)
@@ -110,6 +112,8 @@ class Started(NamedTuple):
     order_key: str | None = None
     shard_index: int | None = None
     shard_total: int | None = None
+    #: when this start was written (the attempt's start, for its history row)
+    started_at: int | None = None
 
 
 #: in :class:`Started`'s order; unqualified: SQLite's RETURNING names the updated table only
@@ -145,6 +149,7 @@ _FINISH = """
            trigger_time = CASE WHEN v.st = 'DELAYED' THEN v.at ELSE t.trigger_time END,
            retry_count = t.retry_count + CASE WHEN v.st = 'DELAYED' THEN 1 ELSE 0 END,
            last_error = CASE WHEN v.st = 'SUCCESS' THEN t.last_error ELSE v.err END,
+           result = CASE WHEN v.st = 'SUCCESS' THEN v.res ELSE t.result END,
            last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
@@ -199,6 +204,8 @@ class Finish(NamedTuple):
     status: Status
     at_ms: int
     error: str | None = None
+    #: SUCCESS: the processor's return value as JSON text (None: none, or not stored)
+    result: str | None = None
 
 
 _FINISH_TARGETS = frozenset({S.SUCCESS, S.FAILED, S.DELAYED})
@@ -207,7 +214,7 @@ _FINISH_TARGETS = frozenset({S.SUCCESS, S.FAILED, S.DELAYED})
 def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     """RUNNING → SUCCESS | FAILED | DELAYED for each result whose row is at its attempt.
 
-    Columns set: SUCCESS ``finished_at``; FAILED ``finished_at``,
+    Columns set: SUCCESS ``finished_at``, ``result``; FAILED ``finished_at``,
     ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1``,
     ``last_error`` and ``last_run_node = NULL`` (a scheduler adopts it).
 
@@ -219,5 +226,39 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     for result in results:
         if result.status not in _FINISH_TARGETS:
             raise IllegalTransition(f"a run cannot end in {result.status}")
-    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, r.error) for r in results]
-    return _run_batch(conn, ("id", "att", "st", "at", "err"), _FINISH, rows)
+    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, r.error, r.result) for r in results]
+    return _run_batch(conn, ("id", "att", "st", "at", "err", "res"), _FINISH, rows)
+
+
+class Attempt(NamedTuple):
+    """One ended attempt, as the history keeps it (``ax_attempt``)."""
+
+    task_id: int
+    attempt: int
+    task_type: str
+    node: str | None
+    trigger_time: int
+    dispatched_at: int | None
+    started_at: int | None
+    finished_at: int
+    #: SUCCESS, FAILED, RETRY, CANCELLED, LOST or UNACKED (see ax_kombu.store.schema)
+    outcome: str
+    error: str | None = None
+    duration_ms: int | None = None
+
+
+_RECORD = """
+    INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
+                            started_at, finished_at, outcome, error, duration_ms)
+    SELECT v.id, v.att, v.type, v.node, v.trig, v.disp, v.start, v.fin, v.out, v.err, v.dur
+      FROM {source} WHERE true
+        ON CONFLICT (task_id, attempt) DO NOTHING"""
+_RECORD_COLUMNS = ("id", "att", "type", "node", "trig", "disp", "start", "fin", "out", "err",
+                   "dur")
+
+
+def record_attempts(conn: Connection, attempts: Sequence[Attempt]) -> None:
+    """Add ended attempts to the history, in one statement. An attempt already recorded
+    (by the recovery that declared it lost, say) keeps its first record."""
+    if attempts:
+        _execute_batch(conn, _RECORD_COLUMNS, _RECORD, attempts)

@@ -82,7 +82,7 @@ class Worker:
                                              split_names(settings.callback_allow_hosts),
                                              settings.callback_secret)
         self.stats = Counters()
-        self.results = ResultWriter(self.store, settings, self.stats)
+        self.results = ResultWriter(self.store, settings, self.stats, node=self.node_id)
         self.heartbeat = Heartbeat(self.store, self.node_id, "worker",
                                    silence_ms=settings.silence_ms)
         self.crash = CrashFlag()

@@ -206,7 +206,8 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
                            row.trace_id, row.trigger_time, row.timeout_ms, row.priority,
                            row.retry_count, row.max_retry, row.processor_name, row.callback_url,
                            message.dispatched_at, message.node, row.job, row.scheduled_at,
-                           bool(row.gated), row.order_key, row.shard_index, row.shard_total)
+                           bool(row.gated), row.order_key, row.shard_index, row.shard_total,
+                           None, row.started_at)
         started[row.task_id] = task
         if task[:_WIRE] != message[:_WIRE]:
             forged.append((delivery, [name for name, mine, theirs

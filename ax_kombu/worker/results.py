@@ -30,6 +30,7 @@ dead worker's tasks retries it: execution is at-least-once.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import queue
 import threading
@@ -122,6 +123,10 @@ class Counters:
             return self._counts[name]
 
 
+#: the attempt history's word for each way a run ends
+_OUTCOMES = {Status.SUCCESS: "SUCCESS", Status.FAILED: "FAILED", Status.DELAYED: "RETRY"}
+
+
 class RunResult(NamedTuple):
     """One outcome, with the task it belongs to and when it ended (DB clock)."""
 
@@ -144,11 +149,29 @@ def describe(result: RunResult) -> str:
     return redact_url(text)[:MAX_ERROR]  # a callback's URL may carry a token
 
 
+def stored_result(value: Any, limit: int) -> tuple[str | None, str | None]:
+    """A processor's return value as stored: ``(json_text, note)``. None is stored as
+    nothing; a value that is not JSON, or over ``limit`` bytes, is not stored and the note
+    says why (the run is still a success)."""
+    if value is None:
+        return None, None
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        return None, f"result not stored: not JSON ({type(exc).__name__}: {exc})"[:MAX_ERROR]
+    size = len(text.encode())
+    if size > limit:
+        return None, f"result not stored: {size} bytes, over AX_MAX_RESULT_BYTES ({limit})"
+    return text, None
+
+
 def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
     """The state change a run's outcome leads to (see the module docstring)."""
     task, outcome = result.task, result.outcome
     if outcome.ok:
-        return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms)
+        stored, _ = stored_result(outcome.value, settings.max_result_bytes)
+        return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms,
+                      result=stored)
     error = describe(result)
     final = isinstance(outcome.error, ProcessorRefused) or task.retry_count >= task.max_retry
     if final:
@@ -186,8 +209,9 @@ class ResultWriter:
     """Collects outcomes from any thread; one thread writes them in batches."""
 
     def __init__(self, store: Store, settings: Settings, stats: Counters, *,
-                 rng: Uniform | None = None) -> None:
+                 rng: Uniform | None = None, node: str | None = None) -> None:
         self.store = store
+        self.node = node
         self.settings = settings
         self.stats = stats
         self.rng = rng or default_rng()
@@ -249,6 +273,9 @@ class ResultWriter:
             try:
                 with self._db.begin() as conn:
                     moved = set(transitions.finish_many(conn, finishes))
+                    transitions.record_attempts(conn, [
+                        self._attempt(r, f, f.task_id in moved)
+                        for r, f in zip(batch, finishes, strict=True)])
                     retries = [f.at_ms for f in finishes
                                if f.status is states.Status.DELAYED and f.task_id in moved]
                     if retries:  # due soon: schedulers load it now, not at the next preload
@@ -266,6 +293,20 @@ class ResultWriter:
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
         self._account(batch, finishes, moved)
+
+    def _attempt(self, result: RunResult, finish: Finish, moved: bool) -> transitions.Attempt:
+        """The history row of a run: how it ended here. A run whose end did not move its
+        task (cancelled or recovered meanwhile) is recorded CANCELLED, unless the recovery
+        recorded it first."""
+        task, outcome = result.task, result.outcome
+        error = finish.error
+        if outcome.ok and outcome.value is not None and finish.result is None:
+            error = stored_result(outcome.value, self.settings.max_result_bytes)[1]
+        return transitions.Attempt(
+            task.task_id, task.attempt, task.task_type, self.node, task.trigger_time,
+            task.dispatched_at, task.started_at, result.ended_ms,
+            _OUTCOMES[finish.status] if moved else "CANCELLED", error,
+            round(outcome.duration_s * 1000))
 
     def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
         _observe(batch, finishes)

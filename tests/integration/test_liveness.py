@@ -73,14 +73,14 @@ def test_a_start_returns_what_each_row_stores_and_what_the_run_needs(client: Cli
         rows = {r.task_id: r for r in conn.execute(select(tasks).where(tasks.c.task_id.in_(ids)))}
         started = transitions.start_many(
             conn, [(proc, 1), (hook, 1), (proc, 1), (stale, 2), (1, 1)], "w9",
-            client.store.now_ms())
+            now := client.store.now_ms())
     assert started_ids(started) == sorted([proc, hook])
     for got in started:
         row = rows[got.task_id]
         assert got == transitions.Started(
             row.task_id, row.task_type, row.trigger_time, row.priority, row.retry_count,
             row.max_retry, row.timeout_ms, row.processor_name, row.callback_url, row.payload,
-            row.trace_id)
+            row.trace_id, started_at=now)
     by_id = {r.task_id: r for r in started}
     assert (by_id[proc].processor_name, by_id[proc].callback_url) == ("mod.fn", None)
     assert (by_id[proc].timeout_ms, by_id[proc].max_retry, by_id[proc].retry_count,
