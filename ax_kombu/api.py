@@ -114,7 +114,8 @@ class TaskView:
     target_node: str | None = None
     #: the processor's return value (SUCCESS; None if it returned None or it was not stored)
     result: Any = None
-    #: every ended attempt, oldest first (the current one, if it has not ended, is the row)
+    #: every ended attempt, oldest first (one still under way is not listed: the row's
+    #: ``attempt``, ``last_run_node`` and ``started_at`` describe it)
     attempts: tuple[AttemptView, ...] = ()
 
     @classmethod
@@ -222,7 +223,7 @@ class Client:
             history = attempts_of(conn, int(task_id)) if row is not None else []
         if row is None:
             raise TaskNotFound(f"no task {task_id}")
-        return TaskView.from_row(dict(row._mapping), [dict(a._mapping) for a in history])
+        return TaskView.from_row(dict(row._mapping), history)
 
     def wait(self, task_id: int, timeout: float = 30.0) -> TaskView:
         """Wait until the task has finished (SUCCESS, FAILED or CANCELLED); returns it.

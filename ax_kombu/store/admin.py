@@ -32,7 +32,7 @@ from ax_kombu.core.states import FINAL, S, Status
 from ax_kombu.exceptions import StoreError, ValidationError
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.schema import attempts, tasks
-from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.store.tasks import keep_final_attempts, wake_schedulers
 from ax_kombu.store.transitions import transition
 
 #: ``ax list --limit``: the default and the most one call returns
@@ -153,6 +153,7 @@ def retry_tasks(conn: Connection, task_ids: Sequence[int]) -> list[int]:
         The ids that moved (the others were not FAILED or CANCELLED).
     """
     now = db_now_ms(conn)
+    keep_final_attempts(conn, task_ids)  # the row is about to start a new attempt
     moved = transition(conn, task_ids, RETRYABLE, S.READY,
                        values={"trigger_time": now, "last_run_node": None,
                                "finished_at": None, "redispatches": 0})

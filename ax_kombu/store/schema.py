@@ -113,8 +113,12 @@ tasks = Table(
           postgresql_where=text(_ORDERED), sqlite_where=text(_ORDERED)),
 )
 
-#: one row per ended attempt of a task: who ran it, when, how it ended. Written once, when
-#: the attempt ends (in the transaction that records the end), so a task costs one insert.
+#: one row per ended attempt of a task that is not the task's final state (a retried run, a
+#: run cut short by a cancel, a lost or unacknowledged dispatch): who ran it, when, how it
+#: ended. The final attempt is the task row itself (status, last_run_node, dispatched_at,
+#: started_at, finished_at, last_error), so a task that succeeds at once writes nothing
+#: here (a row for every attempt cost the 100k burst 14 %: docs/benchmarks.md);
+#: ``ax retry`` moves the final attempt here before it starts a new one.
 #: Indexes: the primary key; ``(task_type, finished_at)`` — run-time statistics per type
 #: (``ax plan --from-history``) and the time-ordered scans of retention.
 attempts = Table(

@@ -1,7 +1,9 @@
-"""Run-time statistics from the attempt history (``ax_attempt``), for ``ax plan --from-history``.
+"""Run-time statistics from the attempt history, for ``ax plan --from-history``.
 
-One bounded read on the ``(task_type, finished_at)`` index: the durations of the most recent
-:data:`MAX_RUNS` attempts of a type that started and finished at or after a time. The
+The history is the ``ax_attempt`` rows (attempts that did not end their task) and the
+finished task rows (each one's final attempt, see :mod:`ax_kombu.store.schema`): one
+bounded read of both, the durations of the most recent :data:`MAX_RUNS` runs of a type
+that started and finished at or after a time. The
 average and the percentiles are computed here in Python from those durations, so the same
 statement serves PostgreSQL and SQLite (neither's percentile functions are needed).
 Attempts that never started (``duration_ms`` NULL: lost or unacknowledged before a worker
@@ -14,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, select, union_all
 
 from ax_kombu.core.planning import percentile
-from ax_kombu.store.schema import attempts
+from ax_kombu.store.schema import attempts, tasks
 
 #: the most recent runs read; a larger history is sampled by its newest end
 MAX_RUNS = 100_000
@@ -46,11 +48,16 @@ def run_times(conn: Connection, task_type: str, since_ms: int) -> RunTimes | Non
     Returns:
         The statistics of the newest :data:`MAX_RUNS` such runs, or None if there are none.
     """
-    query = (select(attempts.c.duration_ms)
-             .where(attempts.c.task_type == task_type, attempts.c.finished_at >= since_ms,
-                    attempts.c.duration_ms.is_not(None))
-             .order_by(attempts.c.finished_at.desc())
-             .limit(MAX_RUNS))
+    earlier = (select(attempts.c.duration_ms.label("d"), attempts.c.finished_at.label("f"))
+               .where(attempts.c.task_type == task_type, attempts.c.finished_at >= since_ms,
+                      attempts.c.duration_ms.is_not(None)))
+    final = (select((tasks.c.finished_at - tasks.c.started_at).label("d"),
+                    tasks.c.finished_at.label("f"))
+             .where(tasks.c.task_type == task_type,
+                    tasks.c.status.in_(["SUCCESS", "FAILED", "CANCELLED"]),
+                    tasks.c.finished_at >= since_ms, tasks.c.started_at.is_not(None)))
+    runs = union_all(earlier, final).subquery()
+    query = select(runs.c.d).order_by(runs.c.f.desc()).limit(MAX_RUNS)
     durations = sorted(max(0, int(d)) for d in conn.execute(query).scalars())
     if not durations:
         return None

@@ -200,10 +200,53 @@ def fetch_task(conn: Connection, task_id: int) -> Row[Any] | None:
     return conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
 
 
-def attempts_of(conn: Connection, task_id: int) -> list[Row[Any]]:
-    """The ended attempts of ``task_id`` (``ax_attempt`` rows), oldest first."""
-    return list(conn.execute(select(attempts).where(attempts.c.task_id == task_id)
-                             .order_by(attempts.c.attempt)))
+def attempts_of(conn: Connection, task_id: int) -> list[dict[str, Any]]:
+    """The ended attempts of ``task_id``, oldest first: its ``ax_attempt`` rows, and its
+    final attempt as the task row holds it (:func:`final_attempt`)."""
+    found = [dict(r._mapping) for r in conn.execute(
+        select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.attempt))]
+    row = fetch_task(conn, task_id)
+    last = final_attempt(dict(row._mapping)) if row is not None else None
+    if last is not None and all(a["attempt"] != last["attempt"] for a in found):
+        found.append(last)
+    return found
+
+
+_FINAL = frozenset({"SUCCESS", "FAILED", "CANCELLED"})
+
+
+def final_attempt(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A finished task's last attempt, from its row (an ``ax_attempt``-shaped dict); None
+    while the task has not finished, or if it never was dispatched."""
+    if row["status"] not in _FINAL or not row["attempt"] or row["finished_at"] is None:
+        return None
+    started = row["started_at"]
+    return {"task_id": row["task_id"], "attempt": row["attempt"], "task_type": row["task_type"],
+            "node": row["last_run_node"], "trigger_time": row["trigger_time"],
+            "dispatched_at": row["dispatched_at"], "started_at": started,
+            "finished_at": row["finished_at"], "outcome": row["status"],
+            "error": None if row["status"] == "SUCCESS" else row["last_error"],
+            "duration_ms": row["finished_at"] - started if started is not None else None}
+
+
+#: copies a finished task's final attempt into the history before ``ax retry`` reuses the row
+_KEEP_FINAL = """
+INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
+                        started_at, finished_at, outcome, error, duration_ms)
+SELECT task_id, attempt, task_type, last_run_node, trigger_time, dispatched_at, started_at,
+       finished_at, status, CASE WHEN status = 'SUCCESS' THEN NULL ELSE last_error END,
+       finished_at - started_at
+  FROM ax_task WHERE task_id IN :ids AND status IN ('SUCCESS', 'FAILED', 'CANCELLED')
+   AND attempt > 0 AND finished_at IS NOT NULL
+    ON CONFLICT (task_id, attempt) DO NOTHING"""
+
+
+def keep_final_attempts(conn: Connection, task_ids: Sequence[int]) -> None:
+    """Move the final attempt of each finished task in ``task_ids`` into the history (the
+    row is about to start another)."""
+    if task_ids:
+        conn.execute(text(_KEEP_FINAL).bindparams(bindparam("ids", expanding=True)),
+                     {"ids": list(task_ids)})
 
 
 def cancelled_among(conn: Connection, task_ids: Sequence[int]) -> list[int]:

@@ -19,6 +19,13 @@ Decisions, for a run of attempt *a* of a task:
 Every write is fenced by attempt and status RUNNING: a task cancelled or
 recovered by a scheduler meanwhile is left alone (counted as ``stale``).
 
+The same transaction stores a success's return value (as JSON, up to
+``max_result_bytes``) and adds to the attempt history (``ax_attempt``) the runs
+that did not end their task: a retried failure (RETRY), a run whose end moved
+nothing (CANCELLED; a recovery that declared it lost wrote first and keeps its
+record), a success whose value was refused (with the note). A plain final end
+is the task row itself: a task that succeeds at once costs no history write.
+
 Guarantees: :meth:`ResultWriter.stop` writes everything put before it
 returns, so a clean stop loses no state change. A database outage is
 retried (results wait in memory; there is at most one per running task).
@@ -121,6 +128,11 @@ class Counters:
     def __getitem__(self, name: str) -> int:
         with self._lock:
             return self._counts[name]
+
+
+def _result_not_stored(result: RunResult, finish: Finish) -> bool:
+    """A success whose return value was refused (the history row carries the note)."""
+    return result.outcome.ok and result.outcome.value is not None and finish.result is None
 
 
 #: the attempt history's word for each way a run ends
@@ -273,9 +285,11 @@ class ResultWriter:
             try:
                 with self._db.begin() as conn:
                     moved = set(transitions.finish_many(conn, finishes))
-                    transitions.record_attempts(conn, [
+                    transitions.record_attempts(conn, [  # a plain final end: the task row
                         self._attempt(r, f, f.task_id in moved)
-                        for r, f in zip(batch, finishes, strict=True)])
+                        for r, f in zip(batch, finishes, strict=True)
+                        if f.status is Status.DELAYED or f.task_id not in moved
+                        or _result_not_stored(r, f)])
                     retries = [f.at_ms for f in finishes
                                if f.status is states.Status.DELAYED and f.task_id in moved]
                     if retries:  # due soon: schedulers load it now, not at the next preload

@@ -115,3 +115,30 @@ def test_inspect_shows_the_attempts(settings: Settings, dispatch: Dispatch) -> N
     text = subprocess.run(command, capture_output=True, text=True, check=True,
                           timeout=60).stdout
     assert "attempts: 1" in text and "#1   SUCCESS" in text
+
+
+def test_a_first_try_success_writes_no_history_row_and_retry_keeps_the_final_attempt(
+        settings: Settings, dispatch: Dispatch) -> None:
+    """The final attempt is the task row (no extra write on the common path); ``ax retry``
+    moves it into the history before the row starts another."""
+    from sqlalchemy import func, select
+
+    from ax_kombu.store import admin
+    from ax_kombu.store.schema import attempts
+
+    task_id = dispatch.enqueue("t.noop", {"x": 1})
+    with running(settings) as worker:
+        dispatch.dispatch([task_id])
+        first = dispatch.client.wait(task_id, timeout=20)
+        with dispatch.client.store.engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(attempts)).scalar_one() == 0
+        assert [(a.attempt, a.outcome, a.node) for a in first.attempts] == [
+            (1, "SUCCESS", worker.node_id)]
+        with dispatch.client.store.engine.begin() as conn:  # as if it had failed for good
+            conn.execute(update(tasks).where(tasks.c.task_id == task_id)
+                         .values(status="FAILED", last_error="boom"))
+            assert admin.retry_tasks(conn, [task_id]) == [task_id]
+        dispatch.dispatch([task_id])
+        second = dispatch.client.wait(task_id, timeout=20)
+    assert [(a.attempt, a.outcome, a.error) for a in second.attempts] == [
+        (1, "FAILED", "boom"), (2, "SUCCESS", None)]
