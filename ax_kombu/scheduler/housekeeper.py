@@ -143,6 +143,7 @@ class Housekeeper(Stage):
             self._next["beat"] = now + int(self._settings.heartbeat_interval_s * 1000)
             self.liveness.beat(now)
             self._check_skew()
+            self._measure_overdue(now)
         if now >= self._next["recovery"]:
             self._next["recovery"] = now + int(self._settings.recovery_interval_s * 1000)
             self.liveness.recover(now)
@@ -182,6 +183,12 @@ class Housekeeper(Stage):
         self._timing.hand(rows)
         metrics.preload_total.inc(len(rows))
         self._next["preload"] = now if len(rows) == room else now + self._poll_ms
+
+    def _measure_overdue(self, now: int) -> None:
+        """``ax_oldest_overdue_seconds`` from the store: it rises even when nothing is
+        published (the delay histogram then has no samples)."""
+        with self._store.engine.connect() as conn:
+            metrics.oldest_overdue.set(recovery.oldest_overdue_ms(conn, now) / 1000.0)
 
     def _check_skew(self) -> None:
         offset = self._store.clock.offset_ms

@@ -115,12 +115,17 @@ class Liveness:
             return
         silent_since = now - self.silence_ms
         with self._store.engine.begin() as conn:
+            consumed = self._consumed(conn)
             unacked = recovery.redispatch_unacked(
-                conn, now, self._settings.ack_timeout_ms, self._consumed(conn),
+                conn, now, self._settings.ack_timeout_ms, consumed,
                 self._settings.max_dispatches)
+            idle = recovery.waiting_without_consumer(
+                conn, [p for p in PRIORITIES if p not in consumed])
             orphans = recovery.release_orphans(conn, silent_since, silent_since)
             running = recovery.recover_orphan_running(conn, now, silent_since)
             stranded = gates.wake_stranded(conn)
+        for priority in PRIORITIES:
+            metrics.queue_waiting_without_consumer.labels(priority).set(idle.get(priority, 0))
         if stranded:
             log.info("woke parked tasks whose key or limit had room", extra={"woken": stranded})
         if unacked or orphans or running:

@@ -251,6 +251,27 @@ def release_orphans(conn: Connection, due_before_ms: int, alive_after_ms: int) -
                                    "alive": alive_after_ms}).rowcount)
 
 
+_OLDEST_DUE = """
+SELECT min(t) FROM (
+  SELECT (SELECT trigger_time FROM ax_task WHERE status = 'CREATED' AND trigger_time <= :now
+           ORDER BY trigger_time LIMIT 1) AS t
+  UNION ALL
+  SELECT (SELECT trigger_time FROM ax_task WHERE status = 'DELAYED' AND trigger_time <= :now
+           ORDER BY trigger_time LIMIT 1)
+  UNION ALL
+  SELECT (SELECT trigger_time FROM ax_task WHERE status = 'READY' AND trigger_time <= :now
+           AND (last_run_node IS NULL OR last_run_node <> '~parked')
+           ORDER BY trigger_time LIMIT 1)) AS due"""
+
+
+def oldest_overdue_ms(conn: Connection, now_ms: int) -> int:
+    """How long the oldest due task not yet dispatched has waited (0: none); tasks parked
+    for their order key or limit wait by design and are left out. Three index probes on
+    ``(status, trigger_time)``."""
+    oldest = conn.execute(text(_OLDEST_DUE), {"now": now_ms}).scalar()
+    return max(0, now_ms - int(oldest)) if oldest is not None else 0
+
+
 def held_by(conn: Connection, node: str, horizon_ms: int, limit: int) -> list[tuple[int, int]]:
     """DELAYED/READY tasks ``node`` holds, due before ``horizon_ms``: ``(task_id, trigger_time)``.
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, text
 
+from ax_kombu.observability import metrics
 from ax_kombu.store.schema import attempts, tasks
 
 #: column order used for COPY
@@ -71,12 +72,15 @@ class _Dedup:
         self.by_fp = by_fp
 
     def existing(self, row: Mapping[str, Any]) -> int | None:
+        """The task ``row`` duplicates, if any (counted in ``ax_dedup_total`` by kind)."""
         biz = _biz_ident(row)
         if biz is not None and biz in self.by_biz:
+            metrics.dedup_total.labels("biz_key").inc()
             return self.by_biz[biz]
         if self.window_ms > 0:
             for when, task_id in self.by_fp.get(row["fingerprint"], ()):
                 if abs(when - row["trigger_time"]) < self.window_ms:
+                    metrics.dedup_total.labels("fingerprint").inc()
                     return task_id
         return None
 

@@ -189,8 +189,16 @@ class Worker:
                 if not self.heartbeat.beat(self.info()):
                     self._fenced()
                 self._signal_cancelled()
+                self._pool_gauges()
             except SQLAlchemyError:
                 log.warning("heartbeat failed", exc_info=True, extra={"node": self.node_id})
+
+    def _pool_gauges(self) -> None:
+        """Each lane's pool in the metrics: its slots, those busy, messages held."""
+        for lane in self.lanes:
+            metrics.pool_size.labels(lane.priority).set(lane.pool.size)
+            metrics.pool_busy.labels(lane.priority).set(lane.pool.size - lane.pool.free)
+            metrics.pool_prefetched.labels(lane.priority).set(lane.held)
 
     def _fenced(self) -> None:
         """Declared dead while alive (e.g. cut off from the database): no start succeeds

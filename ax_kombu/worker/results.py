@@ -211,6 +211,8 @@ def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
     for (queue_name, kind), durations in runs.items():
         total, duration = _children(queue_name, kind)
         total.inc(len(durations))
+        if kind == "timeout":
+            metrics.execute_timeout_total.inc(len(durations))
         metrics.observe_many(duration, durations)
     metrics.observe_many(metrics.retry_count, [
         result.task.retry_count for result, finish in zip(batch, finishes, strict=True)
