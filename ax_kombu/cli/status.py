@@ -24,8 +24,12 @@ from ax_kombu.exceptions import StoreError
 from ax_kombu.store import Store, gates
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.nodes import live_nodes
-from ax_kombu.store.recovery import waiting_without_consumer
+from ax_kombu.store.recovery import oldest_overdue_ms, waiting_without_consumer
 from ax_kombu.store.schema import tasks
+from ax_kombu.store.stats import schedule_delays
+
+#: the window of the schedule delay figures
+DELAY_WINDOW_MS = 5 * 60_000
 
 
 def _redacted(value: Any) -> Any:
@@ -51,6 +55,8 @@ def _store_view(settings: Settings) -> dict[str, Any]:
             waiting = waiting_without_consumer(conn, [p for p, n in consumers.items() if not n])
             parked = gates.parked_by_type(conn)
             limits = gates.list_limits(conn)
+            overdue_ms = oldest_overdue_ms(conn, now)
+            delays = schedule_delays(conn, now - DELAY_WINDOW_MS)
     except SQLAlchemyError as exc:
         raise StoreError(f"cannot read the store {redact_url(settings.database_url)}: "
                          f"{type(exc).__name__}") from None
@@ -61,7 +67,22 @@ def _store_view(settings: Settings) -> dict[str, Any]:
               "info": _redacted(json.loads(r.info or "{}"))} for r in rows]
     return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status},
             "consumers": consumers, "waiting_without_consumer": waiting,
-            "limits": limits, "waiting_for_key_or_limit": parked}
+            "limits": limits, "waiting_for_key_or_limit": parked,
+            "free_slots": _free_slots(rows), "oldest_overdue_s": overdue_ms / 1000.0,
+            "schedule_delay_5m": None if delays is None else {
+                "dispatches": delays.dispatches, "p50_ms": delays.p50_ms,
+                "p99_ms": delays.p99_ms}}
+
+
+def _free_slots(rows: list[Any]) -> dict[str, int]:
+    """Per queue (priority), the free slots the live workers last reported."""
+    found = dict.fromkeys(PRIORITIES, 0)
+    for row in rows:
+        if row.kind == "worker":
+            free = json.loads(row.info or "{}").get("free", {})
+            for priority in PRIORITIES:
+                found[priority] += int(free.get(priority, 0))
+    return found
 
 
 def _consumers(settings: Settings, rows: list[Any]) -> dict[str, int]:
@@ -128,6 +149,13 @@ def _print(view: dict[str, Any]) -> None:
     click.echo("queues  " + (queues["error"] if "error" in queues else
                              "  ".join(f"{p} {queues[p]}" for p in PRIORITIES)))
     click.echo("workers " + "  ".join(_consumed(view, p) for p in PRIORITIES))
+    click.echo("free    " + "  ".join(f"{p} {view['free_slots'][p]}" for p in PRIORITIES)
+               + " slots")
+    delays = view["schedule_delay_5m"]
+    click.echo(f"late    oldest overdue {view['oldest_overdue_s']:.1f} s; schedule delay "
+               + ("(no dispatch in 5 min)" if delays is None else
+                  f"p50 {delays['p50_ms']} ms, p99 {delays['p99_ms']} ms over "
+                  f"{delays['dispatches']} dispatches in 5 min"))
     click.echo("tasks   " + "  ".join(f"{s} {n}" for s, n in view["tasks"].items()))
     if view["limits"]:
         click.echo("limits  " + "  ".join(f"{t} {n}" for t, n in view["limits"].items()))

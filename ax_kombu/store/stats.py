@@ -37,6 +37,32 @@ class RunTimes:
     p99_ms: int
 
 
+@dataclass(frozen=True)
+class Delays:
+    """Schedule delay (dispatched − trigger time) of recent dispatches, milliseconds."""
+
+    dispatches: int
+    p50_ms: int
+    p99_ms: int
+
+
+_DISPATCHED = ("DISPATCHING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED")
+
+
+def schedule_delays(conn: Connection, since_ms: int) -> Delays | None:
+    """The schedule delay of tasks due since ``since_ms`` and dispatched (their latest
+    attempt), from the ``(status, trigger_time)`` index; at most :data:`MAX_RUNS`, newest
+    first. None: nothing was dispatched."""
+    query = (select(tasks.c.dispatched_at - tasks.c.trigger_time)
+             .where(tasks.c.status.in_(_DISPATCHED), tasks.c.trigger_time >= since_ms,
+                    tasks.c.dispatched_at.is_not(None))
+             .order_by(tasks.c.trigger_time.desc()).limit(MAX_RUNS))
+    delays = sorted(max(0, int(d)) for d in conn.execute(query).scalars())
+    if not delays:
+        return None
+    return Delays(len(delays), percentile(delays, 50), percentile(delays, 99))
+
+
 def run_times(conn: Connection, task_type: str, since_ms: int) -> RunTimes | None:
     """The run times of ``task_type`` over its runs that finished at or after ``since_ms``.
 

@@ -139,3 +139,33 @@ def test_status_shows_limits_and_what_waits_for_a_key_or_a_limit(tmp_path: Path)
     assert result.exit_code == 0, result.output
     assert "limits  sms.send 1" in result.output
     assert "waiting for an order key or a limit (READY, parked)  sms.send 2" in result.output
+
+
+def test_status_shows_free_slots_the_oldest_overdue_task_and_the_recent_delay(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ax.db'}"
+    settings = from_env({}, database_url=url)
+    store = Store(settings)
+    Heartbeat(store, "worker@a", "worker").register(
+        {"queues": ["high", "default"], "free": {"high": 3, "default": 10}})
+    store.close()
+    client = Client(settings)
+    now = client.store.now_ms()
+    waiting = int(client.enqueue("push", {"w": 1}))
+    sent = [int(client.enqueue("push", {"i": i})) for i in range(4)]
+    with client.store.engine.begin() as conn:
+        conn.execute(update(tasks).where(tasks.c.task_id == waiting)
+                     .values(status="READY", trigger_time=now - 4_000))
+        for i, task_id in enumerate(sent):  # dispatched 10, 20, 30, 40 ms late
+            conn.execute(update(tasks).where(tasks.c.task_id == task_id).values(
+                status="SUCCESS", trigger_time=now - 1_000, dispatched_at=now - 990 + 10 * i))
+    client.close()
+    result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker", "--json"])
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.output)
+    assert view["free_slots"] == {"high": 3, "default": 10, "slow": 0}
+    assert 4.0 <= view["oldest_overdue_s"] < 10.0
+    assert view["schedule_delay_5m"] == {"dispatches": 4, "p50_ms": 20, "p99_ms": 40}
+    text = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker"]).output
+    assert "free    high 3  default 10  slow 0 slots" in text
+    assert "p50 20 ms, p99 40 ms over 4 dispatches in 5 min" in text
