@@ -73,8 +73,9 @@ node_up = Gauge("ax_node_up",
                 "ax-worker at start; the series goes away with the process).", ["kind"])
 execute_timeout_total = Counter(
     "ax_execute_timeout_total",
-    "Runs that overran their timeout_ms (counted when the watchdog signals the cancellation; "
-    "the run's outcome is recorded as ax_execute_total{result=\"timeout\"} when it returns).")
+    "Runs that overran their timeout_ms, counted when their outcome is recorded (the run's "
+    "thread has returned), with ax_execute_total{result=\"timeout\"}; a run still stuck "
+    "past its timeout shows in the worker's heartbeat as overdue.")
 dedup_total = Counter(
     "ax_dedup_total",
     "Enqueued tasks not created because they duplicate an existing one, by kind: biz_key "
