@@ -4,7 +4,9 @@ that only set flags."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -13,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import click
 from click.core import ParameterSource
@@ -69,26 +71,102 @@ class RedactingFormatter(logging.Formatter):
         return redact_url(super().format(record))
 
 
+#: The attributes every LogRecord has; anything else on a record came from ``extra``.
+_PLAIN_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+def structured_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a call passed in ``extra={...}``, by name."""
+    return {k: v for k, v in vars(record).items() if k not in _PLAIN_ATTRS}
+
+
 class _TraceFormatter(RedactingFormatter):
     """Constant messages, then the structured fields passed in ``extra``; redacted."""
 
-    _PLAIN: ClassVar[frozenset[str]] = frozenset(vars(logging.makeLogRecord({})))
-
     def format(self, record: logging.LogRecord) -> str:
         line = logging.Formatter.format(self, record)
-        fields = {k: v for k, v in vars(record).items()
-                  if k not in self._PLAIN and k not in {"message", "asctime"}}
+        fields = structured_fields(record)
         if fields:
             line += " " + " ".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return redact_url(line)
 
 
-def setup_logging(level: str) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (ISO 8601 UTC, ms), ``level``, ``logger``,
+    ``message``, each field passed in ``extra`` as its own key, and ``exc`` (the
+    traceback) when there is one.
+
+    Every string in it is redacted as the text format is (:func:`~ax_kombu.config.redact_url`)
+    before it is serialised, so the line is always valid JSON. A value JSON cannot hold
+    is written as its ``str()``; a field named like one of the fixed keys is dropped.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                  + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in structured_fields(record).items():
+            entry.setdefault(key, value)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            entry["exc"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(_redacted(entry))
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` as JSON can hold it, with every string in it redacted."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {redact_url(str(k)): _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return redact_url(str(value))
+
+
+#: ``--log-format``: the formatter each name stands for.
+LOG_FORMATS: dict[str, Callable[[], logging.Formatter]] = {
+    "text": lambda: _TraceFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"),
+    "json": JsonFormatter,
+}
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """Send every record to stderr, at ``level`` and up, in the format named ``fmt``."""
     handler = logging.StreamHandler()
-    handler.setFormatter(_TraceFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(LOG_FORMATS[fmt.lower()]())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def log_format_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--log-format", envvar="AX_LOG_FORMAT", default="text", show_default=True,
+                        type=click.Choice(sorted(LOG_FORMATS), case_sensitive=False),
+                        help="text, or json: one object per line [AX_LOG_FORMAT]")(func)
+
+
+class DaemonCommand(click.Command):
+    """A daemon's command: a usage error (bad flag or value) is one line on stderr, exit 2."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else info_name
+            click.echo(f"ax: error: {redact_url(exc.format_message())} (see '{where} -h')",
+                       err=True)
+            sys.exit(2)
 
 
 @contextmanager

@@ -9,11 +9,13 @@ import click
 
 from ax_kombu.cli.base import Duration, broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
+    DaemonCommand,
     check_urls,
     declare_periodic_jobs,
     freeze_start_up_objects,
     import_apps,
     install_stop_signals,
+    log_format_option,
     pidfile,
     setup_logging,
 )
@@ -24,12 +26,13 @@ from ax_kombu.scheduler.node import Scheduler
 log = logging.getLogger("ax_kombu.scheduler.node")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=DaemonCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @db_option
 @broker_option
 @click.option("-n", "--node-id", envvar="AX_NODE_ID", default=None, help="This node's name (default kind@host.pid).")
 @click.option("-l", "--loglevel", envvar="AX_LOGLEVEL", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@log_format_option
 @click.option("-A", "--app", "apps", multiple=True,
               help="Module declaring @ax.periodic jobs to write at start; repeatable "
                    "[AX_PROCESSOR_MODULES]")
@@ -45,15 +48,16 @@ log = logging.getLogger("ax_kombu.scheduler.node")
               help="Re-dispatch a task no worker started within this (default 30s).")
 @click.option("--recovery-interval", "recovery_interval_s", type=float, default=None,
               help="Seconds between recovery scans (default 30).")
-def main(node_id: str | None, loglevel: str, apps: tuple[str, ...], pidfile_path: str | None,
-         metrics_port: int, metrics_addr: str, **overrides: object) -> None:
+def main(node_id: str | None, loglevel: str, log_format: str, apps: tuple[str, ...],
+         pidfile_path: str | None, metrics_port: int, metrics_addr: str,
+         **overrides: object) -> None:
     """Run one scheduler node: preload, timing wheel, claim, publish, recover.
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
     """
     from ax_kombu.config import from_env
 
-    setup_logging(loglevel)
+    setup_logging(loglevel, log_format)
     settings = run_guarded(lambda: from_env(**overrides))
     run_guarded(lambda: check_urls(settings))
     run_guarded(lambda: import_apps(apps, settings))

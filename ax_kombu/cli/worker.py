@@ -16,11 +16,13 @@ import click
 
 from ax_kombu.cli.base import broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
+    DaemonCommand,
     check_urls,
     declare_periodic_jobs,
     freeze_start_up_objects,
     import_apps,
     install_stop_signals,
+    log_format_option,
     pidfile,
     setup_logging,
 )
@@ -58,7 +60,7 @@ def node_name(template: str | None) -> str | None:
     return template.replace("%h", socket.gethostname()).replace("%p", str(os.getpid()))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=DaemonCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-Q", "--queues", default=",".join(PRIORITIES), show_default=True,
               envvar="AX_WORKER_QUEUES", help="Queues to consume [AX_WORKER_QUEUES]")
 @click.option("-A", "--app", "apps", multiple=True,
@@ -73,6 +75,7 @@ def node_name(template: str | None) -> str | None:
 @click.option("-l", "--loglevel", default="INFO", envvar="AX_LOGLEVEL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="[AX_LOGLEVEL]")
+@log_format_option
 @click.option("--pidfile", "pidfile_path", default=None, envvar="AX_PIDFILE",
               help="Write the pid here [AX_PIDFILE]")
 @click.option("--metrics-port", envvar="AX_METRICS_PORT", type=int, default=0, show_default=True,
@@ -83,13 +86,13 @@ def node_name(template: str | None) -> str | None:
 @broker_option
 def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
          prefetch_multiplier: int | None, hostname: str | None, loglevel: str,
-         pidfile_path: str | None, metrics_port: int, metrics_addr: str,
+         log_format: str, pidfile_path: str | None, metrics_port: int, metrics_addr: str,
          database_url: str | None, broker_url: str | None) -> None:
     """Run tasks from the high, default and slow queues in bounded pools.
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
     """
-    setup_logging(loglevel)
+    setup_logging(loglevel, log_format)
     overrides = {"prefetch_multiplier": prefetch_multiplier, "database_url": database_url,
                  "broker_url": broker_url}
     sys.exit(run_guarded(lambda: _run(queues, apps, concurrency, hostname, pidfile_path,
