@@ -72,8 +72,11 @@ class Collector:
             queues = list(task_queues(self.settings).values())
             with Consumer(conn, queues=queues, callbacks=[handle], accept=["json"]):
                 self._ready.set()
+                beat_at = 0.0
                 while not self._stop.is_set():
-                    heartbeat.beat({"queues": self.queue_names()})
+                    if time.monotonic() - beat_at >= 0.2:  # not one write per message
+                        heartbeat.beat({"queues": self.queue_names()})
+                        beat_at = time.monotonic()
                     try:
                         conn.drain_events(timeout=0.2)
                     except TimeoutError:
