@@ -45,6 +45,7 @@ from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import attempts_of, fetch_task, insert_tasks
+from ax_kombu.store.transitions import Attempt
 from ax_kombu.validation import (
     MAX_TASK_TYPE,
     broadcast_row,
@@ -116,7 +117,7 @@ class TaskView:
     result: Any = None
     #: every ended attempt, oldest first (one still under way is not listed: the row's
     #: ``attempt``, ``last_run_node`` and ``started_at`` describe it)
-    attempts: tuple[AttemptView, ...] = ()
+    attempts: tuple[Attempt, ...] = ()
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any],
@@ -125,27 +126,11 @@ class TaskView:
         data["status"] = Status(row["status"])
         data["payload"] = json.loads(row["payload"])
         data["result"] = json.loads(row["result"]) if row.get("result") is not None else None
-        return cls(**data, attempts=tuple(AttemptView(**a) for a in attempts))
+        return cls(**data, attempts=tuple(Attempt(**a) for a in attempts))
 
 
-@dataclass(frozen=True)
-class AttemptView:
-    """One ended attempt of a task (``ax_attempt``): who ran it, when, how it ended."""
-
-    task_id: int
-    attempt: int
-    task_type: str
-    #: the worker that ran it (never started: the scheduler that dispatched it)
-    node: str | None
-    trigger_time: int
-    dispatched_at: int | None
-    started_at: int | None
-    finished_at: int
-    #: SUCCESS, FAILED, RETRY (failed, retried), CANCELLED, LOST (its worker died) or
-    #: UNACKED (no worker started it within the ack timeout)
-    outcome: str
-    error: str | None
-    duration_ms: int | None
+#: one ended attempt of a task, as ``TaskView.attempts`` lists them (see ax_kombu.store.schema)
+AttemptView = Attempt
 
 
 class Client:

@@ -41,7 +41,7 @@ def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
     view["status"] = str(view["status"])
     for name in _TIMES:
         view[name] = _iso(view[name])
-    history = view.pop("attempts")
+    history = [a._asdict() for a in view.pop("attempts")]
     for attempt in history:
         for name in ("trigger_time", "dispatched_at", "started_at", "finished_at"):
             attempt[name] = _iso(attempt[name])

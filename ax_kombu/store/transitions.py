@@ -231,11 +231,13 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
 
 
 class Attempt(NamedTuple):
-    """One ended attempt, as the history keeps it (``ax_attempt``)."""
+    """One ended attempt of a task (an ``ax_attempt`` row, or the task row's final one):
+    who ran it, when, how it ended (``ax.AttemptView``)."""
 
     task_id: int
     attempt: int
     task_type: str
+    #: the worker that ran it (never started: the scheduler that dispatched it)
     node: str | None
     trigger_time: int
     dispatched_at: int | None

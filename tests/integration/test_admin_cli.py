@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import select as selectors
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -23,28 +21,21 @@ from ax_kombu.config import from_env
 from ax_kombu.store.schema import attempts, tasks
 from ax_kombu.store.tasks import WAKE_CHANNEL
 
+from .ax_cli import run_ax
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 HOUR, DAY = 3_600_000, 86_400_000
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).parent / "ax"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from ax_kombu.cli import main; main()"]
 
 
 class Ax:
     """Runs ``ax ARGS`` with ``AX_DATABASE_URL`` set to this test's database."""
 
     def __init__(self, url: str) -> None:
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
-        self.env["AX_DATABASE_URL"] = url
+        self.env = {"AX_DATABASE_URL": url}
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*_command(), *args], capture_output=True, text=True,
-                              timeout=60, check=False, env=self.env)
+        return run_ax(*args, env=self.env)
 
     def ok(self, *args: str) -> str:
         proc = self(*args)

@@ -5,22 +5,15 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
-import sys
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .ax_cli import run_ax
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def _command() -> list[str]:
-    """The installed ``ax`` next to this interpreter, else its entry point via ``python -c``."""
-    script = Path(sys.executable).parent / "ax"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from ax_kombu.cli import main; main()"]
 
 
 class Ax:
@@ -30,8 +23,7 @@ class Ax:
         self.db = f"sqlite:///{tmp_path / 'ax.sqlite3'}"
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*_command(), "--db", self.db, *args], capture_output=True,
-                              text=True, timeout=60, check=False)
+        return run_ax("--db", self.db, *args)
 
     def ok(self, *args: str) -> str:
         proc = self(*args)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,21 +16,13 @@ from ax_kombu.store.schema import attempts
 
 pytestmark = pytest.mark.timeout(120)
 
+from .ax_cli import run_ax
+
 HOUR_MS = 3_600_000
 
 
-def _command() -> list[str]:
-    """The installed ``ax`` next to this interpreter, else its entry point via ``python -c``."""
-    script = Path(sys.executable).parent / "ax"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from ax_kombu.cli import main; main()"]
-
-
 def ax(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
-    return subprocess.run([*_command(), *args], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=cwd, env=env)
+    return run_ax(*args, cwd=cwd)
 
 
 def ok(*args: str) -> str:
