@@ -287,11 +287,15 @@ class Client:
         Raises:
             JobNotFound: no such job.
         """
+        return recurring.view(self._job_row(name), self.store.now_ms())
+
+    def _job_row(self, name: str) -> dict[str, Any]:
+        """The stored row of the job ``name``. Raises JobNotFound."""
         with self.store.engine.connect() as conn:
             row = job_store.get_job(conn, name)
         if row is None:
             raise JobNotFound(f"no recurring job {name!r}")
-        return recurring.view(dict(row._mapping), self.store.now_ms())
+        return dict(row._mapping)
 
     def jobs(self) -> list[JobView]:
         """Every recurring job, by name."""
@@ -309,12 +313,9 @@ class Client:
         """
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1000:
             raise ValidationError(f"count must be an int within 1..1000, got {show(count)}")
-        with self.store.engine.connect() as conn:
-            row = job_store.get_job(conn, name)
-        if row is None:
-            raise JobNotFound(f"no recurring job {name!r}")
-        times = cron.upcoming(recurring.job_schedule(dict(row._mapping)), self.store.now_ms(), count)
-        return [cron.to_datetime(t, row.tz) for t in times]
+        row = self._job_row(name)
+        times = cron.upcoming(recurring.job_schedule(row), self.store.now_ms(), count)
+        return [cron.to_datetime(t, row["tz"]) for t in times]
 
     def occurrences(self, name: str, limit: int = 20) -> list[TaskView]:
         """The job's latest occurrences as tasks, newest first (any status)."""
