@@ -85,9 +85,12 @@ class Settings:
     republish_delay_ms: int = 1000
     #: scheduler: most rows claimed and published per round trip.
     claim_batch: int = 1000
-    #: scheduler: claim tasks up to this long before they are due, so the claim's round
-    #: trip is not part of their lateness; each is still published at its due time.
-    claim_lead_ms: int = 20
+    #: scheduler: claim and publish tasks up to this long before they are due (staging);
+    #: the worker fences each (RUNNING) on receipt and starts it at its trigger time,
+    #: never before, so the claim, the publish and the RUNNING commit (whose disk flush
+    #: can take 100 ms or more now and then) are not part of its lateness. Within this
+    #: window ``ax cancel`` signals the task like a running one (``ctx.cancelled``).
+    claim_lead_ms: int = 250
     #: scheduler: a task DISPATCHING longer than this goes back to READY; the wait doubles
     #: with each re-dispatch of the same task.
     ack_timeout_ms: int = 30_000

@@ -14,13 +14,17 @@ from ax_kombu.worker.processors import Context
 calls: dict[int, int] = {}
 #: task_id → the context a processor was given
 contexts: dict[int, Context] = {}
+#: task_id → the wall clock (epoch ms) when a processor started it
+started_ms: dict[int, float] = {}
 #: released by tests to let hanging processors return
 release = threading.Event()
 _lock = threading.Lock()
 
 
 def _count(ctx: Context) -> None:
+    now_ms = time.time() * 1000.0
     with _lock:
+        started_ms[ctx.task_id] = now_ms
         calls[ctx.task_id] = calls.get(ctx.task_id, 0) + 1
         contexts[ctx.task_id] = ctx
 

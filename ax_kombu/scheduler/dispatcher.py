@@ -1,11 +1,14 @@
-"""The scheduler's dispatcher: publishes claimed batches, each task at its due time.
+"""The scheduler's dispatcher: publishes claimed batches, staged up to ``claim_lead_ms`` ahead.
 
-Claimed rows arrive in claim order (sorted by trigger time within a batch).
-A task may have been claimed up to ``claim_lead_ms`` before it is due; it is
-published once it is due, never before (see :mod:`ax_kombu.scheduler.timing`). A
-batch that does not certainly reach the broker goes back to READY
-(compare-and-set from DISPATCHING), and the ids are handed back to the
-timing loop to be fired again.
+Claimed rows arrive in claim order (sorted by trigger time within a batch)
+and are published at once. A task may have been claimed up to
+``claim_lead_ms`` before it is due (see :mod:`ax_kombu.scheduler.timing`): it is
+*staged*, published ahead with its trigger time, and the worker that receives
+it fences it (RUNNING) at once and starts it at that time, never before (see
+:mod:`ax_kombu.worker.intake`). The round trips between due and start are then
+behind it by its due time. A batch that does not certainly reach the broker
+goes back to READY (compare-and-set from DISPATCHING), and the ids are handed
+back to the timing loop to be fired again.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ class Dispatcher(threading.Thread):
         self.store = store
         self.node = node
         self.publisher = Publisher(settings)
-        self.lead_ms = settings.claim_lead_ms
         self.inbox: queue.Queue[Sequence[Any] | None] = queue.Queue(maxsize=4)
         self.broker_ok = threading.Event()
         self.published = 0
@@ -92,28 +94,12 @@ class Dispatcher(threading.Thread):
 
     def run(self) -> None:
         while (rows := self.inbox.get()) is not None:
-            self._dispatch(rows)
+            self._publish(rows)  # now: each carries its trigger time and starts then
         with self._publisher_lock:
             self.publisher.close()
 
     def _now(self) -> int:
         return int(self.store.clock.local_ms())  # never waits on the database
-
-    def _dispatch(self, rows: Sequence[Any]) -> None:
-        """Publish ``rows`` (sorted by trigger time), each once it is due: the claim ran up
-        to ``claim_lead_ms`` ahead, so the first may wait that long, never longer."""
-        start = 0
-        while start < len(rows):
-            now = self._now()
-            end = start
-            while end < len(rows) and rows[end].trigger_time <= now:
-                end += 1
-            if end == start:
-                # at most the lead (at least 1 ms, should the clock step back after a resync)
-                time.sleep(min(rows[start].trigger_time - now, max(self.lead_ms, 1)) / 1000.0)
-                continue
-            self._publish(rows[start:end])
-            start = end
 
     def _publish(self, rows: Sequence[Any]) -> None:
         started = time.monotonic()
@@ -124,7 +110,7 @@ class Dispatcher(threading.Thread):
         done = self._now()
         failed_ids = {m.task_id for m in failed}
         sent = [m for m in messages if m.task_id not in failed_ids]
-        metrics.observe_many(metrics.schedule_delay,
+        metrics.observe_many(metrics.schedule_delay,  # staged ahead: 0
                              [max(0, done - m.trigger_time) / 1000.0 for m in sent])
         if self._on_published is not None:
             self._on_published(sent, done)

@@ -18,8 +18,9 @@ database clock:
    to DISPATCHING for exactly one node, with a new attempt number, and the
    claim is durable before anything is handed on.
 4. **Publish** (:mod:`~ax_kombu.scheduler.dispatcher`; overlaps the next
-   claim): each claimed task at its due time, never before, to the queue of
-   its priority, with publisher confirms on RabbitMQ. A batch that does not
+   claim): each claimed batch at once, staged up to ``claim_lead_ms`` ahead
+   (a worker starts each task at its trigger time, never before), to the
+   queue of its priority, with publisher confirms on RabbitMQ. A batch that does not
    certainly reach the broker goes back to READY; the claimer stops claiming
    until the broker answers again, then they go out with a new attempt.
 5. **Recovery** (:mod:`~ax_kombu.scheduler.housekeeper`): every heartbeat,

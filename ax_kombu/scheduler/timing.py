@@ -10,9 +10,10 @@ Contracts:
   :meth:`TimingLoop.hand`; the loop adds them ``ABSORB_CHUNK`` at a time
   between two firings, so a large preload never holds firing up for long.
 * An id fires ``claim_lead_ms`` before it is due, in trigger order, into the
-  claimer's hand-off (:mod:`ax_kombu.scheduler.claimer`), so that the claim's
-  round trip is over by the due time; the dispatcher still publishes nothing
-  before it is due. Firing is a slot lookup, never a scan.
+  claimer's hand-off (:mod:`ax_kombu.scheduler.claimer`), so that the claim,
+  the publish and the worker's RUNNING commit are over by the due time (the
+  task is staged: the worker holds it until its trigger time, see
+  :mod:`ax_kombu.worker.intake`). Firing is a slot lookup, never a scan.
 * The loop reads the database clock locally
   (:meth:`ax_kombu.store.clock.DbClock.local_ms`) and never touches the
   database or the broker, so a slow preload, claim or clock re-measurement

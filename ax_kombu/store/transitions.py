@@ -119,8 +119,11 @@ class Started(NamedTuple):
 #: in :class:`Started`'s order; unqualified: SQLite's RETURNING names the updated table only
 _STARTED_COLUMNS = ", ".join(Started._fields)
 
+# a task staged ahead of its trigger time (see worker.intake) starts at that time, not now
+_STARTED_AT = "CASE WHEN t.trigger_time > :now THEN t.trigger_time ELSE :now END"
 _START = """
-    UPDATE ax_task AS t SET status = 'RUNNING', started_at = :now, last_run_node = :node
+    UPDATE ax_task AS t SET status = 'RUNNING', started_at = """ + _STARTED_AT + """,
+           last_run_node = :node
       FROM {{source}}
      WHERE t.task_id = v.id AND t.attempt = v.att AND {moves}{fence}
  RETURNING """ + _STARTED_COLUMNS
@@ -128,7 +131,7 @@ _FROM_DISPATCHING = "COALESCE(t.status, '') = 'DISPATCHING'"
 # the retry of a start whose reply was lost: rows it did move are RUNNING, by this node,
 # with the started_at it wrote (no other start writes that node and that instant)
 _OR_STARTED_BY_ME = ("(COALESCE(t.status, '') = 'DISPATCHING' OR (t.status = 'RUNNING' "
-                     "AND t.last_run_node = :node AND t.started_at = :now))")
+                     "AND t.last_run_node = :node AND t.started_at = " + _STARTED_AT + "))")
 # only the live incarnation of the node starts anything (see store.nodes)
 _FENCE = (" AND EXISTS (SELECT 1 FROM ax_node AS n WHERE n.node_id = :node "
           "AND n.incarnation = :inc AND n.stopped_at IS NULL)")
@@ -161,7 +164,9 @@ def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
                resume: bool = False) -> list[Started]:
     """DISPATCHING → RUNNING for each ``(task_id, attempt)`` whose row is at that attempt.
 
-    Sets ``started_at = now_ms`` and ``last_run_node = node`` (the worker).
+    Sets ``last_run_node = node`` (the worker) and ``started_at = now_ms``, or the
+    trigger time if that is later: a task staged ahead of its trigger time (the
+    scheduler publishes up to ``claim_lead_ms`` early) is fenced now and starts then.
     A cancelled task, or a stale message from an earlier attempt, does not move.
     The same statement returns what each moved row stores (:class:`Started`):
     the worker runs that, never what a message says (anyone who can write to

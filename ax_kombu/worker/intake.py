@@ -23,6 +23,18 @@ came back:
 4. the started tasks go to their pools; each outcome is written in a batch
    by :class:`~ax_kombu.worker.results.ResultWriter`, and its message is acked.
 
+**Staged tasks.** The scheduler claims and publishes a task up to
+``claim_lead_ms`` before its trigger time, so that the round trips between the
+due time and the start (claim, publish, receive, and above all the RUNNING
+commit, whose disk flush now and then takes a hundred milliseconds or more)
+are done ahead of it. A task received early is fenced (RUNNING) at once and
+held in its pool slot until its trigger time on the database clock: it never
+starts early, and its ``started_at`` is the trigger time. Staging is bounded
+by free capacity: a lane is only handed what its free slots can take. While
+held it is a running task like any other: ``ax cancel`` stops it before it
+starts; a worker killed meanwhile leaves it RUNNING on a dead node, and the
+recovery gives it another attempt (it never ran, so nothing ran twice).
+
 A message is acked only after its RUNNING move committed, and normally
 stays unacked while its task runs: the broker's prefetch (``pool ×
 multiplier``) then bounds exactly what a lane holds, so a worker is only
@@ -41,12 +53,14 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from ax_kombu.broker import redis_pull
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.exceptions import ProcessorRefused
+from ax_kombu.observability import metrics
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome
@@ -65,10 +79,13 @@ class Intake:
         resolver: how a task's processor name resolves to a function.
         wakeup: rung when a run ends.
         flags: while stopping, lanes' prefetch is left as it is (consumers stay cancelled).
+        clock: the database clock in epoch ms, without a round trip (a staged task is
+            held until its trigger time on it).
     """
 
     def __init__(self, lanes: list[Lane], receipts: ReceiptWriter, results: ResultWriter,
-                 resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags) -> None:
+                 resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags,
+                 clock: Callable[[], float]) -> None:
         self.lanes = lanes
         self.receipts = receipts
         self._results = results
@@ -76,6 +93,7 @@ class Intake:
         self._stats = stats
         self._wakeup = wakeup
         self._flags = flags
+        self._clock = clock
         #: received and not planned yet; the consumer appends, this list object stays the same
         self.pending: list[Delivery] = []
         #: submitted to a pool and not settled yet
@@ -176,18 +194,31 @@ class Intake:
 
     def _submit(self, delivery: Delivery) -> None:
         task = delivery.task
+        # staged ahead of its trigger time: held in the slot until then (its timeout starts then)
+        hold_s = max(0.0, task.trigger_time - self._clock()) / 1000.0
         timeout_s = task.timeout_ms / 1000.0
         cancel = delivery.cancel = Cancellation()
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
-                      cancel, time.monotonic() + timeout_s, task.job, task.scheduled_at,
-                      task.shard_index, task.shard_total)
+                      cancel, time.monotonic() + hold_s + timeout_s, task.job,
+                      task.scheduled_at, task.shard_index, task.shard_total)
         done = partial(self._done, delivery)
         self.running.add(delivery)
-        if not delivery.lane.pool.try_submit(partial(self._execute, task, ctx), done,
-                                             timeout_s=timeout_s, labels=delivery.labels,
-                                             cancel=cancel):
+        run = partial(self._execute, task, ctx) if not hold_s else partial(self._hold, task, ctx, cancel)
+        if not delivery.lane.pool.try_submit(run, done, timeout_s=hold_s + timeout_s,
+                                             labels=delivery.labels, cancel=cancel):
             done(Outcome(False, abandoned="no free slot in the pool"))  # planned: cannot happen
+
+    def _hold(self, task: TaskMessage, ctx: Context, cancel: Cancellation) -> Any:
+        """A staged task (pool thread): wait for its trigger time, then run it."""
+        while (left_ms := task.trigger_time - self._clock()) > 0:
+            if cancel.wait(left_ms / 1000.0):
+                # cancelled (ax cancel) or a cold stop before it started: the processor is
+                # not called; the row is no longer RUNNING at this attempt, or the pool has
+                # already reported the run abandoned, so this outcome is not recorded
+                raise ProcessorRefused(f"{cancel.reason} before its trigger time")
+        metrics.start_delay.observe(-left_ms / 1000.0)
+        return self._execute(task, ctx)
 
     def _execute(self, task: TaskMessage, ctx: Context) -> Any:
         if type(task.payload) is UnreadablePayload:

@@ -175,8 +175,8 @@ class ReceiptWriter:
             batch.refusals = _explain(conn, refused)
         started, batch.forged = stored_tasks(batch.start, rows)
         batch.started = started
-        metrics.observe_many(metrics.start_delay, [
-            max(0, now - task.trigger_time) / 1e3 for task in started.values()])
+        metrics.observe_many(metrics.start_delay, [  # a staged task's: when its hold ends
+            (now - task.trigger_time) / 1e3 for task in started.values() if task.trigger_time <= now])
 
 
 class UnreadablePayload(str):

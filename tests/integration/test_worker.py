@@ -226,6 +226,40 @@ def test_a_cancelled_task_is_not_run(settings: Settings, dispatch: Dispatch) -> 
     assert dispatch.queue_depth("default") == 0
 
 
+def test_a_staged_task_is_fenced_on_receipt_and_started_at_its_trigger_time(
+        settings: Settings, dispatch: Dispatch) -> None:
+    """Published ahead of its trigger time (as the scheduler stages it): RUNNING at once,
+    started by the processor at its trigger time, never before; started_at is that time."""
+    ids = [dispatch.enqueue("t.noop", {"i": i}, delay=0.8) for i in range(5)]
+    with running(settings):
+        messages = dispatch.dispatch(ids)
+        eventually(lambda: all(dispatch.status(i) is Status.RUNNING for i in ids))
+        fenced_ms = dispatch.client.store.now_ms()
+        assert all(fenced_ms < m.trigger_time for m in messages)  # fenced before it is due
+        assert not any(i in procs_worker.calls for i in ids)       # and not started
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
+    for message in messages:
+        view = dispatch.view(message.task_id)
+        assert view.started_at == message.trigger_time
+        assert procs_worker.calls[message.task_id] == 1
+        # the processor's wall clock against the database's (same host): never early
+        assert procs_worker.started_ms[message.task_id] >= message.trigger_time - 2
+
+
+def test_a_staged_task_cancelled_before_its_trigger_time_is_not_run(
+        settings: Settings, dispatch: Dispatch) -> None:
+    task_id = dispatch.enqueue("t.noop", delay=2.0)
+    with running(settings) as worker:
+        [message] = dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.RUNNING)
+        dispatch.client.cancel(task_id)
+        # the heartbeat (0.2 s here) signals the held run, which ends without starting
+        eventually(lambda: not worker.intake.running, what="the held run ended")
+        assert dispatch.client.store.now_ms() < message.trigger_time
+    assert dispatch.status(task_id) is Status.CANCELLED
+    assert task_id not in procs_worker.calls
+
+
 def test_a_timeout_is_signalled_and_recorded_only_when_the_thread_returns(
         settings: Settings, dispatch: Dispatch) -> None:
     """A timed-out run is never retried while its thread still runs (no two copies at once)."""
