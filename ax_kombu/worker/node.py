@@ -62,6 +62,9 @@ from ax_kombu.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
+#: how often staged runs held before their trigger time are checked for ``ax cancel``
+HOLD_WATCH_S = 0.05
+
 
 class Worker:
     """Consumes the given queues until stopped; see the module docstring.
@@ -162,6 +165,7 @@ class Worker:
         self.results.start()
         beat = threading.Thread(target=self._beat, name="ax-heartbeat", daemon=True)
         beat.start()
+        threading.Thread(target=self._watch_held, name="ax-hold-watch", daemon=True).start()
         log.info("worker started", extra={"node": self.node_id,
                                           "broker": redact_url(self.settings.broker_url),
                                           "queues": [lane.queue.name for lane in self.lanes],
@@ -210,9 +214,17 @@ class Worker:
         metrics.fenced_total.inc()
         self.heartbeat.register(self.info(), keep_running=running)
 
-    def _signal_cancelled(self) -> None:
-        """Set the cancellation signal of runs whose task was cancelled (``ax cancel``)."""
-        running = {d.task.task_id: d for d in list(self.intake.running)}
+    def _signal_cancelled(self, held_only: bool = False) -> None:
+        """Set the cancellation signal of runs whose task was cancelled (``ax cancel``).
+
+        Args:
+            held_only: only staged runs still held before their trigger time.
+        """
+        deliveries = list(self.intake.running)
+        if held_only:
+            now = self.store.clock.local_ms()
+            deliveries = [d for d in deliveries if d.task.trigger_time > now]
+        running = {d.task.task_id: d for d in deliveries}
         if not running:
             return
         with self.store.engine.connect() as conn:
@@ -221,6 +233,16 @@ class Worker:
             cancel = running[task_id].cancel
             if cancel is not None:
                 cancel.set("cancelled")
+
+    def _watch_held(self) -> None:
+        """Every HOLD_WATCH_S while staged runs are held: signal those cancelled meanwhile,
+        so that ``ax cancel`` up to about that long before a trigger time stops the run
+        before it starts (one query for all of them; none while nothing is held)."""
+        while not self._heart_stop.wait(HOLD_WATCH_S):
+            try:
+                self._signal_cancelled(held_only=True)
+            except SQLAlchemyError:
+                log.debug("cancellation check of held runs failed", exc_info=True)
 
     def _stop(self, beat: threading.Thread) -> None:
         """The shutdown order: runs end (or are abandoned), results written, heartbeat

@@ -249,11 +249,12 @@ def test_a_staged_task_is_fenced_on_receipt_and_started_at_its_trigger_time(
 def test_a_staged_task_cancelled_before_its_trigger_time_is_not_run(
         settings: Settings, dispatch: Dispatch) -> None:
     task_id = dispatch.enqueue("t.noop", delay=2.0)
-    with running(settings) as worker:
+    # no heartbeat (and so no heartbeat's cancellation check) before the trigger time
+    with running(settings.replace(heartbeat_interval_s=10.0)) as worker:
         [message] = dispatch.dispatch([task_id])
         eventually(lambda: dispatch.status(task_id) is Status.RUNNING)
         dispatch.client.cancel(task_id)
-        # the heartbeat (0.2 s here) signals the held run, which ends without starting
+        # the held runs are checked every 50 ms: this one ends without starting
         eventually(lambda: not worker.intake.running, what="the held run ended")
         assert dispatch.client.store.now_ms() < message.trigger_time
     assert dispatch.status(task_id) is Status.CANCELLED
