@@ -7,6 +7,11 @@
   broker has confirmed it; on any other transport, one ``publish`` each.
   :meth:`Publisher.publish` reports which messages did *not* certainly reach
   the broker, so the caller can return their tasks to READY.
+* A Celery-bound task (``processor_name`` ``celery:<queue>``) goes out as a standard
+  Celery protocol-2 message to that Celery queue, in the same batch and with the
+  same confirms (:mod:`ax_kombu.broker.celery_wire`); the first publish to a Celery
+  queue on a connection declares it as Celery declares its queues (durable), unless
+  it exists already (then it is left as it is).
 """
 
 from __future__ import annotations
@@ -16,8 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kombu import Connection, Producer
+from kombu import Connection, Producer, Queue
 
+from ax_kombu.broker.celery_wire import (
+    celery_message,
+    celery_queue,
+    celery_redis_envelope,
+    is_celery,
+)
 from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.broker.messages import TaskMessage, redis_envelope
 from ax_kombu.config import PRIORITIES, Settings, redact_url
@@ -65,6 +76,8 @@ class Publisher:
         self._confirms: _Confirms | None = None
         #: Redis only: one client kept for the publisher's pipelines
         self._redis: Any = None
+        #: Celery queues known to exist on this connection
+        self._celery_queues: set[str] = set()
 
     def connect(self) -> None:
         """Connect (once) and declare the queues.
@@ -94,6 +107,7 @@ class Publisher:
             except Exception:
                 log.debug("error closing broker connection", exc_info=True)
         self._conn = self._producer = self._confirms = self._redis = None
+        self._celery_queues = set()
 
     def publish(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
         """Publish ``messages``; returns those that did not certainly reach the broker.
@@ -118,11 +132,44 @@ class Publisher:
 
     def _send(self, message: TaskMessage) -> None:
         assert self._producer is not None
+        if is_celery(message.processor):
+            self._send_celery(message)
+            return
         self._producer.publish(message.to_json(),
                                routing_key=message.route or self._queues[message.priority],
                                exchange="", headers={"trace_id": message.trace_id},
                                delivery_mode=2, content_type="application/json",
                                content_encoding="utf-8")
+
+    def _send_celery(self, message: TaskMessage) -> None:
+        assert self._producer is not None and self._conn is not None
+        c = celery_message(message)
+        self._declare_celery_queue(c.queue)
+        self._producer.publish(c.body, routing_key=c.queue, exchange="", headers=c.headers,
+                               delivery_mode=2, content_type="application/json",
+                               content_encoding="utf-8", **c.properties)
+
+    def _declare_celery_queue(self, name: str) -> None:
+        """Make sure the Celery queue ``name`` exists, once per connection: a passive
+        declare, then (it does not exist) a durable one as Celery makes it; each on a
+        channel of its own, which the broker may close on a failed passive declare."""
+        if name in self._celery_queues:
+            return
+        assert self._conn is not None
+        for passive in (True, False):
+            channel = self._conn.channel()
+            try:
+                Queue(name, routing_key=name, durable=True)(channel).declare(passive=passive)
+                break
+            except self._conn.channel_errors:
+                if not passive:
+                    raise
+            finally:
+                try:
+                    channel.close()
+                except Exception:  # already closed by the broker
+                    log.debug("declare channel already closed", exc_info=True)
+        self._celery_queues.add(name)
 
     def _publish_plain(self, messages: Sequence[TaskMessage]) -> None:
         assert self._producer is not None
@@ -147,6 +194,10 @@ class Publisher:
         channel: Any = self._producer.channel
         by_queue: dict[str, list[str]] = {}
         for m in messages:
+            if is_celery(m.processor):
+                queue = celery_queue(m.processor or "")
+                by_queue.setdefault(queue, []).append(celery_redis_envelope(celery_message(m)))
+                continue
             queue = m.route or self._queues[m.priority]
             by_queue.setdefault(queue, []).append(redis_envelope(m, queue))
         if self._redis is None:  # Kombu's conn_or_acquire() would build a client per batch
