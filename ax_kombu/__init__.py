@@ -264,6 +264,17 @@ def limits() -> dict[str, int]:
     return client().limits()
 
 
+def __getattr__(name: str) -> Any:
+    """``ax.celery``: the Celery integration (:mod:`ax_kombu.celery`), imported on first
+    use, so ``import ax_kombu`` never imports Celery (an optional extra). Without Celery
+    installed, ``ax.celery`` raises ImportError saying how to install it."""
+    if name == "celery":
+        import importlib
+
+        return importlib.import_module("ax_kombu.celery")
+    raise AttributeError(f"module 'ax_kombu' has no attribute {name!r}")
+
+
 @atexit.register
 def _close() -> None:
     if _client is not None and _client.pid == os.getpid():

@@ -1,0 +1,52 @@
+"""Celery integration: ax as the ETA, countdown and beat backend of an existing Celery app.
+
+Celery tasks and workers stay as they are; ax stores the delayed calls and, when
+each is due, publishes a standard Celery message that an unmodified
+``celery worker`` runs::
+
+    import ax_kombu as ax
+    from myapp import app, send_email
+
+    ax.celery.install(app)                        # once, where the app is made
+    send_email.apply_async(("a@b.c",), countdown=1800)   # stored in ax, not held by a worker
+    send_email.delay("a@b.c")                     # no eta/countdown: straight to Celery
+
+    ax.celery.enqueue(app, "myapp.send_email", args=("a@b.c",), eta=when,
+                      biz_key="welcome:42")       # the explicit form, with ax's options
+    ax.celery.import_beat_schedule(app)           # beat_schedule → ax recurring jobs
+
+Guarantees:
+
+* A stored call is durable (in ax's database) and deduplicated like
+  :func:`ax_kombu.enqueue` (``biz_key``; the same task, args and kwargs due within
+  ``AX_DEDUP_WINDOW_MS`` of each other are one task).
+* Dispatch is exactly once per attempt: the ax-scheduler whose claim moved the
+  row publishes one Celery message, whose task id is derived from the ax task id
+  and the attempt (:func:`ax_kombu.broker.celery_wire.celery_task_id`), never
+  before the task is due (an early publish carries ``eta`` = the due time).
+* Once the broker has accepted that message, the ax task is SUCCESS (its
+  ``result`` names the Celery task id); from there on Celery's own semantics
+  apply: at-least-once with ``acks_late``, at-most-once without, results in
+  Celery's result backend.
+
+The broker: ax's scheduler publishes to ``AX_BROKER_URL`` (with
+``AX_BROKER_KEY_PREFIX`` on Redis), so that must be the Celery app's broker (same
+URL, and ``broker_transport_options={"global_keyprefix": …}`` if a prefix is set).
+Celery is optional: this package needs it (``pip install 'ax_kombu[celery]'``);
+nothing else in ax imports it.
+"""
+
+from __future__ import annotations
+
+try:
+    import celery  # noqa: F401  -- the real Celery: absolute imports resolve top-level
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ax_kombu.celery needs Celery: pip install 'ax_kombu[celery]'") from exc
+
+from ax_kombu.broker.celery_wire import celery_task_id
+from ax_kombu.celery.beat import import_beat_schedule
+from ax_kombu.celery.install import install, installed, uninstall
+from ax_kombu.celery.producer import async_result, enqueue, queue_of
+
+__all__ = ["async_result", "celery_task_id", "enqueue", "import_beat_schedule", "install",
+           "installed", "queue_of", "uninstall"]
