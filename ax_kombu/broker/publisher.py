@@ -159,7 +159,11 @@ class Publisher:
         for passive in (True, False):
             channel = self._conn.channel()
             try:
-                Queue(name, routing_key=name, durable=True)(channel).declare(passive=passive)
+                queue = Queue(name, routing_key=name, durable=True)(channel)
+                if passive:
+                    queue.queue_declare(passive=True)
+                else:
+                    queue.declare()
                 break
             except self._conn.channel_errors:
                 if not passive:

@@ -32,9 +32,16 @@ def queue_of(app: Any, name: str, args: Sequence[Any] = (),
              kwargs: Mapping[str, Any] | None = None,
              options: Mapping[str, Any] | None = None, task_type: Any = None) -> str:
     """The name of the Celery queue ``app`` routes a call of ``name`` to, as Celery's
-    ``send_task`` does (``task_routes``, the task's own ``queue``, ``queue=`` in
-    ``options``; else ``task_default_queue``)."""
-    route = app.amqp.router.route(dict(options or {}), name, args, kwargs, task_type)
+    ``send_task`` does (``queue=`` in ``options``, ``task_routes``, the registered task's
+    own ``queue``; else ``task_default_queue``)."""
+    options = dict(options or {})
+    if task_type is None:  # as send_task does with a task of its registry
+        task_type = app.tasks.get(name)
+        exec_options = getattr(task_type, "_get_exec_options", None)
+        if callable(exec_options):
+            defaults = {k: v for k, v in exec_options().items() if v is not None}
+            options = {**defaults, **options}
+    route = app.amqp.router.route(options, name, args, kwargs, task_type)
     queue = route.get("queue")
     return str(getattr(queue, "name", None) or queue or app.conf.task_default_queue)
 

@@ -81,6 +81,7 @@ from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher
+from ax_kombu.scheduler.handoff import CeleryHandOff
 from ax_kombu.scheduler.housekeeper import Housekeeper
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.stage import HandOff
@@ -119,8 +120,9 @@ class Scheduler:
         self.crash = CrashFlag()
         fired: HandOff[int] = HandOff()
         self.timing = TimingLoop(settings, self.store.clock, fired)
+        # Celery-bound tasks end (SUCCESS) once their publish is confirmed: scheduler.handoff
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
-                                     on_published)
+                                     CeleryHandOff(self.store, on_published))
         self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
                              settings.node_lease_s * 1000, self.store.now_ms)
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,

@@ -111,7 +111,12 @@ MAX_BACKOFF_STEPS = 5
 
 _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACKOFF_STEPS} "
                 f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
-_UNACKED_WHERE = f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND priority IN :priorities"
+# Celery-bound tasks (processor_name ``celery:<queue>``, see ax_kombu.broker.celery_wire) are
+# consumed by Celery workers, which no ax heartbeat lists: they are looked at whatever the
+# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (store.handoff), so
+# one still DISPATCHING after the ack timeout was claimed but never certainly published.
+_UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :priorities "
+                  "OR processor_name LIKE 'celery:%')")
 # The attempt a recovery ends goes to the history first, from the row as it still is; on
 # PostgreSQL the rows are locked as they are read, so a worker's late result waits and then
 # finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).
@@ -158,15 +163,16 @@ def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
     The next claim gives a requeued task a new attempt, so the message of the
     old attempt, if it is ever delivered, is refused by the worker.
 
+    Celery-bound tasks are looked at whatever ``priorities`` says.
+
     Returns:
         ``(task_id, new_status)`` pairs.
     """
-    if not priorities:
-        return []
     stmt = text(_REQUEUE_UNACKED).bindparams(bindparam("priorities", expanding=True))
     gave_up = (f"dispatched {max_dispatches} times and never started by a worker "
                f"(ack timeout {ack_timeout_ms} ms, doubling per dispatch); see AX_MAX_DISPATCHES")
-    params = {"now": now_ms, "ack_ms": ack_timeout_ms, "priorities": list(priorities),
+    # no priority is named "": an empty list would render as an untyped empty IN
+    params = {"now": now_ms, "ack_ms": ack_timeout_ms, "priorities": list(priorities) or [""],
               "max_dispatches": max_dispatches, "gave_up": gave_up}
     _record_ended(conn, _UNACKED_WHERE, params, "UNACKED",
                   f"not started by a worker within the ack timeout ({ack_timeout_ms} ms, "

@@ -24,8 +24,8 @@ from ax_kombu.exceptions import ValidationError
 
 celery = pytest.importorskip("celery")
 
-from ax_kombu.celery.beat import cron_of, job_spec  # noqa: E402
-from ax_kombu.celery.producer import call_payload, when  # noqa: E402
+from ax_kombu.celery.beat import cron_of, job_spec
+from ax_kombu.celery.producer import call_payload, when
 
 TRIGGER = 1_800_000_000_000
 
