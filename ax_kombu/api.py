@@ -43,6 +43,7 @@ from ax_kombu.exceptions import (
 from ax_kombu.recurring import JobView
 from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store import jobs as job_store
+from ax_kombu.store.archive import fetch_archived
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import attempts_of, fetch_task, insert_tasks
 from ax_kombu.store.transitions import Attempt
@@ -118,15 +119,17 @@ class TaskView:
     #: every ended attempt, oldest first (one still under way is not listed: the row's
     #: ``attempt``, ``last_run_node`` and ``started_at`` describe it)
     attempts: tuple[Attempt, ...] = ()
+    #: the task was moved to the archive tables (``ax archive``, ``AX_RETENTION``)
+    archived: bool = False
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any],
-                 attempts: Sequence[Mapping[str, Any]] = ()) -> TaskView:
-        data = {k: row[k] for k in cls.__dataclass_fields__ if k != "attempts"}
+    def from_row(cls, row: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]] = (),
+                 archived: bool = False) -> TaskView:
+        data = {k: row[k] for k in cls.__dataclass_fields__ if k not in ("attempts", "archived")}
         data["status"] = Status(row["status"])
         data["payload"] = json.loads(row["payload"])
         data["result"] = json.loads(row["result"]) if row.get("result") is not None else None
-        return cls(**data, attempts=tuple(Attempt(**a) for a in attempts))
+        return cls(**data, attempts=tuple(Attempt(**a) for a in attempts), archived=archived)
 
 
 #: one ended attempt of a task, as ``TaskView.attempts`` lists them (see ax_kombu.store.schema)
@@ -198,7 +201,8 @@ class Client:
         return [row] if shards is None else shard_rows(row, int(shards))
 
     def get(self, task_id: int) -> TaskView:
-        """The task ``task_id``.
+        """The task ``task_id``; from the archive tables (``archived=True``) if it was
+        archived.
 
         Raises:
             TaskNotFound: no such task.
@@ -206,6 +210,9 @@ class Client:
         with self.store.engine.connect() as conn:
             row = fetch_task(conn, int(task_id))
             history = attempts_of(conn, int(task_id)) if row is not None else []
+            cold = fetch_archived(conn, int(task_id)) if row is None else None
+        if cold is not None:
+            return TaskView.from_row(cold[0], cold[1], archived=True)
         if row is None:
             raise TaskNotFound(f"no task {task_id}")
         return TaskView.from_row(dict(row._mapping), history)

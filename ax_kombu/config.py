@@ -106,6 +106,13 @@ class Settings:
     misfire_max: int = 100
     #: scheduler: how often orphaned due tasks are looked for.
     recovery_interval_s: float = 30.0
+    #: scheduler: archive finished tasks older than this (ms; ``AX_RETENTION=7d``) into the
+    #: archive tables, continuously (:mod:`ax_kombu.scheduler.retention`); 0: off.
+    retention: int = 0
+    #: scheduler: how often the retention pass runs (when ``retention`` is on).
+    retention_interval_s: float = 60.0
+    #: scheduler: most tasks the retention moves per transaction.
+    retention_batch: int = 1000
     #: every process: how often it writes its heartbeat.
     heartbeat_interval_s: float = 5.0
     #: a node is dead after this many missed heartbeats.
@@ -168,6 +175,7 @@ class Settings:
             zero_ok = name in ("dedup_window_ms", "claim_lead_ms")
             if getattr(self, name) < 0 or (not zero_ok and getattr(self, name) == 0):
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        self._validate_retention()
         if self.claim_lead_ms > 1000:
             raise ConfigurationError(f"claim_lead_ms must be at most 1000, got {self.claim_lead_ms}")
         if self.job_lookahead_ms > self.preload_window_ms:
@@ -176,6 +184,16 @@ class Settings:
         if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:
             raise ConfigurationError("the high, default and slow queues need distinct names")
         self._validate_worker()
+
+    def _validate_retention(self) -> None:
+        if self.retention < 0:
+            raise ConfigurationError(f"retention must not be negative, got {self.retention} ms")
+        if self.retention_interval_s <= 0:
+            raise ConfigurationError("retention_interval_s must be positive, got "
+                                     f"{self.retention_interval_s}")
+        if not 1 <= self.retention_batch <= 10_000:
+            raise ConfigurationError("retention_batch must be between 1 and 10000, got "
+                                     f"{self.retention_batch}")
 
     def _validate_worker(self) -> None:
         for name in ("pool_high", "pool_default", "pool_slow", "pool_own", "prefetch_multiplier",
@@ -205,8 +223,18 @@ class Settings:
         return self.database_url.startswith("sqlite")
 
 
+#: settings given as a duration with a unit (``AX_RETENTION=7d``); a bare number is seconds
+_DURATIONS = frozenset({"retention"})
+
+
 def _coerce(name: str, kind: Any, raw: str) -> Any:
     kind_name = kind if isinstance(kind, str) else kind.__name__
+    if name in _DURATIONS:
+        try:
+            return parse_duration_ms(raw)
+        except ConfigurationError:
+            raise ConfigurationError(f"AX_{name.upper()}={raw!r} is not a duration "
+                                     "(e.g. 7d, 12h; unset: off)") from None
     try:
         if kind_name == "bool":
             if raw.lower() not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:

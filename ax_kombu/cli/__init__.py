@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ax_kombu.cli.archive import archive
 from ax_kombu.cli.base import AxGroup, db_option
 from ax_kombu.cli.cancel import cancel
 from ax_kombu.cli.daemon import RedactingFormatter
@@ -41,5 +42,5 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
 
 
 for command in (enqueue, inspect, cancel, db, status, jobs, limits, plan, list_tasks, retry,
-                purge):
+                purge, archive):
     main.add_command(command)

@@ -48,6 +48,8 @@ def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({**view, "attempts": history}, indent=2, ensure_ascii=False))
         return
+    if view.pop("archived"):
+        click.echo(f"{'archived':>15}: yes (in ax_task_archive; ax archive / AX_RETENTION)")
     for key, value in view.items():
         shown = json.dumps(value, ensure_ascii=False) if key in ("payload", "result") else value
         click.echo(f"{key:>15}: {'' if shown is None else shown}")

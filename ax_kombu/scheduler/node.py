@@ -84,6 +84,7 @@ from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.scheduler.handoff import CeleryHandOff
 from ax_kombu.scheduler.housekeeper import Housekeeper
 from ax_kombu.scheduler.recurrence import Materialiser
+from ax_kombu.scheduler.retention import Retention
 from ax_kombu.scheduler.stage import HandOff
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
@@ -130,6 +131,7 @@ class Scheduler:
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
                                        self._info, self.timing.drop_all,
                                        Materialiser(settings, self.store, self.ids))
+        self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
         self._stop: str | None = None
 
     @property
@@ -194,7 +196,7 @@ class Scheduler:
         if not self._register():
             return False
         self.dispatcher.probe()
-        for stage in (self.dispatcher, self.claimer, self.housekeeper):
+        for stage in (self.dispatcher, self.claimer, self.housekeeper, self.retention):
             stage.start()
         log.info("scheduler started", extra={"node": self.node_id})
         return True
@@ -229,9 +231,11 @@ class Scheduler:
         """Finish: publish what is claimed (unless cold), release held tasks, say goodbye."""
         self.housekeeper.stop()
         self.claimer.stop()
+        self.retention.stop()
         # the housekeeper first: a preload still running must land before the release below
         self._join(self.housekeeper)
         self._join(self.claimer)
+        self._join(self.retention)
         if self._stop != "cold" and self.dispatcher.is_alive():
             self.dispatcher.inbox.put(None)
             self._join(self.dispatcher)

@@ -141,6 +141,22 @@ attempts = Table(
     Index("ix_ax_attempt_type_finished", "task_type", "finished_at"),
 )
 
+def _cold_copy(source: Table, name: str, *indexes: Index) -> Table:
+    """``source``'s columns (types, nullability, primary key) under ``name``: no server
+    defaults, constraints or indexes but ``indexes``."""
+    return Table(name, metadata,
+                 *(Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable,
+                          autoincrement=False) for c in source.columns),
+                 *indexes)
+
+
+#: finished tasks moved out of the hot tables (``ax archive``, ``AX_RETENTION``;
+#: :mod:`ax_kombu.store.archive`): the same columns, written once and read rarely.
+#: Indexes: the primary keys; ``(finished_at)`` — expire the archive itself by age.
+task_archive = _cold_copy(tasks, "ax_task_archive",
+                          Index("ix_ax_task_archive_finished", "finished_at"))
+attempt_archive = _cold_copy(attempts, "ax_attempt_archive")
+
 #: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
 #: RUNNING at once (``ax.set_limit``); enforced by the gated claim.
 limits = Table(
