@@ -36,12 +36,13 @@ Guarantees, on PostgreSQL and SQLite alike:
   run writes it again, so **a line may appear twice; readers dedupe by task_id**
   (the two copies are equal unless the task was retried in between; the later
   line is the newer). Two runs on one file at once are refused (``flock``).
-* **Claims are never blocked.** A claim moves only DELAYED and READY rows; a
-  batch locks only finished rows, for one short transaction, and skips rows
-  another archiver (a second scheduler's retention, a concurrent ``ax
+* **Claims are never blocked** (PostgreSQL). A claim moves only DELAYED and
+  READY rows; a batch locks only finished rows, for one short transaction, and
+  skips rows another archiver (a second scheduler's retention, a concurrent ``ax
   archive``) holds, so concurrent runs share the work without waiting on each
   other. Only an ``ax retry`` of a task in the batch being moved waits, for that
-  batch; it then finds the task gone.
+  batch; it then finds the task gone. On SQLite every writer, a claim too, waits
+  for the one write lock: at most one batch's transaction (keep ``batch`` small).
 
 The scan walks the primary key, not ``finished_at``: task ids are snowflakes that
 carry their creation time (:mod:`ax_kombu.core.ids`), and a task finishes after

@@ -56,3 +56,20 @@ def test_passwords_never_shown() -> None:
 def test_tokens_in_query_strings_and_text_never_shown(text: str, shown: str) -> None:
     assert redact_url(text) == shown
     assert redact_url(shown) == shown
+
+
+def test_retention_is_off_unless_set_and_takes_a_duration() -> None:
+    assert from_env({}).retention == 0
+    assert from_env({"AX_RETENTION": "7d"}).retention == 7 * 86_400_000
+    assert from_env({"AX_RETENTION": "90"}).retention == 90_000  # a bare number is seconds
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"AX_RETENTION": "xyz"}, "AX_RETENTION='xyz' is not a duration"),
+    ({"AX_RETENTION": "-1d"}, "AX_RETENTION='-1d' is not a duration"),
+    ({"AX_RETENTION_BATCH": "0"}, "retention_batch"),
+    ({"AX_RETENTION_INTERVAL_S": "0"}, "retention_interval_s"),
+])
+def test_bad_retention_settings_are_clear_errors(env: dict[str, str], words: str) -> None:
+    with pytest.raises(ConfigurationError, match=words):
+        from_env(env)
