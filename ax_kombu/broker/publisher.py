@@ -27,7 +27,9 @@ from ax_kombu.broker.celery_wire import (
     celery_message,
     celery_queue,
     celery_redis_envelope,
+    due_groups,
     is_celery,
+    split_held,
 )
 from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.broker.messages import TaskMessage, redis_envelope
@@ -114,7 +116,19 @@ class Publisher:
 
         Never raises for a broker problem: the connection is dropped (and made
         again on the next call) and the affected messages are returned.
+        Celery-bound messages handed over before their trigger time are published
+        when it comes, after the others (:func:`~ax_kombu.broker.celery_wire.due_groups`;
+        at most ``MAX_HOLD_MS``).
         """
+        now, held = split_held(messages)
+        if not held:
+            return self._publish_batch(messages)
+        failed = self._publish_batch(now)
+        for group in due_groups(held):
+            failed += self._publish_batch(group)
+        return failed
+
+    def _publish_batch(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
         if not messages:
             return []
         try:

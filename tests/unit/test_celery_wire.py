@@ -12,12 +12,15 @@ from typing import Any
 import pytest
 
 from ax_kombu.broker.celery_wire import (
+    MAX_HOLD_MS,
     celery_message,
     celery_redis_envelope,
     celery_task_id,
+    due_groups,
     is_celery,
     iso_utc,
     processor_for,
+    split_held,
 )
 from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.exceptions import ValidationError
@@ -69,6 +72,37 @@ def test_eta_only_when_published_before_due() -> None:
     assert datetime.fromisoformat(early.headers["eta"]).timestamp() * 1000 == TRIGGER
     for at in (TRIGGER, TRIGGER + 50):
         assert celery_message(_message({"args": [], "kwargs": {}}, at)).headers["eta"] is None
+
+
+def test_early_celery_messages_are_held_until_due() -> None:
+    """Only Celery-bound messages built before their trigger time are held; they come out
+    in due groups, each stamped with the time it was released (so: no eta)."""
+    def msg(i: int, trigger: int, celery: bool = True) -> TaskMessage:
+        return _message({"args": [i], "kwargs": {}}, dispatched_at=TRIGGER - 250)._replace(
+            task_id=i, trigger_time=trigger, processor=processor_for("q") if celery else "ax")
+
+    batch = [msg(1, TRIGGER - 300), msg(2, TRIGGER - 100), msg(3, TRIGGER, celery=False),
+             msg(4, TRIGGER + 100), msg(5, TRIGGER - 100)]
+    now, held = split_held(batch)
+    assert [m.task_id for m in now] == [1, 3] and [m.task_id for m in held] == [2, 4, 5]
+    clock = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        clock[0] += s
+
+    groups = list(due_groups(held, sleep=sleep, monotonic=lambda: clock[0]))
+    assert [[m.task_id for m in g] for g in groups] == [[2, 5], [4]]
+    assert [g[0].dispatched_at for g in groups] == [TRIGGER - 100, TRIGGER + 100]
+    assert all(celery_message(m).headers["eta"] is None for g in groups for m in g)
+    assert sum(sleeps) * 1000 == pytest.approx(350)
+    # the hold is capped: what is still early then leaves with its eta
+    far = [msg(6, TRIGGER + 5000)]
+    clock[0] = 0.0
+    (group,) = list(due_groups(far, sleep=sleep, monotonic=lambda: clock[0]))
+    assert group[0].dispatched_at == TRIGGER - 250 + MAX_HOLD_MS
+    assert celery_message(group[0]).headers["eta"] == iso_utc(TRIGGER + 5000)
 
 
 def test_options_reach_the_headers() -> None:
