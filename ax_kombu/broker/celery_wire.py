@@ -44,6 +44,9 @@ from ax_kombu.broker.messages import TaskMessage
 
 #: ``processor_name`` of a Celery-bound task: this prefix, then the Celery queue's name
 CELERY_PREFIX = "celery:"
+#: the same for a task whose Celery workers run :class:`ax_kombu.celery.AxBootstep`: its
+#: run is fenced and recorded by the worker, so the scheduler records no hand-off
+FENCED_PREFIX = "celery+ax:"
 #: the namespace of :func:`celery_task_id` (a fixed, random UUID: never change it)
 TASK_ID_NAMESPACE = uuid.UUID("5f0c2b8e-3a51-4c1e-9a57-1d2f6c3b7e90")
 #: the longest a publisher holds Celery-bound messages for their trigger time (the most
@@ -54,19 +57,25 @@ _REPR_MAX = 1024
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
-def processor_for(queue: str) -> str:
-    """The ``processor_name`` that marks a task as Celery-bound, for ``queue``."""
-    return CELERY_PREFIX + queue
+def processor_for(queue: str, fenced: bool = False) -> str:
+    """The ``processor_name`` that marks a task as Celery-bound, for ``queue``; ``fenced``:
+    its workers run the bootstep."""
+    return (FENCED_PREFIX if fenced else CELERY_PREFIX) + queue
 
 
 def is_celery(processor: str | None) -> bool:
     """True when ``processor`` (a row's ``processor_name``) marks a Celery-bound task."""
-    return processor is not None and processor.startswith(CELERY_PREFIX)
+    return processor is not None and processor.startswith((CELERY_PREFIX, FENCED_PREFIX))
+
+
+def is_fenced(processor: str | None) -> bool:
+    """True when ``processor`` marks a Celery-bound task run under the bootstep."""
+    return processor is not None and processor.startswith(FENCED_PREFIX)
 
 
 def celery_queue(processor: str) -> str:
     """The Celery queue named in a Celery-bound ``processor``."""
-    return processor[len(CELERY_PREFIX):]
+    return processor.partition(":")[2]
 
 
 def celery_task_id(task_id: int, attempt: int) -> str:

@@ -22,12 +22,16 @@ Guarantees:
   ``AX_DEDUP_WINDOW_MS`` of each other are one task).
 * Dispatch is exactly once per attempt: the ax-scheduler whose claim moved the
   row publishes one Celery message, whose task id is derived from the ax task id
-  and the attempt (:func:`ax_kombu.broker.celery_wire.celery_task_id`), never
-  before the task is due (an early publish carries ``eta`` = the due time).
-* Once the broker has accepted that message, the ax task is SUCCESS (its
-  ``result`` names the Celery task id); from there on Celery's own semantics
-  apply: at-least-once with ``acks_late``, at-most-once without, results in
-  Celery's result backend.
+  and the attempt (:func:`ax_kombu.broker.celery_wire.celery_task_id`), when the
+  task is due, never before (:mod:`ax_kombu.broker.celery_wire`).
+* Without the worker extension, once the broker has accepted that message the ax
+  task is SUCCESS (its ``result`` names the Celery task id); from there on Celery's
+  own semantics apply: at-least-once with ``acks_late``, at-most-once without,
+  results in Celery's result backend.
+* With it (``app.steps["worker"].add(ax.celery.AxBootstep)``), the Celery worker
+  fences each run (RUNNING by compare-and-set on the attempt; a stale message is
+  refused), records SUCCESS/FAILED, retries with ax's backoff, and heartbeats, so
+  ax's ack timeout and recovery cover Celery-run tasks (:mod:`ax_kombu.celery.bootstep`).
 
 The broker: ax's scheduler publishes to ``AX_BROKER_URL`` (with
 ``AX_BROKER_KEY_PREFIX`` on Redis), so that must be the Celery app's broker (same
@@ -45,8 +49,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ax_kombu.broker.celery_wire import celery_task_id
 from ax_kombu.celery.beat import import_beat_schedule
+from ax_kombu.celery.bootstep import AxBootstep
 from ax_kombu.celery.install import install, installed, uninstall
-from ax_kombu.celery.producer import async_result, enqueue, queue_of
+from ax_kombu.celery.producer import async_result, enqueue, queue_of, uses_bootstep
 
-__all__ = ["async_result", "celery_task_id", "enqueue", "import_beat_schedule", "install",
-           "installed", "queue_of", "uninstall"]
+__all__ = ["AxBootstep", "async_result", "celery_task_id", "enqueue", "import_beat_schedule",
+           "install", "installed", "queue_of", "uninstall", "uses_bootstep"]

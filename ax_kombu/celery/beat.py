@@ -24,7 +24,7 @@ from celery.schedules import crontab, schedule
 import ax_kombu
 from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import processor_for
-from ax_kombu.celery.producer import call_payload, queue_of
+from ax_kombu.celery.producer import call_payload, queue_of, uses_bootstep
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.recurring import JobView
 
@@ -67,7 +67,7 @@ def job_spec(app: Any, name: str,
     routing = {k: options[k] for k in _ROUTING if options.get(k) is not None}
     queue = queue_of(app, task, payload["args"], payload["kwargs"], routing)
     return name, task, payload, {**trigger(app, name, when),
-                                 "processor": processor_for(queue)}
+                                 "processor": processor_for(queue, uses_bootstep(app))}
 
 
 def trigger(app: Any, name: str, when: Any) -> dict[str, Any]:

@@ -48,11 +48,12 @@ def installed(app: Any) -> bool:
     return hasattr(app.send_task, _MARK)
 
 
-def install(app: Any, *, client: Client | None = None) -> None:
+def install(app: Any, *, client: Client | None = None, fenced: bool | None = None) -> None:
     """Route ``app``'s calls with a countdown or eta through ax (see the module docstring).
 
     Idempotent. ``client``: the ax client to write with (default:
     :func:`ax_kombu.client`, configured by ``AX_*`` variables or :func:`ax_kombu.configure`).
+    ``fenced``: as for :func:`ax_kombu.celery.enqueue`.
     """
     if installed(app):
         return
@@ -68,7 +69,8 @@ def install(app: Any, *, client: Client | None = None) -> None:
                 log.debug("delayed Celery call left to Celery", extra={"task": name,
                                                                        "reason": why})
             return original(name, args, kwargs, countdown=countdown, eta=eta, **options)
-        return _store(app, client, name, args, kwargs, countdown, eta, options, ax_options)
+        return _store(app, client, name, args, kwargs, countdown, eta, options,
+                      {**ax_options, "fenced": fenced})
 
     setattr(send_task, _MARK, original)
     app.send_task = send_task
@@ -100,6 +102,7 @@ def _store(app: Any, client: Client | None, name: str, args: Any, kwargs: Any,
                       priority=ax_options.get("ax_priority") or "default",
                       expires=options.get("expires"), time_limit=options.get("time_limit"),
                       soft_time_limit=options.get("soft_time_limit"),
-                      ignore_result=bool(options.get("ignore_result")), client=client)
+                      ignore_result=bool(options.get("ignore_result")),
+                      fenced=ax_options.get("fenced"), client=client)
     result_cls = options.get("result_cls") or app.AsyncResult
     return result_cls(celery_task_id(task_id, 1))

@@ -120,7 +120,7 @@ def enqueue(app: Any, name: str, args: Sequence[Any] = (),
             biz_key: str | None = None, priority: str = "default", expires: Any = None,
             time_limit: float | None = None, soft_time_limit: float | None = None,
             ignore_result: bool = False, trace_id: str | None = None,
-            client: Client | None = None) -> TaskId:
+            fenced: bool | None = None, client: Client | None = None) -> TaskId:
     """Store a call of the Celery task ``name`` in ax, to be sent to Celery when due.
 
     Args:
@@ -138,6 +138,9 @@ def enqueue(app: Any, name: str, args: Sequence[Any] = (),
         expires, time_limit, soft_time_limit, ignore_result: as for Celery's
             ``apply_async`` (``expires`` counts from now, not from the due time).
         trace_id: as for :func:`ax_kombu.enqueue` (default: a new one).
+        fenced: the Celery workers run :class:`~ax_kombu.celery.AxBootstep`, which
+            records the run (default: whether ``app``'s worker blueprint has it);
+            otherwise the task ends SUCCESS in ax when its message is handed to Celery.
         client: the ax client to write with (default: :func:`ax_kombu.client`).
     Returns:
         The ax task id; ``.created`` is False when it matched an existing task. The Celery
@@ -151,7 +154,17 @@ def enqueue(app: Any, name: str, args: Sequence[Any] = (),
     target = queue or queue_of(app, name, payload["args"], payload["kwargs"])
     return (client or ax_kombu.client()).enqueue(
         name, payload, **when(app, eta, countdown), priority=priority, biz_key=biz_key,
-        processor=processor_for(target), trace_id=trace_id)
+        processor=processor_for(target, uses_bootstep(app) if fenced is None else fenced),
+        trace_id=trace_id)
+
+
+def uses_bootstep(app: Any) -> bool:
+    """True when ``app``'s worker blueprint includes :class:`~ax_kombu.celery.AxBootstep`."""
+    from ax_kombu.celery.bootstep import AxBootstep
+
+    return any(step is AxBootstep or step in ("ax_kombu.celery.bootstep:AxBootstep",
+                                              "ax_kombu.celery:AxBootstep")
+               for step in app.steps["worker"])
 
 
 def async_result(app: Any, task_id: int, attempt: int = 1) -> Any:

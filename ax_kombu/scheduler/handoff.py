@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.broker.celery_wire import celery_queue, celery_task_id, is_celery
+from ax_kombu.broker.celery_wire import celery_queue, celery_task_id, is_celery, is_fenced
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.store import Store
 from ax_kombu.store.handoff import HandOff, hand_off_many
@@ -32,11 +32,12 @@ OnPublished = Callable[[list[TaskMessage], int], None]
 
 
 def hand_offs(messages: list[TaskMessage]) -> list[HandOff]:
-    """The hand-off of each Celery-bound message in ``messages``."""
+    """The hand-off of each Celery-bound message in ``messages`` whose run is not fenced by
+    :class:`ax_kombu.celery.AxBootstep` (that one is recorded by the Celery worker)."""
     return [HandOff(m.task_id, m.attempt, json.dumps(
         {"celery_task_id": celery_task_id(m.task_id, m.attempt),
          "celery_queue": celery_queue(m.processor or "")}))
-        for m in messages if is_celery(m.processor)]
+        for m in messages if is_celery(m.processor) and not is_fenced(m.processor)]
 
 
 class CeleryHandOff:

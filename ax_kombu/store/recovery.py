@@ -113,10 +113,11 @@ _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACK
                 f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
 # Celery-bound tasks (processor_name ``celery:<queue>``, see ax_kombu.broker.celery_wire) are
 # consumed by Celery workers, which no ax heartbeat lists: they are looked at whatever the
-# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (store.handoff), so
-# one still DISPATCHING after the ack timeout was claimed but never certainly published.
+# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (store.handoff), or
+# (``celery+ax:``) when the AxBootstep of a Celery worker starts it, so one still DISPATCHING
+# after the ack timeout was never certainly published, or never started.
 _UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :priorities "
-                  "OR processor_name LIKE 'celery:%')")
+                  "OR processor_name LIKE 'celery:%' OR processor_name LIKE 'celery+ax:%')")
 # The attempt a recovery ends goes to the history first, from the row as it still is; on
 # PostgreSQL the rows are locked as they are read, so a worker's late result waits and then
 # finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).

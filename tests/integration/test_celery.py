@@ -267,3 +267,63 @@ def test_import_beat_schedule_makes_jobs(client: Client) -> None:
         stored = {r.name: r for r in conn.execute(text("SELECT * FROM ax_job"))}
     assert stored["beat:reports.nightly"].processor_name == processor_for("reports")
     assert json.loads(stored["beat:mail.ping"].payload) == {"args": [], "kwargs": {"to": "ops@x"}}
+
+
+# -- the worker extension (AxBootstep) ------------------------------------------------------
+
+
+def test_bootstep_fences_records_and_refuses(client: Client, redis_broker: dict[str, str],
+                                             pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the bootstep: RUNNING before the body, SUCCESS (with the return value) after;
+    the same message again is refused without running the body; a failure retries with
+    ax's backoff; no hand-off is recorded for fenced tasks; the worker is an ax node."""
+    from types import SimpleNamespace
+
+    from celery.worker.request import Request
+
+    monkeypatch.setenv("AX_DATABASE_URL", pg_url)
+    app = make_app(queue=f"celery.{redis_broker['queue_high']}")
+
+    @app.task(name="app.tasks.boom", shared=False)
+    def boom() -> None:
+        raise ValueError("boom")
+
+    app.steps["worker"].add(axc.AxBootstep)
+    assert axc.uses_bootstep(app)
+    step = axc.AxBootstep(SimpleNamespace(app=app, hostname="w1@test"))
+    step.start(SimpleNamespace(app=app))
+    try:
+        ok = axc.enqueue(app, "app.tasks.send_email", args=("f@x",), client=client)
+        bad = axc.enqueue(app, "app.tasks.boom", client=client)
+        assert {r.processor_name for r in rows(client)} == {
+            f"celery+ax:{app.conf.task_default_queue}"}
+        messages = claimed_messages(client)
+        CeleryHandOff(client.store)(messages, client.store.now_ms())  # not for fenced tasks
+        assert {r.status for r in rows(client)} == {"DISPATCHING"}
+        settings = from_env({}, **redis_broker)
+        publisher = Publisher(settings)
+        assert publisher.publish(messages) == []
+        publisher.close()
+        raw = {m.headers["ax_task_id"]: m for m in celery_consume(
+            settings, app.conf.task_default_queue, 2)}
+        RUNS.clear()
+        Request(raw[ok], app=app, task=app.tasks["app.tasks.send_email"]).execute()
+        row = client.get(ok)
+        assert (row.status, row.result, row.last_run_node) == ("SUCCESS", "hi f@x",
+                                                               "celery@w1@test")
+        assert len(RUNS) == 1
+        Request(raw[ok], app=app, task=app.tasks["app.tasks.send_email"]).execute()
+        assert len(RUNS) == 1  # refused: the attempt is not DISPATCHING any more
+        Request(raw[bad], app=app, task=app.tasks["app.tasks.boom"]).execute()
+        failed = client.get(bad)
+        assert (failed.status, failed.retry_count) == ("DELAYED", 1)
+        assert "ValueError: boom" in (failed.last_error or "")
+        assert [a.outcome for a in failed.attempts] == ["RETRY"]
+        with client.store.engine.connect() as conn:
+            node = conn.execute(text("SELECT * FROM ax_node WHERE node_id = 'celery@w1@test'")
+                                ).one()
+        assert node.stopped_at is None and node.kind == "worker"
+        # a direct call outside a worker passes through
+        assert app.tasks["app.tasks.send_email"]("d@x") == "hi d@x"
+    finally:
+        step.fence.unregister()
