@@ -47,7 +47,7 @@ import ax_kombu as ax
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
 
-from .common import machine, pct, scratch_database
+from .common import drop_redis_keys, machine, pct, proc_mb, scratch_database
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,14 +123,8 @@ def spawned(specs: list[tuple[str, str, list[str]]], env: dict[str, str],
 
 
 def rss_mb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) // 1024
-    except OSError:
-        pass
-    return 0
+    """The process's RSS now, in MB."""
+    return proc_mb(pid, "VmRSS")
 
 
 def scalar(client: Client, sql: str, **params: Any) -> Any:
@@ -223,13 +217,7 @@ def steady(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
 def _cleanup_redis(settings: Settings) -> None:
     if not settings.broker_url.startswith("redis"):
         return
-    import redis
-
-    client = redis.Redis.from_url(settings.broker_url)
-    keys = list(client.scan_iter(match=settings.broker_key_prefix + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    drop_redis_keys(settings.broker_url, settings.broker_key_prefix)
 
 
 def main() -> None:

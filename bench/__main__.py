@@ -1,0 +1,27 @@
+"""``python -m bench COMMAND …``: the benchmarks that have a command here.
+
+    python -m bench run --scenario burst|spread …   ax, Celery ETA and table polling side by side
+
+The single-system benchmarks keep their own entry points (``python -m bench.e2e``,
+``python -m bench.scheduler``, …).
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {"run": "ax, Celery ETA and 200 ms table polling side by side (bench.run)"}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.strip() if __doc__ else "", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from .run import main as run
+
+    run(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

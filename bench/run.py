@@ -1,0 +1,337 @@
+"""ax, Celery ETA and 200 ms table polling side by side, the same body, the same run (issue 15).
+
+    python -m bench run --scenario burst|spread [--n N] [--broker redis|rabbitmq]
+                        [--systems ax,celery,polling] [--repeat R] [--out DIR]
+
+Scenarios (N defaults to 10,000):
+
+* ``burst``  — N tasks all due at one instant, LEAD s after they are handed over.
+* ``spread`` — N tasks due RATE/s apart (default 500/s: 10,000 over 20 s), the first
+  LEAD s after they are handed over.
+
+Every system is started fresh for each run, on loopback, with its own scratch state (see
+:mod:`bench.systems`), in the order given, and the whole order again for each repeat, so
+ratios come from the same run. A run first passes a warm-up task through the system, then
+hands it all N tasks ahead of their due time (``enqueue_s`` says how long that took; a run
+whose hand-over ended after the first due time is flagged ``late_handover``), and ends
+once every task has started or TIMEOUT s after the last due time.
+
+Every figure comes from the ledger the shared body writes (:mod:`bench.ledger`): the wall
+clock when the body started, against the due time the producer set. ``first_ms`` is
+start − due of the task that started first; ``tasks_per_s`` is the tasks started over the
+time from the first due time to the last start; ``worker_rss_peak_mb`` is the peak RSS
+(``VmHWM``) of the process running the body (ax: the ``ax-worker``; the ``ax-scheduler``'s is
+``scheduler_rss_peak_mb``). Prints a table and the ratios, writes JSON to ``--out`` and one
+PNG per scenario to ``--img`` (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from . import ledger
+from .common import cpu_s, drop_redis_keys, machine, pct, proc_mb, rabbit_vhost, wait_quiet
+from .e2e import ROOT
+from .systems import SYSTEMS, Config, Running
+
+REDIS_URL = os.environ.get("AX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+COLUMNS = [("system", "system"), ("n", "n"), ("ran", "ran"), ("p50_ms", "p50 ms"),
+           ("p99_ms", "p99 ms"), ("max_ms", "max ms"), ("first_ms", "first ms"),
+           ("tasks_per_s", "tasks/s"), ("worker_rss_peak_mb", "worker RSS peak MB"),
+           ("enqueue_s", "hand-over s")]
+RATIO_KEYS = ["p50_ms", "p99_ms", "max_ms", "first_ms"]
+
+
+# -- one run ---------------------------------------------------------------------------------------
+
+def due_times(scenario: str, n: int, first_ms: int, rate: float) -> list[int]:
+    """Each task's due time (epoch ms): all at ``first_ms``, or ``rate``/s from it."""
+    if scenario == "burst":
+        return [first_ms] * n
+    return [first_ms + round(k * 1000 / rate) for k in range(n)]
+
+
+def wait_ledger(client: redis.Redis, key: str, count: int, until: float,
+                running: Running) -> int:
+    """Poll the ledger's length until ``count`` (or time ``until``, or a process died)."""
+    while True:
+        got = int(client.llen(key))
+        if got >= count or time.time() > until or not running.alive():
+            return got
+        time.sleep(0.25)
+
+
+def warm_up(client: redis.Redis, key: str, running: Running) -> None:
+    """Pass one task (``i`` −1, due now) through the system, then empty the ledger."""
+    running.submit([(-1, time.time_ns() // 1_000_000)])
+    if wait_ledger(client, key, 1, time.time() + 90, running) < 1:
+        raise SystemExit(f"the warm-up task did not run (see the logs); alive={running.alive()}")
+    client.delete(key)
+
+
+def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of one system: start it, warm it, hand it the tasks, collect the ledger."""
+    tag = f"{system}{repeat}"
+    key = f"{config.prefix}ledger:{tag}"
+    client = redis.Redis.from_url(config.redis_url)
+    try:
+        with SYSTEMS[system](config, key, tag) as running:
+            warm_up(client, key, running)
+            first = time.time_ns() // 1_000_000 + round(args.lead * 1000)
+            dues = due_times(args.scenario, args.n, first, args.rate)
+            began = time.monotonic()
+            running.submit(list(enumerate(dues)))
+            enqueue_s = time.monotonic() - began
+            late_handover = time.time() * 1000 > first
+            wait_ledger(client, key, args.n, dues[-1] / 1000 + args.timeout, running)
+            procs = {role: proc.pid for role, proc in running.procs.items()}
+            usage: dict[str, float] = {f"{role}_rss_peak_mb": proc_mb(pid, "VmHWM")
+                                       for role, pid in procs.items()}
+            usage |= {f"{role}_cpu_s": round(cpu_s(pid), 1) for role, pid in procs.items()}
+        entries = ledger.read(client, key)
+    finally:
+        client.close()
+    return {"system": system, "repeat": repeat, "enqueue_s": round(enqueue_s, 2),
+            "late_handover": late_handover, **summarise(entries, dues), **usage}
+
+
+def summarise(entries: Sequence[ledger.Entry], dues: Sequence[int]) -> dict[str, Any]:
+    """The figures of one run from its ledger (a task's first run counts; repeats are
+    counted as ``duplicates``)."""
+    first: dict[int, ledger.Entry] = {}
+    for entry in entries:
+        if entry.i >= 0:
+            first.setdefault(entry.i, entry)
+    runs = list(first.values())
+    late = sorted(e.lateness_ms for e in runs)
+    out: dict[str, Any] = {"n": len(dues), "ran": len(runs), "missing": len(dues) - len(runs),
+                           "duplicates": sum(e.i >= 0 for e in entries) - len(runs)}
+    if not runs:
+        return out | {"lateness_ms": [], "timeline": {"start_s": 0.0, "counts": []}}
+    earliest = min(runs, key=lambda e: e.start_ms)
+    span_s = max(1e-3, (max(e.start_ms for e in runs) - dues[0]) / 1000)
+    return out | {
+        "p50_ms": round(pct(late, 50), 2), "p99_ms": round(pct(late, 99), 2),
+        "max_ms": round(late[-1], 2), "min_ms": round(late[0], 2),
+        "early": sum(v < 0 for v in late), "first_ms": round(earliest.lateness_ms, 2),
+        "tasks_per_s": round(len(runs) / span_s), "lateness_ms": late,
+        "timeline": timeline([e.start_ms for e in runs], dues[0])}
+
+
+def timeline(starts: Sequence[float], origin_ms: int) -> dict[str, Any]:
+    """Starts per 100 ms bucket, from the bucket of the earliest (or of ``origin_ms``)."""
+    buckets = Counter(int((s - origin_ms) // 100) for s in starts)
+    low = min(0, *buckets)
+    return {"start_s": low / 10, "counts": [buckets.get(k, 0) for k in range(low, max(buckets) + 1)]}
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+def ratios(results: Sequence[dict[str, Any]], base: str = "ax") -> list[dict[str, Any]]:
+    """Per repeat, each other system's figure ÷ ``base``'s (above 1: ``base`` is better)."""
+    out = []
+    for repeat in sorted({r["repeat"] for r in results}):
+        row = {r["system"]: r for r in results if r["repeat"] == repeat}
+        if base not in row:
+            continue
+        for system, res in row.items():
+            if system == base:
+                continue
+            out.append({"repeat": repeat, "system": system, **{
+                key: _ratio(res.get(key), row[base].get(key)) for key in RATIO_KEYS}})
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return round(a / b, 1)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 10 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of the runs."""
+    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for res in results:
+        cells = [_cell(res.get(key, "—")) for key, _ in COLUMNS]
+        cells[0] += f" #{res['repeat'] + 1}" if res["repeat"] else ""
+        cells[-1] += " (late!)" if res["late_handover"] else ""
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of :func:`ratios` (other ÷ ax)."""
+    lines = ["| other ÷ ax | " + " | ".join(RATIO_KEYS) + " |", "|" + "---|" * 5]
+    for row in rows:
+        name = row["system"] + (f" #{row['repeat'] + 1}" if row["repeat"] else "")
+        lines.append(f"| {name} | " + " | ".join(
+            "—" if row[k] is None else f"{row[k]}×" for k in RATIO_KEYS) + " |")
+    return "\n".join(lines)
+
+
+def versions(config: Config) -> dict[str, str]:
+    """Versions of what ran: Python, libraries, servers, this checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("kombu", "celery", "redis", "sqlalchemy", "psycopg2-binary"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    client = redis.Redis.from_url(config.redis_url)
+    out["redis_server"] = str(client.info("server")["redis_version"])
+    client.close()
+    out["postgresql"] = _postgres_version()
+    if config.broker == "rabbitmq":
+        from kombu import Connection
+
+        with Connection(config.broker_url) as conn:
+            conn.connect()
+            out["rabbitmq"] = conn.connection.server_properties.get("version", "?")
+    git = ["git", "-C", str(ROOT)]
+    out["ax_commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], text=True,
+                                      capture_output=True, check=False).stdout.strip()
+    return out
+
+
+def _postgres_version() -> str:
+    import psycopg2
+
+    from .common import PG_ADMIN
+
+    with psycopg2.connect(PG_ADMIN) as conn, conn.cursor() as cur:
+        cur.execute("SHOW server_version")
+        row = cur.fetchone()
+    conn.close()
+    return str(row[0]) if row else "?"
+
+
+def report(results: list[dict[str, Any]], config: Config, args: argparse.Namespace,
+           started: datetime) -> None:
+    """Print the tables; write the JSON and the PNG."""
+    rows = ratios(results)
+    command = "python -m bench run " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["run"]
+                                                  else sys.argv[1:])
+    print(f"\n{args.scenario} on {config.broker}, {machine()}, {started:%Y-%m-%d %H:%M} UTC")
+    print(table(results))
+    if rows:
+        print("\n" + ratio_table(rows))
+    stamp = f"{started:%Y%m%dT%H%M%SZ}"
+    name = f"{args.scenario}-{config.broker}"
+    meta = {"command": command, "scenario": args.scenario, "broker": config.broker,
+            "n": args.n, "rate": args.rate, "lead_s": args.lead, "started": started.isoformat(),
+            "machine": machine(), "versions": versions(config), "ratios": rows}
+    out = Path(args.out) / f"{name}-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k != "lateness_ms"}
+            | {"lateness_quantiles_ms": _quantiles(r["lateness_ms"])} for r in results]
+    out.write_text(json.dumps({**meta, "runs": slim}, indent=1) + "\n")
+    print(f"\nJSON: {out}")
+    if args.img:
+        from .plots import plot
+
+        title = (f"{args.scenario}: {args.n:,} tasks"
+                 + (f" at {args.rate:g}/s" if args.scenario == "spread" else " due at one instant")
+                 + f", {config.broker}, {machine().split(',')[0]}, {started:%Y-%m-%d %H:%M} UTC")
+        print("PNG:", plot(results, title, Path(args.img) / f"bench-{name}.png"))
+
+
+def _quantiles(late: Sequence[float], points: int = 200) -> list[float]:
+    """``points`` + 1 evenly spaced quantiles (0 … 1) of a sorted list, for a CDF."""
+    if not late:
+        return []
+    return [round(late[min(len(late) - 1, round(k * (len(late) - 1) / points))], 3)
+            for k in range(points + 1)]
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+@contextmanager
+def broker(args: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """The broker URL for this invocation: Redis, or a scratch RabbitMQ vhost."""
+    if args.broker == "redis":
+        yield args.redis_url
+    else:
+        with rabbit_vhost(prefix.rstrip("_")) as url:
+            yield url
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=["burst", "spread"], required=True)
+    parser.add_argument("--n", type=int, default=10_000, help="tasks (default 10,000)")
+    parser.add_argument("--rate", type=float, default=500.0, help="spread: tasks due per s")
+    parser.add_argument("--lead", type=float, default=None,
+                        help="s from the hand-over to the first due time (default 5 + n/1000)")
+    parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
+    parser.add_argument("--systems", default="ax,celery,polling",
+                        help="comma-separated, run in this order: ax, celery, polling")
+    parser.add_argument("--repeat", type=int, default=1, help="run the whole order R times")
+    parser.add_argument("--threads", type=int, default=16,
+                        help="Celery -c and poller threads (ax: its default pools, 16 for default)")
+    parser.add_argument("--timeout", type=float, default=180.0,
+                        help="give up this many s after the last due time")
+    parser.add_argument("--redis-url", default=REDIS_URL, help="the ledger's Redis (and broker)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="JSON goes here")
+    parser.add_argument("--img", default=str(ROOT / "docs" / "img"),
+                        help="the PNG goes here ('' for none)")
+    parser.add_argument("--logs", default=f"/tmp/axbench-run-{os.getpid()}",
+                        help="the processes' logs")
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown or not args.systems:
+        parser.error(f"--systems: unknown {', '.join(sorted(unknown)) or '(none given)'}")
+    if args.lead is None:
+        args.lead = 5.0 + args.n / 1000
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    started = datetime.now(UTC)
+    prefix = f"axbench_r{os.getpid()}_"
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        with broker(args, prefix) as url:
+            config = Config(args.broker, url, args.redis_url, prefix, args.threads,
+                            Path(args.logs))
+            for repeat in range(args.repeat):
+                for system in args.systems:
+                    wait_quiet()
+                    print(f"{system} #{repeat + 1}: {args.scenario}, n={args.n:,} …", flush=True)
+                    results.append(measure(system, repeat, config, args))
+                    res = results[-1]
+                    print("  " + ", ".join(f"{k}={res.get(k)}" for k in
+                                           ("ran", "p50_ms", "p99_ms", "max_ms", "first_ms",
+                                            "tasks_per_s", "enqueue_s")), flush=True)
+            report(results, config, args, started)
+    finally:
+        drop_redis_keys(args.redis_url, prefix)
+
+
+if __name__ == "__main__":
+    main()

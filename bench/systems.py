@@ -1,0 +1,184 @@
+"""The three systems :mod:`bench.run` compares, each started fresh for one measured run.
+
+Each is a context manager ``(config, ledger_key, tag) → Running``: on entry its processes
+are up on loopback with their own scratch state (a PostgreSQL database, a Redis key prefix
+or the run's RabbitMQ vhost); :attr:`Running.submit` hands it ``(i, due_ms)`` tasks ahead
+of their due time; on exit everything it started is stopped (SIGTERM, then SIGKILL after
+60 s) and its state dropped. Every system runs the same body (:mod:`bench.ledger`) on 16
+threads by default:
+
+* ``ax`` — one ``ax-scheduler`` and one ``ax-worker -Q high,default,slow`` with the default
+  pools (the tasks go to ``default``: 16 threads), tasks created with
+  ``Client.enqueue_many(run_at=…)``.
+* ``celery`` — one stock ``celery worker -P threads -c THREADS`` (no gossip, mingle or
+  heartbeat), tasks sent with ``apply_async(eta=…)`` from 4 producer threads (Celery has
+  no bulk send; one thread alone needs ~1–10 s per 10,000 here).
+* ``polling`` — :mod:`bench.poller` (200 ms ticks, ``FOR UPDATE SKIP LOCKED LIMIT 1000``,
+  a pool of THREADS) over a plain table, rows inserted in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ax_kombu.api import Client
+from ax_kombu.config import from_env
+
+from . import ledger, poller
+from .common import drop_redis_keys, scratch_database
+from .e2e import ROOT, _env, spawned, wait_ready
+
+Task = tuple[int, int]  # (i, due_ms)
+#: threads sending Celery's ETA messages (one ``apply_async`` per task, a round trip each)
+CELERY_PRODUCERS = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every system of one invocation shares."""
+
+    #: ``redis`` or ``rabbitmq``: the broker ax and Celery use (polling uses none)
+    broker: str
+    #: the broker URL (a scratch vhost on RabbitMQ)
+    broker_url: str
+    #: the Redis holding the ledgers (and the broker on ``redis``)
+    redis_url: str
+    #: this invocation's Redis key prefix and database name stem
+    prefix: str
+    #: threads running the body in Celery and the poller (ax: its default pools)
+    threads: int
+    logs: Path
+
+
+@dataclass
+class Running:
+    """A system that is up: hand it tasks, watch its processes."""
+
+    submit: Callable[[list[Task]], None]
+    #: role → process; ``worker`` is the one running the body
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return all(proc.poll() is None for proc in self.procs.values())
+
+
+System = Callable[[Config, str, str], AbstractContextManager[Running]]
+
+
+def _due(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def _ledger_env(config: Config, key: str) -> dict[str, str]:
+    return {ledger.URL_VAR: config.redis_url, ledger.KEY_VAR: key}
+
+
+def _plain_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AX_", "AXBENCH_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return {**env, **extra}
+
+
+@contextmanager
+def _process(cmd: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` running in the repository root, logging to ``log``; warm-stopped on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """One ``ax-scheduler`` + one ``ax-worker`` on a scratch database."""
+    with scratch_database(f"{config.prefix}{tag}") as url:
+        settings = from_env({}, database_url=url, broker_url=config.broker_url,
+                            broker_key_prefix=f"{config.prefix}{tag}:")
+        env = {**_env(settings), **_ledger_env(config, key)}
+        specs = [("scheduler", f"{tag}-scheduler", ["-l", "WARNING"]),
+                 ("worker", f"{tag}-worker",
+                  ["-Q", "high,default,slow", "-A", "bench.ax_tasks", "-l", "WARNING"])]
+        client = Client(settings)
+        try:
+            with spawned(specs, env, config.logs) as procs:
+                wait_ready(client, procs)
+
+                def submit(tasks: list[Task]) -> None:
+                    for start in range(0, len(tasks), 20_000):
+                        client.enqueue_many([
+                            {"task_type": "bench.ledger", "run_at": _due(due),
+                             "payload": {"i": i, "due": due}}
+                            for i, due in tasks[start:start + 20_000]])
+
+                yield Running(submit, {"scheduler": procs[0], "worker": procs[1]})
+        finally:
+            client.close()
+            if config.broker == "redis":
+                drop_redis_keys(config.broker_url, f"{config.prefix}{tag}:")
+
+
+@contextmanager
+def celery_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """One ``celery worker -P threads``; ETA tasks through one producer."""
+    from .celery_app import TASK_NAME, make_app  # Celery is optional: the bench extra
+
+    queue = f"{config.prefix}{tag}"
+    prefix = f"{config.prefix}{tag}:" if config.broker == "redis" else ""
+    env = _plain_env({"AXBENCH_CELERY_BROKER": config.broker_url,
+                      "AXBENCH_CELERY_PREFIX": prefix, "AXBENCH_CELERY_QUEUE": queue,
+                      **_ledger_env(config, key)})
+    cmd = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", "-P", "threads",
+           "-c", str(config.threads), "-Q", queue, "-n", f"{tag}@localhost", "-l", "WARNING",
+           "--without-gossip", "--without-mingle", "--without-heartbeat"]
+    app = make_app(config.broker_url, prefix, queue)
+    task = app.tasks[TASK_NAME]
+    try:
+        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
+
+            def send(tasks: list[Task]) -> None:
+                with app.producer_or_acquire() as producer:
+                    for i, due in tasks:
+                        task.apply_async((i, due), eta=_due(due), producer=producer)
+
+            def submit(tasks: list[Task]) -> None:
+                with ThreadPoolExecutor(CELERY_PRODUCERS) as pool:
+                    list(pool.map(send, [tasks[k::CELERY_PRODUCERS]
+                                         for k in range(CELERY_PRODUCERS)]))
+
+            yield Running(submit, {"worker": proc})
+    finally:
+        app.pool.force_close_all()
+        app.close()
+        if config.broker == "redis":
+            drop_redis_keys(config.broker_url, prefix)
+
+
+@contextmanager
+def polling_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """:mod:`bench.poller` over a plain table in a scratch database."""
+    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
+        poller.create_table(url)
+        cmd = [sys.executable, "-m", "bench.poller", url, "--threads", str(config.threads)]
+        env = _plain_env(_ledger_env(config, key))
+        with _process(cmd, env, config.logs / f"{tag}-poller.log") as proc:
+            yield Running(lambda tasks: poller.insert(url, tasks), {"worker": proc})
+
+
+SYSTEMS: dict[str, System] = {"ax": ax_system, "celery": celery_system,
+                              "polling": polling_system}
