@@ -2,10 +2,11 @@
 (``celery -A tests.e2e.celery_app worker``) and calls from the test process.
 
 Configured by ``AX_TEST_CELERY_BROKER`` (URL), ``AX_TEST_CELERY_PREFIX`` (Redis key prefix,
-the same as ax's) and ``AX_TEST_CELERY_QUEUE`` in the worker; the test calls
-:func:`configure` instead. Its one task, ``e2e.celery.record``, appends one JSON line per
-run to the file named in its arguments (task id, ax headers, start time), with one
-``O_APPEND`` write per line, so the test can count runs and check when each started.
+the same as ax's), ``AX_TEST_CELERY_QUEUE`` and ``AX_TEST_CELERY_BOOTSTEP=1`` (add
+``ax_kombu.celery.AxBootstep``) in the worker; the test calls :func:`configure` instead.
+Its one task, ``e2e.celery.record``, appends one JSON line per run to the file named in its
+arguments (task id, ax headers, worker, start time), with one ``O_APPEND`` write per line,
+so the test can count runs and check when each started, then sleeps ``sleep`` seconds.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ def configure(broker: str, prefix: str = "", queue: str = "celery") -> None:
 if os.environ.get("AX_TEST_CELERY_BROKER"):
     configure(os.environ["AX_TEST_CELERY_BROKER"], os.environ.get("AX_TEST_CELERY_PREFIX", ""),
               os.environ.get("AX_TEST_CELERY_QUEUE", "celery"))
+if os.environ.get("AX_TEST_CELERY_BOOTSTEP") == "1":  # the worker fences and records in ax
+    from ax_kombu.celery import AxBootstep
+
+    app.steps["worker"].add(AxBootstep)
 
 
 @app.task(name="e2e.celery.record", bind=True, shared=False)
-def record(self: Any, log: str, i: int) -> None:
+def record(self: Any, log: str, i: int, sleep: float = 0.0) -> None:
     line = json.dumps({"i": i, "id": self.request.id, "ax": self.request.get("ax_task_id"),
-                       "eta": self.request.eta,
+                       "eta": self.request.eta, "worker": self.request.hostname,
                        "attempt": self.request.get("ax_attempt"),
                        "start": time.time_ns() // 1_000_000, "pid": os.getpid()}) + "\n"
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -43,3 +48,4 @@ def record(self: Any, log: str, i: int) -> None:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+    time.sleep(sleep)
