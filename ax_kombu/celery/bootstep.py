@@ -31,6 +31,11 @@ The producer must mark such tasks as fenced: :func:`ax_kombu.celery.enqueue` and
 the scheduler then records no hand-off for them. Settings: the ``AX_*`` variables
 (``AX_DATABASE_URL`` for the store, ``AX_HEARTBEAT_INTERVAL_S``, the retry backoff).
 Execution stays at-least-once: a worker that dies mid-run has its task run again.
+
+Caveat: the ack timeout (``AX_ACK_TIMEOUT_MS``, doubling per re-dispatch) now also covers
+the time a message waits in a backlogged Celery queue or a worker's prefetch before it
+starts; set it above that wait, or ax re-dispatches (the old message is refused when its
+turn comes) and, after ``AX_MAX_DISPATCHES``, fails the task.
 """
 
 from __future__ import annotations
