@@ -27,20 +27,21 @@ def plot(runs: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
 
     fig, (cdf, timeline) = plt.subplots(1, 2, figsize=(13, 4.8))
     for run in runs:
-        style = {"color": COLOURS.get(run["system"]),
+        style = {"color": COLOURS.get(run["system"]), "linewidth": 1.3,
+                 "zorder": 3 if run["system"] == "ax" else 2,
                  "linestyle": STYLES[run["repeat"] % len(STYLES)],
                  "label": run["system"] + (f" #{run['repeat'] + 1}" if run["repeat"] else "")}
         late = [max(FLOOR_MS, v) for v in run["lateness_ms"]]
         if late:
-            cdf.step(late, [(k + 1) / len(late) for k in range(len(late))], where="post",
-                     **style)
+            total = max(len(late), run.get("n", 0))  # tasks that never ran keep it below 1
+            cdf.step(late, [(k + 1) / total for k in range(len(late))], where="post", **style)
         counts = run["timeline"]["counts"]
         start = run["timeline"]["start_s"]
         timeline.step([start + k * 0.1 for k in range(len(counts))], counts, where="post",
                       **style)
     cdf.set_xscale("log")
-    cdf.set_xlabel("start − due (ms, log)")
-    cdf.set_ylabel("fraction of tasks started")
+    cdf.set_xlabel(f"start − due (ms, log; at or before due: drawn at {FLOOR_MS})")
+    cdf.set_ylabel("fraction of the tasks")
     cdf.set_title("lateness CDF")
     cdf.grid(True, which="both", alpha=0.3)
     cdf.legend(loc="lower right")

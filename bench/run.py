@@ -11,18 +11,23 @@ Scenarios (N defaults to 10,000):
 
 Every system is started fresh for each run, on loopback, with its own scratch state (see
 :mod:`bench.systems`), in the order given, and the whole order again for each repeat, so
-ratios come from the same run. A run first passes a warm-up task through the system, then
-hands it all N tasks ahead of their due time (``enqueue_s`` says how long that took; a run
-whose hand-over ended after the first due time is flagged ``late_handover``), and ends
-once every task has started or TIMEOUT s after the last due time.
+ratios come from the same run. A run first passes 100 warm-up tasks through the system,
+then hands it all N tasks ahead of their due time, and ends once every task has started or
+TIMEOUT s after the last due time. The first due time is LEAD s after the hand-over
+begins, or later when the warm-up's hand-over took so long per task that N would not be in
+by then (``lead_s`` says which; ``enqueue_s`` how long the hand-over took; one that still
+ended after the first due time is flagged ``late_handover``). The lead changes nothing
+else: every task is in its system before it is due.
 
 Every figure comes from the ledger the shared body writes (:mod:`bench.ledger`): the wall
 clock when the body started, against the due time the producer set. ``first_ms`` is
-start − due of the task that started first; ``tasks_per_s`` is the tasks started over the
-time from the first due time to the last start; ``worker_rss_peak_mb`` is the peak RSS
-(``VmHWM``) of the process running the body (ax: the ``ax-worker``; the ``ax-scheduler``'s is
-``scheduler_rss_peak_mb``). Prints a table and the ratios, writes JSON to ``--out`` and one
-PNG per scenario to ``--img`` (matplotlib).
+start − due of the task that started first; ``early`` counts tasks started before their
+due time by the wall clock (ax holds a staged task until its trigger time on its estimate
+of the database clock, which can be off by a fraction of a round trip); ``tasks_per_s`` is
+the tasks started over the time from the first due time to the last start;
+``worker_rss_peak_mb`` is the peak RSS (``VmHWM``) of the process running the body (ax:
+the ``ax-worker``; the ``ax-scheduler``'s is ``scheduler_rss_peak_mb``). Prints a table
+and the ratios, writes JSON to ``--out`` and one PNG per scenario to ``--img`` (matplotlib).
 """
 
 from __future__ import annotations
@@ -48,11 +53,15 @@ from .e2e import ROOT
 from .systems import SYSTEMS, Config, Running
 
 REDIS_URL = os.environ.get("AX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-COLUMNS = [("system", "system"), ("n", "n"), ("ran", "ran"), ("p50_ms", "p50 ms"),
-           ("p99_ms", "p99 ms"), ("max_ms", "max ms"), ("first_ms", "first ms"),
-           ("tasks_per_s", "tasks/s"), ("worker_rss_peak_mb", "worker RSS peak MB"),
-           ("enqueue_s", "hand-over s")]
+COLUMNS = [("system", "system"), ("n", "n"), ("ran", "ran"), ("early", "early"),
+           ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"), ("max_ms", "max ms"),
+           ("first_ms", "first ms"), ("tasks_per_s", "tasks/s"),
+           ("worker_rss_peak_mb", "worker RSS peak MB"), ("enqueue_s", "hand-over s")]
 RATIO_KEYS = ["p50_ms", "p99_ms", "max_ms", "first_ms"]
+#: warm-up tasks per run: they also time the hand-over, to stretch the lead if it is slow
+WARM_UP = 100
+#: the lead is never stretched beyond this (a hand-over still late is flagged)
+MAX_LEAD_S = 240.0
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -74,12 +83,25 @@ def wait_ledger(client: redis.Redis, key: str, count: int, until: float,
         time.sleep(0.25)
 
 
-def warm_up(client: redis.Redis, key: str, running: Running) -> None:
-    """Pass one task (``i`` −1, due now) through the system, then empty the ledger."""
-    running.submit([(-1, time.time_ns() // 1_000_000)])
-    if wait_ledger(client, key, 1, time.time() + 90, running) < 1:
-        raise SystemExit(f"the warm-up task did not run (see the logs); alive={running.alive()}")
+def warm_up(client: redis.Redis, key: str, running: Running) -> float:
+    """Pass :data:`WARM_UP` tasks (``i`` < 0, due now) through the system, then empty the
+    ledger; returns how long handing them over took per task (s)."""
+    now = time.time_ns() // 1_000_000
+    began = time.monotonic()
+    running.submit([(-1 - k, now) for k in range(WARM_UP)])
+    per_task = (time.monotonic() - began) / WARM_UP
+    if wait_ledger(client, key, WARM_UP, time.time() + 90, running) < WARM_UP:
+        raise SystemExit(f"the warm-up tasks did not run (see the logs); alive={running.alive()}")
     client.delete(key)
+    return per_task
+
+
+def lead_for(args: argparse.Namespace, per_task_s: float) -> float:
+    """``--lead``, or longer when the warm-up says handing N tasks over takes longer
+    (1.25 × the estimate + 3 s, at most :data:`MAX_LEAD_S`): every task must be in before
+    its due time."""
+    lead: float = max(args.lead, min(MAX_LEAD_S, 1.25 * per_task_s * args.n + 3.0))
+    return round(lead, 1)
 
 
 def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) -> dict[str, Any]:
@@ -89,8 +111,8 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
     client = redis.Redis.from_url(config.redis_url)
     try:
         with SYSTEMS[system](config, key, tag) as running:
-            warm_up(client, key, running)
-            first = time.time_ns() // 1_000_000 + round(args.lead * 1000)
+            lead_s = lead_for(args, warm_up(client, key, running))
+            first = time.time_ns() // 1_000_000 + round(lead_s * 1000)
             dues = due_times(args.scenario, args.n, first, args.rate)
             began = time.monotonic()
             running.submit(list(enumerate(dues)))
@@ -104,8 +126,9 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
         entries = ledger.read(client, key)
     finally:
         client.close()
-    return {"system": system, "repeat": repeat, "enqueue_s": round(enqueue_s, 2),
-            "late_handover": late_handover, **summarise(entries, dues), **usage}
+    return {"system": system, "repeat": repeat, "lead_s": lead_s,
+            "enqueue_s": round(enqueue_s, 2), "late_handover": late_handover,
+            **summarise(entries, dues), **usage}
 
 
 def summarise(entries: Sequence[ledger.Entry], dues: Sequence[int]) -> dict[str, Any]:
@@ -135,7 +158,8 @@ def timeline(starts: Sequence[float], origin_ms: int) -> dict[str, Any]:
     """Starts per 100 ms bucket, from the bucket of the earliest (or of ``origin_ms``)."""
     buckets = Counter(int((s - origin_ms) // 100) for s in starts)
     low = min(0, *buckets)
-    return {"start_s": low / 10, "counts": [buckets.get(k, 0) for k in range(low, max(buckets) + 1)]}
+    counts = [buckets.get(k, 0) for k in range(low, max(buckets) + 1)]
+    return {"start_s": low / 10, "counts": counts}
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -240,8 +264,9 @@ def report(results: list[dict[str, Any]], config: Config, args: argparse.Namespa
     stamp = f"{started:%Y%m%dT%H%M%SZ}"
     name = f"{args.scenario}-{config.broker}"
     meta = {"command": command, "scenario": args.scenario, "broker": config.broker,
-            "n": args.n, "rate": args.rate, "lead_s": args.lead, "started": started.isoformat(),
-            "machine": machine(), "versions": versions(config), "ratios": rows}
+            "n": args.n, "rate": args.rate, "lead_s_at_least": args.lead,
+            "started": started.isoformat(), "machine": machine(), "versions": versions(config),
+            "ratios": rows}
     out = Path(args.out) / f"{name}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k != "lateness_ms"}
@@ -284,7 +309,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=10_000, help="tasks (default 10,000)")
     parser.add_argument("--rate", type=float, default=500.0, help="spread: tasks due per s")
     parser.add_argument("--lead", type=float, default=None,
-                        help="s from the hand-over to the first due time (default 5 + n/1000)")
+                        help="s from the hand-over to the first due time (default 5 + n/500)")
     parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
     parser.add_argument("--systems", default="ax,celery,polling",
                         help="comma-separated, run in this order: ax, celery, polling")
@@ -305,7 +330,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown or not args.systems:
         parser.error(f"--systems: unknown {', '.join(sorted(unknown)) or '(none given)'}")
     if args.lead is None:
-        args.lead = 5.0 + args.n / 1000
+        args.lead = 5.0 + args.n / 500
     return args
 
 
