@@ -3,11 +3,13 @@ unmodified ``celery -A tests.e2e.celery_app worker`` on one broker (Redis under 
 key prefix, or a RabbitMQ vhost of this run), PostgreSQL as ax's store.
 
 After ``ax.celery.install(app)``, N calls ``record.apply_async(..., countdown=3)`` from 8
-producer threads are stored in ax, handed to the publisher by the scheduler up to
+producer threads are stored in ax, handed to the publisher by 2 schedulers up to
 ``claim_lead_ms`` early and published by it when due, and run by the Celery worker: each
 exactly once, under the Celery id of its first attempt, never before it is due; each ax task
 ends SUCCESS at the hand-off. The lateness (Celery's start − the due time), how early ax
-claimed, and how many messages carried an ``eta`` (none expected) are printed.
+claimed, and how many messages carried an ``eta`` (none expected) are printed. Meanwhile a
+``beat_schedule`` entry (every second), imported with ``import_beat_schedule``, fires through
+the same 2 schedulers: one task per occurrence, each run once.
 
 N is 1,000 to keep CI short. For the issue's 10,000, run
 ``AX_CELERY_E2E_N=10000 pytest tests/e2e/test_celery_e2e.py -k countdown -s``
@@ -29,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +103,9 @@ def system(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterato
 
 
 def runs(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    """The complete lines of a run log (one being written may be cut short)."""
+    lines = log.read_text().split("\n")[:-1] if log.exists() else []
+    return [json.loads(line) for line in lines]
 
 
 @pytest.mark.timeout(150)
@@ -114,10 +119,16 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
     worker = CeleryWorker(broker["broker_url"], prefix, queue, tmp_path, "celery-w1")
     try:
         lead = os.environ.get("AX_CELERY_E2E_CLAIM_LEAD_MS")  # see the module docstring
-        system.scheduler("sched-celery", env={"claim_lead_ms": lead} if lead else None)
+        for i in (1, 2):
+            system.scheduler(f"sched-celery-{i}", env={"claim_lead_ms": lead} if lead else None)
         system.wait_ready()
         worker.wait_ready()
         celery_app.configure(broker["broker_url"], prefix, queue)
+        beat_log = tmp_path / "beat-runs.jsonl"
+        celery_app.app.conf.beat_schedule = {"tick": {
+            "task": "e2e.celery.record", "schedule": timedelta(seconds=1),
+            "args": (str(beat_log), -1)}}
+        axc.import_beat_schedule(celery_app.app, client=system.client, prefix="beat:")
         axc.install(celery_app.app, client=system.client)
         log = tmp_path / "celery-runs.jsonl"
         record = celery_app.app.tasks["e2e.celery.record"]
@@ -130,15 +141,25 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
                 raise AssertionError(f"{len(runs(log))}/{n} ran\n{worker.tail()}\n"
                                      f"{system.tails()}")
             time.sleep(0.1)
-        system.wait_for(lambda: system.statuses()["SUCCESS"] == n, 30, f"{n} ax tasks SUCCESS",
-                        detail=system.statuses)
+        system.wait_for(lambda: system.query(
+            "SELECT count(*) FROM ax_task WHERE job IS NULL AND status = 'SUCCESS'")[0][0] == n,
+            30, f"{n} ax tasks SUCCESS", detail=system.statuses)
     finally:
         worker.stop()
         axc.uninstall(celery_app.app)
+        celery_app.app.conf.beat_schedule = {}
     done = runs(log)
-    tasks = system.tasks()
+    every = system.tasks()
+    tasks = {i: row for i, row in every.items() if row.job is None}
     assert len(done) == n and len({r["i"] for r in done}) == n  # exactly once each
     assert len(tasks) == n
+    # the beat entry, fired by 2 schedulers: one task per occurrence, each run once
+    ticks = [row for row in every.values() if row.job == "beat:tick"]
+    beat_runs = runs(beat_log)
+    assert len({row.scheduled_at for row in ticks}) == len(ticks)
+    assert len(beat_runs) >= COUNTDOWN_S
+    assert len({r["ax"] for r in beat_runs}) == len(beat_runs)
+    assert all(every[r["ax"]].job == "beat:tick" for r in beat_runs)
     late: list[int] = []
     sent_late: list[int] = []  # ax's part: claimed (and published) − due; < 0: staged ahead
     for r in done:
@@ -153,7 +174,8 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
     with_eta = sum(1 for r in done if r.get("eta"))
     print(f"\n{n} Celery tasks via ax ({'redis' if redis else 'rabbitmq'}): lateness p50 "
           f"{pct(late, 50)} ms, p99 {pct(late, 99)} ms, max {max(late)} ms; claimed − due "
-          f"p50 {pct(sent_late, 50)} ms, p99 {pct(sent_late, 99)} ms; {with_eta} had an eta")
+          f"p50 {pct(sent_late, 50)} ms, p99 {pct(sent_late, 99)} ms; {with_eta} had an eta; "
+          f"{len(beat_runs)} beat occurrences, each run once")
 
 
 @pytest.mark.timeout(120)
