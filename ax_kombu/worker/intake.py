@@ -32,8 +32,10 @@ held in its pool slot until its trigger time on the database clock: it never
 starts early, and its ``started_at`` is the trigger time. Staging is bounded
 by free capacity: a lane is only handed what its free slots can take. While
 held it is a running task like any other: ``ax cancel`` stops it before it
-starts; a worker killed meanwhile leaves it RUNNING on a dead node, and the
-recovery gives it another attempt (it never ran, so nothing ran twice).
+starts; a stopping worker (warm or cold) withdraws the held runs that have not
+started (:meth:`Intake.withdraw_held`) and hands them back; a worker killed
+meanwhile leaves them RUNNING on a dead node, and the recovery gives them
+another attempt (they never ran, so nothing ran twice).
 
 A message is acked only after its RUNNING move committed, and normally
 stays unacked while its task runs: the broker's prefetch (``pool ×
@@ -52,6 +54,7 @@ skipped. Everything here runs on the consuming thread except
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -67,6 +70,12 @@ from ax_kombu.worker.pools import Outcome
 from ax_kombu.worker.processors import Cancellation, Context, Resolver
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
 from ax_kombu.worker.results import Counters, ResultWriter
+
+
+class Withdrawn(Exception):
+    """A staged run ended before its trigger time without starting: cancelled (``ax
+    cancel``; the row is CANCELLED) or withdrawn by a stopping worker (which writes the
+    row back itself). Nothing is recorded for it."""
 
 
 class Intake:
@@ -94,6 +103,9 @@ class Intake:
         self._wakeup = wakeup
         self._flags = flags
         self._clock = clock
+        #: staged runs submitted and still held before their trigger time
+        self._held: set[Delivery] = set()
+        self._held_lock = threading.Lock()
         #: received and not planned yet; the consumer appends, this list object stays the same
         self.pending: list[Delivery] = []
         #: submitted to a pool and not settled yet
@@ -204,21 +216,45 @@ class Intake:
                       task.scheduled_at, task.shard_index, task.shard_total)
         done = partial(self._done, delivery)
         self.running.add(delivery)
-        run = partial(self._execute, task, ctx) if not hold_s else partial(self._hold, task, ctx, cancel)
+        run = partial(self._execute, task, ctx)
+        if hold_s:
+            with self._held_lock:
+                self._held.add(delivery)
+            run = partial(self._hold, delivery, ctx, cancel)
         if not delivery.lane.pool.try_submit(run, done, timeout_s=hold_s + timeout_s,
                                              labels=delivery.labels, cancel=cancel):
             done(Outcome(False, abandoned="no free slot in the pool"))  # planned: cannot happen
 
-    def _hold(self, task: TaskMessage, ctx: Context, cancel: Cancellation) -> Any:
-        """A staged task (pool thread): wait for its trigger time, then run it."""
-        while (left_ms := task.trigger_time - self._clock()) > 0:
-            if cancel.wait(left_ms / 1000.0):
-                # cancelled (ax cancel) or a cold stop before it started: the processor is
-                # not called; the row is no longer RUNNING at this attempt, or the pool has
-                # already reported the run abandoned, so this outcome is not recorded
-                raise ProcessorRefused(f"{cancel.reason} before its trigger time")
+    def _hold(self, delivery: Delivery, ctx: Context, cancel: Cancellation) -> Any:
+        """A staged run (pool thread): wait for its trigger time, then run it, unless it was
+        cancelled or withdrawn meanwhile (the processor is then not called, and the outcome
+        is not recorded: the row is no longer RUNNING at this attempt)."""
+        task = delivery.task
+        while (left_ms := task.trigger_time - self._clock()) > 0 and not cancel.wait(
+                left_ms / 1000.0):
+            pass
+        with self._held_lock:
+            withdrawn = delivery not in self._held
+            self._held.discard(delivery)
+        if withdrawn or cancel:
+            raise Withdrawn(f"{cancel.reason or 'withdrawn'} before its trigger time")
         metrics.start_delay.observe(-left_ms / 1000.0)
         return self._execute(task, ctx)
+
+    def withdraw_held(self) -> list[Delivery]:
+        """Take back the staged runs not started yet (a stopping worker hands them back):
+        none of them will call its processor, and none records an outcome. Their pool
+        threads sleep on until :meth:`wake` (or their trigger time)."""
+        with self._held_lock:
+            held, self._held = list(self._held), set()
+        return held
+
+    @staticmethod
+    def wake(withdrawn: list[Delivery]) -> None:
+        """End the pool threads of withdrawn runs now (their slots free at once)."""
+        for delivery in withdrawn:
+            if delivery.cancel is not None:
+                delivery.cancel.set("shutdown")
 
     def _execute(self, task: TaskMessage, ctx: Context) -> Any:
         if type(task.payload) is UnreadablePayload:
@@ -227,8 +263,10 @@ class Intake:
         return func(task.payload, ctx)
 
     def _done(self, delivery: Delivery, outcome: Outcome) -> None:
-        """A run's outcome (pool thread): to the result writer, and back to us for the ack."""
-        self._results.put(delivery.task, outcome)
+        """A run's outcome (pool thread): to the result writer, and back to us for the ack.
+        A withdrawn or cancelled staged run never started: it records nothing."""
+        if not isinstance(outcome.error, Withdrawn):
+            self._results.put(delivery.task, outcome)
         self._completed.put(delivery)
         self._wakeup.poke()
 

@@ -12,6 +12,11 @@ consuming (:meth:`~ax_kombu.worker.consumer.Consumer.stop_consuming`):
 2. :meth:`Shutdown.finish_running` — running tasks may end within
    ``worker_grace_s`` (a cold stop does not wait); the rest are reported as
    abandoned (a failure that may retry; their threads cannot be killed).
+   First, staged runs held before their trigger time are withdrawn (their
+   processor is never called) and go RUNNING → DELAYED at the same attempt,
+   unheld, with their trigger time and retry count unchanged: a scheduler
+   claims them again. If that write fails they stay RUNNING on this node and
+   the recovery retries them once the node is gone.
    While still connected, ended runs are settled and acked as they end.
 """
 
@@ -23,6 +28,7 @@ import time
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
+from ax_kombu.core.states import Status
 from ax_kombu.store import Store, transitions
 from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
@@ -68,6 +74,26 @@ class Shutdown:
         self._stats.add("handed_back", len(unstarted))
         log.info("unstarted work handed back to READY", extra={"count": len(unstarted)})
 
+    def _hand_back_held(self, held: list[Delivery]) -> None:
+        """RUNNING → DELAYED (unheld, nothing else changed) for withdrawn staged runs."""
+        if not held:
+            return
+        by_attempt: dict[int, list[int]] = {}
+        for delivery in held:
+            by_attempt.setdefault(delivery.task.attempt, []).append(delivery.task.task_id)
+        try:
+            with self._db.begin() as conn:
+                moved = sum(len(transitions.transition(conn, ids, [Status.RUNNING],
+                                                       Status.DELAYED, attempt=attempt,
+                                                       values={"last_run_node": None}))
+                            for attempt, ids in by_attempt.items())
+        except SQLAlchemyError:
+            log.warning("could not hand staged runs back; the recovery retries them",
+                        exc_info=True, extra={"count": len(held)})
+            return
+        self._stats.add("handed_back", moved)
+        log.info("staged runs not started yet handed back", extra={"count": moved})
+
     def _release(self, unstarted: list[Delivery]) -> bool:
         """DISPATCHING → READY for ``unstarted``; False if the database failed."""
         try:
@@ -86,6 +112,9 @@ class Shutdown:
             connected: the broker connection is still up: ended runs are settled
                 (and acked) on it. Without it, outcomes are still recorded.
         """
+        held = self._intake.withdraw_held()  # none of them has started, or will
+        self._hand_back_held(held)
+        self._intake.wake(held)
         lanes = self._intake.lanes
         stop = time.monotonic() + self._grace_s
         while (not self._flags.cold and time.monotonic() < stop

@@ -230,7 +230,7 @@ def test_a_staged_task_is_fenced_on_receipt_and_started_at_its_trigger_time(
         settings: Settings, dispatch: Dispatch) -> None:
     """Published ahead of its trigger time (as the scheduler stages it): RUNNING at once,
     started by the processor at its trigger time, never before; started_at is that time."""
-    ids = [dispatch.enqueue("t.noop", {"i": i}, delay=0.8) for i in range(5)]
+    ids = [dispatch.enqueue("t.noop", {"i": i}, delay=2.5) for i in range(5)]
     with running(settings):
         messages = dispatch.dispatch(ids)
         eventually(lambda: all(dispatch.status(i) is Status.RUNNING for i in ids))
@@ -259,6 +259,24 @@ def test_a_staged_task_cancelled_before_its_trigger_time_is_not_run(
         assert dispatch.client.store.now_ms() < message.trigger_time
     assert dispatch.status(task_id) is Status.CANCELLED
     assert task_id not in procs_worker.calls
+
+
+def test_a_stopping_worker_hands_its_held_staged_tasks_back_unstarted(
+        settings: Settings, dispatch: Dispatch) -> None:
+    ids = [dispatch.enqueue("t.noop", {"i": i}, delay=5.0) for i in range(3)]
+    with running(settings) as worker:
+        messages = dispatch.dispatch(ids)
+        eventually(lambda: all(dispatch.status(i) is Status.RUNNING for i in ids))
+    # the warm stop did not wait for the trigger time: they are back, unheld, as they were
+    assert dispatch.client.store.now_ms() < min(m.trigger_time for m in messages)
+    for message in messages:
+        view = dispatch.view(message.task_id)
+        assert (view.status, view.last_run_node, view.attempt, view.retry_count) == (
+            Status.DELAYED, None, 1, 0)
+        assert view.trigger_time == message.trigger_time
+    assert not any(i in procs_worker.calls for i in ids)
+    assert worker.stats["handed_back"] == 3
+    assert dispatch.queue_depth("default") == 0  # their messages were acked
 
 
 def test_a_timeout_is_signalled_and_recorded_only_when_the_thread_returns(
