@@ -124,8 +124,15 @@ class Publisher:
         if not held:
             return self._publish_batch(messages)
         failed = self._publish_batch(now)
+        if now and self._producer is None:  # the broker failed: hold nothing for it
+            return failed + held
+        tried: set[int] = set()
         for group in due_groups(held):
-            failed += self._publish_batch(group)
+            group_failed = self._publish_batch(group)
+            failed += group_failed
+            tried.update(m.task_id for m in group)
+            if group_failed and self._producer is None:
+                return failed + [m for m in held if m.task_id not in tried]
         return failed
 
     def _publish_batch(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:

@@ -204,6 +204,19 @@ def test_early_publish_carries_the_trigger_time_as_eta(client: Client,
     assert round(eta.timestamp() * 1000) == message.trigger_time
 
 
+def test_held_messages_come_back_at_once_when_the_broker_is_down(client: Client) -> None:
+    app = make_app()
+    axc.enqueue(app, "app.tasks.send_email", args=("down@x",), countdown=0.3, client=client)
+    axc.enqueue(app, "app.tasks.send_email", args=("down2@x",), countdown=0.5, client=client)
+    messages = claimed_messages(client)
+    assert all(m.dispatched_at < m.trigger_time for m in messages)  # both held
+    publisher = Publisher(from_env({}, broker_url="redis://127.0.0.1:1/0"))
+    started = time.monotonic()
+    assert sorted(m.task_id for m in publisher.publish(messages)) == sorted(
+        m.task_id for m in messages)
+    assert time.monotonic() - started < 3  # the second group is not tried again
+
+
 # -- the hand-off and the recovery -----------------------------------------------------------
 
 
