@@ -118,6 +118,7 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
             running.submit(list(enumerate(dues)))
             enqueue_s = time.monotonic() - began
             late_handover = time.time() * 1000 > first
+            load = os.getloadavg()[0]
             wait_ledger(client, key, args.n, dues[-1] / 1000 + args.timeout, running)
             procs = {role: proc.pid for role, proc in running.procs.items()}
             usage: dict[str, float] = {f"{role}_rss_peak_mb": proc_mb(pid, "VmHWM")
@@ -128,7 +129,7 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
         client.close()
     return {"system": system, "repeat": repeat, "lead_s": lead_s,
             "enqueue_s": round(enqueue_s, 2), "late_handover": late_handover,
-            **summarise(entries, dues), **usage}
+            "load_1m": round(load, 1), **summarise(entries, dues), **usage}
 
 
 def summarise(entries: Sequence[ledger.Entry], dues: Sequence[int]) -> dict[str, Any]:
@@ -352,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     res = results[-1]
                     print("  " + ", ".join(f"{k}={res.get(k)}" for k in
                                            ("ran", "p50_ms", "p99_ms", "max_ms", "first_ms",
-                                            "tasks_per_s", "enqueue_s")), flush=True)
+                                            "tasks_per_s", "lead_s", "enqueue_s", "load_1m")),
+                          flush=True)
             report(results, config, args, started)
     finally:
         drop_redis_keys(args.redis_url, prefix)
