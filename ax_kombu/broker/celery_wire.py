@@ -144,7 +144,8 @@ def celery_message(m: TaskMessage) -> CeleryMessage:
         "expires": payload.get("expires"), "group": None, "group_index": None,
         "retries": 0, "timelimit": timelimit, "root_id": task_id, "parent_id": None,
         "argsrepr": repr(tuple(args))[:_REPR_MAX], "kwargsrepr": repr(kwargs)[:_REPR_MAX],
-        "origin": f"ax@{m.node}", "ignore_result": False, "replaced_task_nesting": 0,
+        "origin": f"ax@{m.node}",
+        "ignore_result": bool(payload.get("ignore_result")), "replaced_task_nesting": 0,
         "stamped_headers": None, "stamps": {},
         "ax_task_id": m.task_id, "ax_attempt": m.attempt, "trace_id": m.trace_id,
     }

@@ -107,8 +107,9 @@ def test_early_celery_messages_are_held_until_due() -> None:
 
 def test_options_reach_the_headers() -> None:
     c = celery_message(_message({"args": [], "kwargs": {}, "expires": "2030-01-01T00:00:00+00:00",
-                                 "timelimit": [30, 20]}))
+                                 "timelimit": [30, 20], "ignore_result": True}))
     assert c.headers["expires"] == "2030-01-01T00:00:00+00:00"
+    assert c.headers["ignore_result"] is True
     assert c.headers["timelimit"] == [30, 20]
 
 
