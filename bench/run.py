@@ -219,7 +219,7 @@ def versions(config: Config) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": sys.version.split()[0]}
-    for name in ("kombu", "celery", "redis", "sqlalchemy", "psycopg2-binary"):
+    for name in ("kombu", "celery", "redis", "sqlalchemy", "psycopg2-binary", "matplotlib"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -237,6 +237,10 @@ def versions(config: Config) -> dict[str, str]:
     git = ["git", "-C", str(ROOT)]
     out["ax_commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], text=True,
                                       capture_output=True, check=False).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "ax_kombu"], text=True,
+                           capture_output=True, check=False).stdout.split("\n")
+    if any(dirty):  # the daemons run this checkout's ax_kombu, uncommitted edits included
+        out["ax_commit"] += f" + uncommitted changes in {sum(map(bool, dirty))} ax_kombu files"
     return out
 
 
