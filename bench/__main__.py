@@ -1,6 +1,7 @@
 """``python -m bench COMMAND …``: the benchmarks that have a command here.
 
-    python -m bench run --scenario burst|spread …   ax, Celery ETA and table polling side by side
+    python -m bench run --scenario burst|spread|steady …
+        ax, Celery ETA and 200 ms table polling side by side (bench/run.py)
 
 The single-system benchmarks keep their own entry points (``python -m bench.e2e``,
 ``python -m bench.scheduler``, …).

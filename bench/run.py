@@ -1,6 +1,6 @@
 """ax, Celery ETA and 200 ms table polling side by side, the same body, the same run (issue 15).
 
-    python -m bench run --scenario burst|spread [--n N] [--broker redis|rabbitmq]
+    python -m bench run --scenario burst|spread|steady [--n N] [--broker redis|rabbitmq]
                         [--systems ax,celery,polling] [--repeat R] [--out DIR]
 
 Scenarios (N defaults to 10,000):
@@ -8,6 +8,8 @@ Scenarios (N defaults to 10,000):
 * ``burst``  — N tasks all due at one instant, LEAD s after they are handed over.
 * ``spread`` — N tasks due RATE/s apart (default 500/s: 10,000 over 20 s), the first
   LEAD s after they are handed over.
+* ``steady`` — the due times of ``spread``, but each task is handed over live, DELAY s
+  (default 1) before it is due, in 50 ms ticks: the system takes new work while it runs.
 
 Every system is started fresh for each run, on loopback, with its own scratch state (see
 :mod:`bench.systems`), in the order given, and the whole order again for each repeat, so
@@ -17,7 +19,9 @@ TIMEOUT s after the last due time. The first due time is LEAD s after the hand-o
 begins, or later when the warm-up's hand-over took so long per task that N would not be in
 by then (``lead_s`` says which; ``enqueue_s`` how long the hand-over took; one that still
 ended after the first due time is flagged ``late_handover``). The lead changes nothing
-else: every task is in its system before it is due.
+else: every task is in its system before it is due. In ``steady``,
+``late_handover_tasks`` counts the tasks handed over after their due time (the producer
+fell behind).
 
 Every figure comes from the ledger the shared body writes (:mod:`bench.ledger`): the wall
 clock when the body started, against the due time the producer set. ``first_ms`` is
@@ -33,10 +37,8 @@ and the ratios, writes JSON to ``--out`` and one PNG per scenario to ``--img`` (
 from __future__ import annotations
 
 import argparse
-import json
+import bisect
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -48,20 +50,21 @@ from typing import Any
 import redis
 
 from . import ledger
-from .common import cpu_s, drop_redis_keys, machine, pct, proc_mb, rabbit_vhost, wait_quiet
+from .common import cpu_s, drop_redis_keys, pct, proc_mb, rabbit_vhost, wait_quiet
 from .e2e import ROOT
+from .report import report
 from .systems import SYSTEMS, Config, Running
 
 REDIS_URL = os.environ.get("AX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-COLUMNS = [("system", "system"), ("n", "n"), ("ran", "ran"), ("early", "early"),
-           ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"), ("max_ms", "max ms"),
-           ("first_ms", "first ms"), ("tasks_per_s", "tasks/s"),
-           ("worker_rss_peak_mb", "worker RSS peak MB"), ("enqueue_s", "hand-over s")]
-RATIO_KEYS = ["p50_ms", "p99_ms", "max_ms", "first_ms"]
+#: what is printed after each run
+PROGRESS = ["ran", "p50_ms", "p99_ms", "max_ms", "first_ms", "tasks_per_s", "lead_s", "enqueue_s",
+            "late_handover_tasks", "load_1m"]
 #: warm-up tasks per run: they also time the hand-over, to stretch the lead if it is slow
 WARM_UP = 100
 #: the lead is never stretched beyond this (a hand-over still late is flagged)
 MAX_LEAD_S = 240.0
+#: steady: how often the tasks coming due are handed over
+TICK_S = 0.05
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -96,6 +99,26 @@ def warm_up(client: redis.Redis, key: str, running: Running) -> float:
     return per_task
 
 
+def feed(running: Running, args: argparse.Namespace) -> tuple[list[int], int]:
+    """``steady``: hand the tasks over live, every :data:`TICK_S`, each DELAY s before its
+    due time (RATE/s for N/RATE s); returns the due times and how many tasks were handed
+    over after their due time (the producer fell behind)."""
+    delay_ms = args.delay * 1000
+    dues = due_times("spread", args.n, time.time_ns() // 1_000_000 + round(delay_ms), args.rate)
+    done = late = ticks = 0
+    began = time.monotonic()
+    while done < len(dues):
+        upto = bisect.bisect_right(dues, time.time() * 1000 + delay_ms, lo=done)
+        if upto > done:
+            running.submit(list(zip(range(done, upto), dues[done:upto], strict=True)))
+            now = time.time() * 1000
+            late += sum(due < now for due in dues[done:upto])
+            done = upto
+        ticks += 1
+        time.sleep(max(0.0, began + ticks * TICK_S - time.monotonic()))
+    return dues, late
+
+
 def lead_for(args: argparse.Namespace, per_task_s: float) -> float:
     """``--lead``, or longer when the warm-up says handing N tasks over takes longer
     (1.25 × the estimate + 3 s, at most :data:`MAX_LEAD_S`): every task must be in before
@@ -111,13 +134,18 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
     client = redis.Redis.from_url(config.redis_url)
     try:
         with SYSTEMS[system](config, key, tag) as running:
-            lead_s = lead_for(args, warm_up(client, key, running))
-            first = time.time_ns() // 1_000_000 + round(lead_s * 1000)
-            dues = due_times(args.scenario, args.n, first, args.rate)
+            per_task_s = warm_up(client, key, running)
             began = time.monotonic()
-            running.submit(list(enumerate(dues)))
+            if args.scenario == "steady":
+                lead_s = args.delay
+                dues, late = feed(running, args)
+            else:
+                lead_s = lead_for(args, per_task_s)
+                first = time.time_ns() // 1_000_000 + round(lead_s * 1000)
+                dues = due_times(args.scenario, args.n, first, args.rate)
+                running.submit(list(enumerate(dues)))
+                late = args.n if time.time() * 1000 > first else 0
             enqueue_s = time.monotonic() - began
-            late_handover = time.time() * 1000 > first
             load = os.getloadavg()[0]
             wait_ledger(client, key, args.n, dues[-1] / 1000 + args.timeout, running)
             procs = {role: proc.pid for role, proc in running.procs.items()}
@@ -128,7 +156,8 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
     finally:
         client.close()
     return {"system": system, "repeat": repeat, "lead_s": lead_s,
-            "enqueue_s": round(enqueue_s, 2), "late_handover": late_handover,
+            "enqueue_s": round(enqueue_s, 2), "late_handover": late > 0,
+            "late_handover_tasks": late,
             "load_1m": round(load, 1), **summarise(entries, dues), **usage}
 
 
@@ -163,138 +192,6 @@ def timeline(starts: Sequence[float], origin_ms: int) -> dict[str, Any]:
     return {"start_s": low / 10, "counts": counts}
 
 
-# -- reporting ------------------------------------------------------------------------------------
-
-def ratios(results: Sequence[dict[str, Any]], base: str = "ax") -> list[dict[str, Any]]:
-    """Per repeat, each other system's figure ÷ ``base``'s (above 1: ``base`` is better)."""
-    out = []
-    for repeat in sorted({r["repeat"] for r in results}):
-        row = {r["system"]: r for r in results if r["repeat"] == repeat}
-        if base not in row:
-            continue
-        for system, res in row.items():
-            if system == base:
-                continue
-            out.append({"repeat": repeat, "system": system, **{
-                key: _ratio(res.get(key), row[base].get(key)) for key in RATIO_KEYS}})
-    return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b <= 0:
-        return None
-    return round(a / b, 1)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.2f}" if abs(value) < 10 else f"{value:,.0f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
-def table(results: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table of the runs."""
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
-    for res in results:
-        cells = [_cell(res.get(key, "—")) for key, _ in COLUMNS]
-        cells[0] += f" #{res['repeat'] + 1}" if res["repeat"] else ""
-        cells[-1] += " (late!)" if res["late_handover"] else ""
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def ratio_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table of :func:`ratios` (other ÷ ax)."""
-    lines = ["| other ÷ ax | " + " | ".join(RATIO_KEYS) + " |", "|" + "---|" * 5]
-    for row in rows:
-        name = row["system"] + (f" #{row['repeat'] + 1}" if row["repeat"] else "")
-        lines.append(f"| {name} | " + " | ".join(
-            "—" if row[k] is None else f"{row[k]}×" for k in RATIO_KEYS) + " |")
-    return "\n".join(lines)
-
-
-def versions(config: Config) -> dict[str, str]:
-    """Versions of what ran: Python, libraries, servers, this checkout."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": sys.version.split()[0]}
-    for name in ("kombu", "celery", "redis", "sqlalchemy", "psycopg2-binary", "matplotlib"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "absent"
-    client = redis.Redis.from_url(config.redis_url)
-    out["redis_server"] = str(client.info("server")["redis_version"])
-    client.close()
-    out["postgresql"] = _postgres_version()
-    if config.broker == "rabbitmq":
-        from kombu import Connection
-
-        with Connection(config.broker_url) as conn:
-            conn.connect()
-            out["rabbitmq"] = conn.connection.server_properties.get("version", "?")
-    git = ["git", "-C", str(ROOT)]
-    out["ax_commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], text=True,
-                                      capture_output=True, check=False).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", "ax_kombu"], text=True,
-                           capture_output=True, check=False).stdout.split("\n")
-    if any(dirty):  # the daemons run this checkout's ax_kombu, uncommitted edits included
-        out["ax_commit"] += f" + uncommitted changes in {sum(map(bool, dirty))} ax_kombu files"
-    return out
-
-
-def _postgres_version() -> str:
-    import psycopg2
-
-    from .common import PG_ADMIN
-
-    with psycopg2.connect(PG_ADMIN) as conn, conn.cursor() as cur:
-        cur.execute("SHOW server_version")
-        row = cur.fetchone()
-    conn.close()
-    return str(row[0]) if row else "?"
-
-
-def report(results: list[dict[str, Any]], config: Config, args: argparse.Namespace,
-           started: datetime) -> None:
-    """Print the tables; write the JSON and the PNG."""
-    rows = ratios(results)
-    command = "python -m bench run " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["run"]
-                                                  else sys.argv[1:])
-    print(f"\n{args.scenario} on {config.broker}, {machine()}, {started:%Y-%m-%d %H:%M} UTC")
-    print(table(results))
-    if rows:
-        print("\n" + ratio_table(rows))
-    stamp = f"{started:%Y%m%dT%H%M%SZ}"
-    name = f"{args.scenario}-{config.broker}"
-    meta = {"command": command, "scenario": args.scenario, "broker": config.broker,
-            "n": args.n, "rate": args.rate, "lead_s_at_least": args.lead,
-            "started": started.isoformat(), "machine": machine(), "versions": versions(config),
-            "ratios": rows}
-    out = Path(args.out) / f"{name}-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    slim = [{k: v for k, v in r.items() if k != "lateness_ms"}
-            | {"lateness_quantiles_ms": _quantiles(r["lateness_ms"])} for r in results]
-    out.write_text(json.dumps({**meta, "runs": slim}, indent=1) + "\n")
-    print(f"\nJSON: {out}")
-    if args.img:
-        from .plots import plot
-
-        title = (f"{args.scenario}: {args.n:,} tasks"
-                 + (f" at {args.rate:g}/s" if args.scenario == "spread" else " due at one instant")
-                 + f", {config.broker}, {machine().split(',')[0]}, {started:%Y-%m-%d %H:%M} UTC")
-        print("PNG:", plot(results, title, Path(args.img) / f"bench-{name}.png"))
-
-
-def _quantiles(late: Sequence[float], points: int = 200) -> list[float]:
-    """``points`` + 1 evenly spaced quantiles (0 … 1) of a sorted list, for a CDF."""
-    if not late:
-        return []
-    return [round(late[min(len(late) - 1, round(k * (len(late) - 1) / points))], 3)
-            for k in range(points + 1)]
-
-
 # -- the command ----------------------------------------------------------------------------------
 
 @contextmanager
@@ -310,9 +207,12 @@ def broker(args: argparse.Namespace, prefix: str) -> Iterator[str]:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=["burst", "spread"], required=True)
+    parser.add_argument("--scenario", choices=["burst", "spread", "steady"], required=True)
     parser.add_argument("--n", type=int, default=10_000, help="tasks (default 10,000)")
-    parser.add_argument("--rate", type=float, default=500.0, help="spread: tasks due per s")
+    parser.add_argument("--rate", type=float, default=500.0,
+                        help="spread, steady: tasks due per s")
+    parser.add_argument("--delay", type=float, default=1.0,
+                        help="steady: s from a task's hand-over to its due time")
     parser.add_argument("--lead", type=float, default=None,
                         help="s from the hand-over to the first due time (default 5 + n/500)")
     parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
@@ -355,10 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(f"{system} #{repeat + 1}: {args.scenario}, n={args.n:,} …", flush=True)
                     results.append(measure(system, repeat, config, args))
                     res = results[-1]
-                    print("  " + ", ".join(f"{k}={res.get(k)}" for k in
-                                           ("ran", "p50_ms", "p99_ms", "max_ms", "first_ms",
-                                            "tasks_per_s", "lead_s", "enqueue_s", "load_1m")),
-                          flush=True)
+                    print("  " + ", ".join(f"{k}={res.get(k)}" for k in PROGRESS), flush=True)
             report(results, config, args, started)
     finally:
         drop_redis_keys(args.redis_url, prefix)

@@ -1,9 +1,11 @@
-"""The figures of ``python -m bench run`` from a ledger, without servers (bench/run.py)."""
+"""The figures of ``python -m bench run`` from a ledger, without servers (bench/run.py,
+bench/report.py)."""
 
 from __future__ import annotations
 
 from bench.ledger import Entry
-from bench.run import due_times, ratios, summarise, table, timeline
+from bench.report import ratios, table
+from bench.run import due_times, summarise, timeline
 
 
 def test_due_times_burst_and_spread() -> None:
