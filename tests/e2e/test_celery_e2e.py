@@ -172,10 +172,13 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
         sent_late.append(row.dispatched_at - row.trigger_time)
     assert sorted(res.id for res in results) == sorted(r["id"] for r in done)
     with_eta = sum(1 for r in done if r.get("eta"))
+    starts = sorted(r["start"] for r in done)
+    due = sorted(row.trigger_time for row in tasks.values())
+    spans = f"due over {due[-1] - due[0]} ms, started over {starts[-1] - starts[0]} ms"
     print(f"\n{n} Celery tasks via ax ({'redis' if redis else 'rabbitmq'}): lateness p50 "
           f"{pct(late, 50)} ms, p99 {pct(late, 99)} ms, max {max(late)} ms; claimed − due "
           f"p50 {pct(sent_late, 50)} ms, p99 {pct(sent_late, 99)} ms; {with_eta} had an eta; "
-          f"{len(beat_runs)} beat occurrences, each run once")
+          f"{len(beat_runs)} beat occurrences, each run once; {spans}")
 
 
 @pytest.mark.timeout(120)
