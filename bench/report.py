@@ -126,6 +126,7 @@ def report(results: list[dict[str, Any]], config: Config, args: argparse.Namespa
     stamp = f"{started:%Y%m%dT%H%M%SZ}"
     name = f"{args.scenario}-{config.broker}"
     meta = {"command": command, "scenario": args.scenario, "broker": config.broker,
+            "threads": config.threads, "ax_concurrency": config.ax_concurrency or "default",
             "n": args.n, "rate": args.rate, "lead_s_at_least": args.lead,
             "started": started.isoformat(), "machine": machine(), "versions": versions(config),
             "ratios": rows}

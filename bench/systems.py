@@ -1,4 +1,4 @@
-"""The three systems :mod:`bench.run` compares, each started fresh for one measured run.
+"""The systems :mod:`bench.run` compares, each started fresh for one measured run.
 
 Each is a context manager ``(config, ledger_key, tag) → Running``: on entry its processes
 are up on loopback with their own scratch state (a PostgreSQL database, a Redis key prefix
@@ -8,12 +8,15 @@ of their due time; on exit everything it started is stopped (SIGTERM, then SIGKI
 threads by default:
 
 * ``ax`` — one ``ax-scheduler`` and one ``ax-worker -Q high,default,slow`` with the default
-  pools (the tasks go to ``default``: 16 threads), tasks created with
-  ``Client.enqueue_many(run_at=…)``.
+  pools unless ``--ax-concurrency`` (the tasks go to ``default``: 16 threads), tasks
+  created with ``Client.enqueue_many(run_at=…)``.
 * ``celery`` — one stock ``celery worker -P threads -c THREADS`` (no gossip, mingle or
   heartbeat), tasks sent with ``apply_async(eta=…)`` from 4 producer threads (Celery has
   no bulk send: each call is a binding lookup and an LPUSH on Redis, and the worker
   takes the ETA messages in meanwhile; ~80–600 calls/s on this machine under load).
+* ``celery-ax`` — the ``celery`` system's worker and producer, unchanged, but the producer's
+  app has ``ax.celery.install(app)``: its ETA calls are stored in ax, and one
+  ``ax-scheduler`` sends each to the Celery worker when due (issue 16).
 * ``polling`` — :mod:`bench.poller` (200 ms ticks, ``FOR UPDATE SKIP LOCKED LIMIT 1000``,
   a pool of THREADS) over a plain table, rows inserted in one transaction.
 """
@@ -24,12 +27,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+
+from sqlalchemy import text
 
 from ax_kombu.api import Client
 from ax_kombu.config import from_env
@@ -58,6 +64,8 @@ class Config:
     #: threads running the body in Celery and the poller (ax: its default pools)
     threads: int
     logs: Path
+    #: ax-worker ``-c`` (e.g. ``default=64``); empty: ax's default pools
+    ax_concurrency: str = ""
 
 
 @dataclass
@@ -112,9 +120,11 @@ def ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
         settings = from_env({}, database_url=url, broker_url=config.broker_url,
                             broker_key_prefix=f"{config.prefix}{tag}:")
         env = {**_env(settings), **_ledger_env(config, key)}
+        worker = ["-Q", "high,default,slow", "-A", "bench.ax_tasks", "-l", "WARNING"]
+        if config.ax_concurrency:
+            worker += ["-c", config.ax_concurrency]
         specs = [("scheduler", f"{tag}-scheduler", ["-l", "WARNING"]),
-                 ("worker", f"{tag}-worker",
-                  ["-Q", "high,default,slow", "-A", "bench.ax_tasks", "-l", "WARNING"])]
+                 ("worker", f"{tag}-worker", worker)]
         client = Client(settings)
         try:
             with spawned(specs, env, config.logs) as procs:
@@ -170,6 +180,67 @@ def celery_system(config: Config, key: str, tag: str) -> Iterator[Running]:
             drop_redis_keys(config.broker_url, prefix)
 
 
+def _wait_registered(client: Client, proc: subprocess.Popen[bytes]) -> None:
+    """Until one ax node is live (the scheduler), or fail after 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        with client.store.engine.connect() as conn:
+            if conn.execute(text("SELECT count(*) FROM ax_node WHERE stopped_at IS NULL")
+                            ).scalar():
+                return
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit("the ax-scheduler did not start; see its log")
+        time.sleep(0.1)
+
+
+@contextmanager
+def celery_ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """The ``celery`` system's stock worker, with its ETA calls through ax (issue 16): one
+    ``ax-scheduler`` on a scratch database, ``ax.celery.install(app)`` on the producer's app,
+    and the same ``apply_async(eta=…)`` calls from the same producer threads."""
+    import ax_kombu.celery as axc  # Celery is optional: the bench extra
+
+    from .celery_app import TASK_NAME, make_app
+
+    queue = f"{config.prefix}{tag}"
+    prefix = f"{config.prefix}{tag}:" if config.broker == "redis" else ""
+    env = _plain_env({"AXBENCH_CELERY_BROKER": config.broker_url,
+                      "AXBENCH_CELERY_PREFIX": prefix, "AXBENCH_CELERY_QUEUE": queue,
+                      **_ledger_env(config, key)})
+    cmd = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", "-P", "threads",
+           "-c", str(config.threads), "-Q", queue, "-n", f"{tag}@localhost", "-l", "WARNING",
+           "--without-gossip", "--without-mingle", "--without-heartbeat"]
+    with scratch_database(f"{config.prefix}{tag}") as url:
+        settings = from_env({}, database_url=url, broker_url=config.broker_url,
+                            **({"broker_key_prefix": prefix} if prefix else {}))
+        client = Client(settings)
+        app = make_app(config.broker_url, prefix, queue)
+        axc.install(app, client=client)
+        task = app.tasks[TASK_NAME]
+        try:
+            with spawned([("scheduler", f"{tag}-scheduler", ["-l", "WARNING"])], _env(settings),
+                         config.logs) as procs, \
+                    _process(cmd, env, config.logs / f"{tag}-worker.log") as worker:
+                _wait_registered(client, procs[0])
+
+                def send(tasks: list[Task]) -> None:
+                    for i, due in tasks:
+                        task.apply_async((i, due), eta=_due(due))
+
+                def submit(tasks: list[Task]) -> None:
+                    with ThreadPoolExecutor(CELERY_PRODUCERS) as pool:
+                        list(pool.map(send, [tasks[k::CELERY_PRODUCERS]
+                                             for k in range(CELERY_PRODUCERS)]))
+
+                yield Running(submit, {"scheduler": procs[0], "worker": worker})
+        finally:
+            axc.uninstall(app)
+            client.close()
+            app.close()
+            if config.broker == "redis":
+                drop_redis_keys(config.broker_url, prefix)
+
+
 @contextmanager
 def polling_system(config: Config, key: str, tag: str) -> Iterator[Running]:
     """:mod:`bench.poller` over a plain table in a scratch database."""
@@ -182,4 +253,4 @@ def polling_system(config: Config, key: str, tag: str) -> Iterator[Running]:
 
 
 SYSTEMS: dict[str, System] = {"ax": ax_system, "celery": celery_system,
-                              "polling": polling_system}
+                              "celery-ax": celery_ax_system, "polling": polling_system}
