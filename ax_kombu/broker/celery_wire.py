@@ -32,13 +32,13 @@ every transport delivers straight to that queue.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from json.encoder import encode_basestring as _encode_string
 from typing import Any, NamedTuple
+
+import orjson
 
 from ax_kombu.broker.messages import TaskMessage
 
@@ -132,7 +132,7 @@ def due_groups(held: Sequence[TaskMessage], *, sleep: Callable[[float], None] = 
 def celery_message(m: TaskMessage) -> CeleryMessage:
     """The Celery protocol-2 message for one attempt of a Celery-bound task, published at
     ``m.dispatched_at`` (``eta`` if that is before its trigger time)."""
-    payload = json.loads(m.payload) if isinstance(m.payload, str) else m.payload
+    payload = orjson.loads(str(m.payload)) if isinstance(m.payload, str) else m.payload
     args = payload.get("args") or []
     kwargs = payload.get("kwargs") or {}
     task_id = celery_task_id(m.task_id, m.attempt)
@@ -149,7 +149,7 @@ def celery_message(m: TaskMessage) -> CeleryMessage:
         "stamped_headers": None, "stamps": {},
         "ax_task_id": m.task_id, "ax_attempt": m.attempt, "trace_id": m.trace_id,
     }
-    body = json.dumps([args, kwargs, _EMBED], separators=(",", ":"), ensure_ascii=False)
+    body = orjson.dumps([args, kwargs, _EMBED]).decode()
     return CeleryMessage(celery_queue(m.processor or ""), body, headers,
                          {"correlation_id": task_id, "reply_to": ""})
 
@@ -161,7 +161,6 @@ def celery_redis_envelope(c: CeleryMessage) -> str:
     properties = {**c.properties, "delivery_mode": 2, "priority": 0,
                   "delivery_info": {"exchange": "", "routing_key": c.queue},
                   "delivery_tag": c.properties["correlation_id"]}
-    return (f'{{"body":{_encode_string(c.body)},"content-encoding":"utf-8",'
-            f'"content-type":"application/json",'
-            f'"headers":{json.dumps(c.headers, separators=(",", ":"))},'
-            f'"properties":{json.dumps(properties, separators=(",", ":"))}}}')
+    return orjson.dumps({"body": c.body, "content-encoding": "utf-8",
+                         "content-type": "application/json", "headers": c.headers,
+                         "properties": properties}).decode()
