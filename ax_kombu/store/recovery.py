@@ -182,11 +182,13 @@ def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
 
 
 def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dict[str, int]:
-    """Per priority among ``priorities``: tasks DISPATCHING or due READY (what waits for a worker)."""
+    """Per priority among ``priorities``: tasks DISPATCHING or due READY (what waits for a worker);
+    Celery-bound tasks are left out (Celery workers consume them, not ax's queues)."""
     if not priorities:
         return {}
     stmt = text("SELECT priority, count(*) FROM ax_task WHERE status IN ('DISPATCHING', 'READY') "
-                "AND priority IN :priorities GROUP BY priority"
+                "AND priority IN :priorities AND COALESCE(processor_name, '') NOT LIKE 'celery:%' "
+                "AND COALESCE(processor_name, '') NOT LIKE 'celery+ax:%' GROUP BY priority"
                 ).bindparams(bindparam("priorities", expanding=True))
     return {r[0]: int(r[1]) for r in conn.execute(stmt, {"priorities": list(priorities)})}
 

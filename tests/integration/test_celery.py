@@ -253,6 +253,8 @@ def test_unconfirmed_celery_dispatch_is_sent_again_without_any_ax_worker(
     with client.store.engine.begin() as conn:
         moved = recovery.redispatch_unacked(conn, later, 30_000, [], 5)
     assert moved == [(task_id, "READY")]  # the plain task waits for an ax worker's queue
+    with client.store.engine.connect() as conn:  # and only it counts as waiting for one
+        assert recovery.waiting_without_consumer(conn, ["default"]) == {"default": 1}
     assert {r.task_id: r.status for r in rows(client)} == {task_id: "READY",
                                                            plain: "DISPATCHING"}
 
