@@ -129,7 +129,11 @@ _START = """
  RETURNING """ + _STARTED_COLUMNS
 _FROM_DISPATCHING = "COALESCE(t.status, '') = 'DISPATCHING'"
 # the retry of a start whose reply was lost: rows it did move are RUNNING, by this node,
-# with the started_at it wrote (no other start writes that node and that instant)
+# with the started_at it wrote (no other start writes that node and that instant). For a
+# staged task that is its trigger time, whoever wrote it: a second delivery of the same
+# attempt to the same worker, started by another batch while this reply was lost, would
+# count as this one's too (two faults at once; a duplicate of one attempt needs a broker
+# redelivery racing a lost database reply on the same node).
 _OR_STARTED_BY_ME = ("(COALESCE(t.status, '') = 'DISPATCHING' OR (t.status = 'RUNNING' "
                      "AND t.last_run_node = :node AND t.started_at = " + _STARTED_AT + "))")
 # only the live incarnation of the node starts anything (see store.nodes)
