@@ -12,7 +12,8 @@ Figures, from the rows (database clock): start − trigger p50/p99 of the steady
 trigger time falls in the baseline windows and in the archive windows (each pooled, and
 per window), and each archive run's rate (tasks/s, as it reports).
 
-    .venv/bin/python -m bench.archive [--rows 1000000 --rate 1000 --parts 4 --window 40]
+    .venv/bin/python -m bench.archive [--rows 1000000 --rate 1000 --parts 4 --window 30]
+                                      [--pause 20ms] [-c high=8,default=64,slow=8]
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def _ax() -> list[str]:
         sys.executable, "-c", "from ax_kombu.cli import main; main()"]
 
 
-def archive_run(settings: Settings, limit: int | None) -> dict[str, Any]:
-    """One ``ax archive --older-than 7d [--limit N] --json`` to its end."""
-    args = [*_ax(), "archive", "--older-than", "7d", "--json"]
+def archive_run(settings: Settings, limit: int | None, pause: str) -> dict[str, Any]:
+    """One ``ax archive --older-than 7d --pause P [--limit N] --json`` to its end."""
+    args = [*_ax(), "archive", "--older-than", "7d", "--pause", pause, "--json"]
     if limit is not None:
         args += ["--limit", str(limit)]
     done = subprocess.run(args, env=_env(settings), capture_output=True, text=True,
@@ -95,38 +96,43 @@ def archive_run(settings: Settings, limit: int | None) -> dict[str, Any]:
 
 def windows(client: Client, settings: Settings, args: argparse.Namespace
             ) -> list[tuple[str, int, int, dict[str, Any] | None]]:
-    """Baseline and archive windows in turn: ``(kind, start_ms, end_ms, archive figures)``."""
+    """Baseline and archive windows in turn: ``(kind, start_ms, end_ms, figures)``; the
+    figures hold the machine's 1-minute load average at the window's end (other work on
+    the machine shows there) and, for an archive window, what ``ax archive`` reported."""
     found: list[tuple[str, int, int, dict[str, Any] | None]] = []
     for part in range(args.parts + 1):
         start = client.store.now_ms()
         time.sleep(args.window)
-        found.append(("baseline", start, client.store.now_ms(), None))
+        found.append(("baseline", start, client.store.now_ms(),
+                      {"load1": round(os.getloadavg()[0], 1)}))
         if part == args.parts:
             break
         start = client.store.now_ms()
         last = part == args.parts - 1
-        ran = archive_run(settings, None if last else args.rows // args.parts)
+        ran = archive_run(settings, None if last else args.rows // args.parts, args.pause)
+        ran["load1"] = round(os.getloadavg()[0], 1)
         found.append(("archive", start, client.store.now_ms(), ran))
         print(f"  archive {part + 1}/{args.parts}: {ran}", flush=True)
     return found
 
 
-def lateness(client: Client, start: int, end: int) -> list[int]:
-    """start − trigger (ms) of the steady tasks due in [start, end)."""
+def lateness(client: Client, start: int, end: int, now: int) -> tuple[list[int], int]:
+    """start − trigger (ms) of the steady tasks due in [start, end), and how many of them
+    had not started by ``now`` (counted as ``now`` − trigger: a lower bound)."""
     with client.store.engine.connect() as conn:
-        return [r[0] for r in conn.execute(text(
-            "SELECT started_at - trigger_time FROM ax_task WHERE task_type = 'bench.steady' "
-            "AND trigger_time >= :s AND trigger_time < :e AND started_at IS NOT NULL"),
-            {"s": start, "e": end})]
+        found = list(conn.execute(text(
+            "SELECT COALESCE(started_at, :now) - trigger_time, started_at IS NULL FROM ax_task "
+            "WHERE task_type = 'bench.steady' AND trigger_time >= :s AND trigger_time < :e"),
+            {"s": start, "e": end, "now": now}))
+    return [r[0] for r in found], sum(r[1] for r in found)
 
 
-def wait_started(client: Client, until_ms: int, deadline_s: float = 120.0) -> None:
-    """Poll until every steady task due before ``until_ms`` has started."""
+def wait_started(client: Client, until_ms: int, deadline_s: float = 300.0) -> None:
+    """Poll until every steady task due before ``until_ms`` has started (or the deadline)."""
     deadline = time.monotonic() + deadline_s
-    while scalar(client, "SELECT count(*) FROM ax_task WHERE task_type = 'bench.steady' "
-                         "AND trigger_time < :u AND started_at IS NULL", u=until_ms) > 0:
-        if time.monotonic() > deadline:
-            raise SystemExit("steady tasks did not start; see the daemons' logs")
+    while time.monotonic() < deadline and scalar(
+            client, "SELECT count(*) FROM ax_task WHERE task_type = 'bench.steady' "
+                    "AND trigger_time < :u AND started_at IS NULL", u=until_ms) > 0:
         time.sleep(1.0)
 
 
@@ -134,15 +140,20 @@ def summary(client: Client, found: list[tuple[str, int, int, dict[str, Any] | No
             ) -> dict[str, Any]:
     pooled: dict[str, list[int]] = {"baseline": [], "archive": []}
     per_window = []
+    now = client.store.now_ms()
     for kind, start, end, ran in found:
-        late = lateness(client, start, end)
+        late, unstarted = lateness(client, start, end, now)
         pooled[kind] += late
         per_window.append({"kind": kind, "seconds": round((end - start) / 1000, 1),
-                           "tasks": len(late), "p50_ms": pct(late, 50), "p99_ms": pct(late, 99),
+                           "tasks": len(late), "unstarted": unstarted,
+                           "p50_ms": pct(late, 50), "p99_ms": pct(late, 99),
+                           "load1": ran["load1"] if ran else None,
                            **({"archived": ran["tasks"], "archive_rate_per_s":
-                               round(ran["tasks"] / max(ran["seconds"], 1e-3))} if ran else {})})
-    archived = sum(ran["tasks"] for _, _, _, ran in found if ran)
-    archive_s = sum(ran["seconds"] for _, _, _, ran in found if ran)
+                               round(ran["tasks"] / max(ran["seconds"], 1e-3))}
+                              if kind == "archive" and ran else {})})
+    runs = [ran for kind, _, _, ran in found if kind == "archive" and ran]
+    archived = sum(ran["tasks"] for ran in runs)
+    archive_s = sum(ran["seconds"] for ran in runs)
     base, during = pooled["baseline"], pooled["archive"]
     return {"archived": archived, "archive_rate_per_s": round(archived / archive_s),
             "baseline_tasks": len(base), "baseline_p50_ms": pct(base, 50),
@@ -181,7 +192,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000, help="finished rows to archive")
     parser.add_argument("--rate", type=int, default=1000, help="steady tasks/s enqueued")
     parser.add_argument("--parts", type=int, default=4, help="archive runs, between baselines")
-    parser.add_argument("--window", type=float, default=40.0, help="baseline window, seconds")
+    parser.add_argument("--window", type=float, default=30.0, help="baseline window, seconds")
+    parser.add_argument("--pause", default="0", help="ax archive --pause (e.g. 20ms)")
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--concurrency", "-c", default=None, help="worker -c (default: ax's)")
     parser.add_argument("--prefetch-multiplier", type=int, default=None)
@@ -197,7 +209,8 @@ def main() -> None:
             _cleanup_redis(settings)
     per_window = result.pop("windows")
     print(f"archive under a steady {args.rate}/s (1 scheduler + 1 worker, {args.rows} rows in "
-          f"{args.parts} runs, {args.window:.0f} s baselines) on {machine()}: "
+          f"{args.parts} runs, --pause {args.pause}, {args.window:.0f} s baselines) on "
+          f"{machine()}: "
           + ", ".join(f"{k}={v}" for k, v in result.items()))
     for w in per_window:
         print("  " + ", ".join(f"{k}={v}" for k, v in w.items()))

@@ -21,7 +21,7 @@ from ax_kombu.cli.base import settings_from
 from ax_kombu.config import parse_duration_ms
 from ax_kombu.store import Store
 from ax_kombu.store.admin import BATCH_MAX, check_count
-from ax_kombu.store.archive import BATCH_DEFAULT, archive_finished
+from ax_kombu.store.archive import BATCH_DEFAULT, Pace, archive_finished
 
 
 @click.command()
@@ -32,19 +32,23 @@ from ax_kombu.store.archive import BATCH_DEFAULT, archive_finished
 @click.option("--batch", default=BATCH_DEFAULT, show_default=True, type=int,
               help="Tasks moved per transaction.")
 @click.option("--limit", default=None, type=int, help="Move at most this many tasks.")
+@click.option("--pause", default="0", show_default=True,
+              help="Pause between batches (e.g. 20ms): a slower run, a lighter load.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def archive(ctx: click.Context, older_than: str, to: Path | None, batch: int,
-            limit: int | None, as_json: bool) -> None:
+            limit: int | None, pause: str, as_json: bool) -> None:
     """Move finished tasks older than a duration, and their attempts, out of the hot tables."""
     age_ms = parse_duration_ms(older_than)
+    pace = Pace(pause_s=parse_duration_ms(pause) / 1000)
     check_count("--batch", batch, BATCH_MAX)
     if limit is not None:
         check_count("--limit", limit)
     store = Store(settings_from(ctx))
     started = time.monotonic()
     try:
-        done = archive_finished(store.engine, age_ms, batch=batch, limit=limit, to=to)
+        done = archive_finished(store.engine, age_ms, batch=batch, limit=limit, to=to,
+                                pace=pace)
     finally:
         store.close()
     seconds = time.monotonic() - started

@@ -2,8 +2,8 @@
 
 Every ``retention_interval_s`` (first one interval after the node starts), the
 stage moves the tasks that finished more than ``retention`` ms ago, with their
-attempts, into the archive tables, ``retention_batch`` per transaction, until none
-is left or the node stops (:func:`ax_kombu.store.archive.archive_finished`: the
+attempts, into the archive tables, ``retention_batch`` per transaction with a pause
+of ``retention_pause_ms`` after each, until none is left or the node stops (:func:`ax_kombu.store.archive.archive_finished`: the
 guarantees are there). It holds nothing else while it runs and shares no state
 with the other stages, only the store's connection pool.
 
@@ -23,7 +23,7 @@ from ax_kombu.config import Settings
 from ax_kombu.exceptions import AxError
 from ax_kombu.scheduler.stage import Stage
 from ax_kombu.store import Store
-from ax_kombu.store.archive import archive_finished
+from ax_kombu.store.archive import Pace, archive_finished
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,10 @@ class Retention(Stage):
     def run_once(self) -> None:
         """One pass: archive until nothing old is left or the node stops."""
         try:
+            pace = Pace(self._settings.retention_pause_ms / 1000, lambda: self.stopping,
+                        self.pause)
             done = archive_finished(self._store.engine, self._settings.retention,
-                                    batch=self._settings.retention_batch,
-                                    stop=lambda: self.stopping)
+                                    batch=self._settings.retention_batch, pace=pace)
         except AxError as exc:
             log.warning("retention pass failed; trying again next interval",
                         extra={"error": str(exc)})

@@ -59,7 +59,7 @@ database fails, :class:`~ax_kombu.exceptions.ValidationError` on bad input.
 from __future__ import annotations
 
 import json
-import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +77,6 @@ from ax_kombu.store.archive_file import JsonlGzFile
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.schema import attempt_archive, attempts, task_archive, tasks
 from ax_kombu.store.tasks import final_attempt
-
-log = logging.getLogger(__name__)
 
 #: tasks moved per transaction unless told otherwise
 BATCH_DEFAULT = 1000
@@ -98,9 +96,19 @@ class Archived:
                         self.batches + other.batches)
 
 
+@dataclass(frozen=True)
+class Pace:
+    """How a run yields to the live load: ``pause_s`` after each batch (through ``wait``),
+    and ``stop()`` asked before each batch (True ends the run there)."""
+
+    pause_s: float = 0.0
+    stop: Callable[[], bool] = lambda: False
+    wait: Callable[[float], object] = time.sleep
+
+
 def archive_finished(engine: Engine, older_than_ms: int, *, batch: int = BATCH_DEFAULT,
                      limit: int | None = None, to: Path | None = None,
-                     stop: Callable[[], bool] | None = None) -> Archived:
+                     pace: Pace = Pace()) -> Archived:
     """Move the tasks that finished more than ``older_than_ms`` ago, with their attempts,
     to the archive tables (or to the gzip JSONL file ``to``), ``batch`` per transaction.
 
@@ -109,7 +117,8 @@ def archive_finished(engine: Engine, older_than_ms: int, *, batch: int = BATCH_D
         batch: most tasks per transaction (1 to :data:`~ax_kombu.store.admin.BATCH_MAX`).
         limit: stop after this many tasks (None: until none is left).
         to: a file to append to instead of the archive tables.
-        stop: asked before each batch; True ends the run there.
+        pace: a pause between batches (less load on a busy database, a slower run),
+            and when to stop.
     Returns:
         How many tasks and attempt rows moved, in how many batches.
     Raises:
@@ -122,20 +131,26 @@ def archive_finished(engine: Engine, older_than_ms: int, *, batch: int = BATCH_D
     check_count("--batch", batch, BATCH_MAX)
     if limit is not None:
         check_count("--limit", limit)
+    if pace.pause_s < 0:
+        raise ValidationError(f"--pause must not be negative, not {pace.pause_s} s")
     out = JsonlGzFile(to) if to is not None else None
     try:
-        return _guarded(engine, lambda: _run(engine, older_than_ms, batch, limit, out, stop))
+        return _guarded(engine, lambda: _run(engine, older_than_ms, batch, limit, out, pace))
     finally:
         if out is not None:
             out.close()
 
 
 def _run(engine: Engine, older_than_ms: int, batch: int, limit: int | None,
-         out: JsonlGzFile | None, stop: Callable[[], bool] | None) -> Archived:
+         out: JsonlGzFile | None, pace: Pace) -> Archived:
     with engine.connect() as conn:
         cutoff = db_now_ms(conn) - older_than_ms
     done, after = Archived(), -1
-    while (limit is None or done.tasks < limit) and not (stop is not None and stop()):
+    while limit is None or done.tasks < limit:
+        if done.batches and pace.pause_s:
+            pace.wait(pace.pause_s)
+        if pace.stop():
+            break
         size = batch if limit is None else min(batch, limit - done.tasks)
         with engine.begin() as conn:
             ids = _choose(conn, cutoff, after, size)

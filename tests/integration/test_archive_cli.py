@@ -254,7 +254,7 @@ def test_to_a_file_one_object_per_task_with_its_attempts(ax: Ax, engine: Engine,
 
 @pytest.mark.parametrize("args,words", [
     (("--older-than", "xyz"), "not a duration"),
-    (("--older-than", "7d", "--batch", "10001"), "--batch"),
+    (("--older-than", "7d", "--pause", "xyz"), "not a duration"),
     (("--older-than", "7d", "--limit", "0"), "--limit"),
     (("--older-than", "7d", "--to", "/nonexistent/dir/a.jsonl.gz"), "cannot open"),
     (("--older-than", "7d", "--to", "{not_gzip}"), "not a gzip JSONL file"),
