@@ -303,7 +303,7 @@ def test_two_retention_stages_at_once_move_each_task_once(engine: Engine, pg_url
     keep = add(engine, [task(now, "SUCCESS", DAY)])
     before = state(engine)
     settings = from_env({}, database_url=pg_url, retention=7 * DAY, retention_batch=50,
-                        retention_interval_s=0.05)
+                        retention_interval_s=0.05, retention_pause_ms=5)
     stores = [Store(settings) for _ in range(2)]
     stages = [Retention(settings, s) for s in stores]
     try:
