@@ -25,8 +25,8 @@ _FINE = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 1
          60.0, 300.0)
 
 schedule_delay = Histogram("ax_schedule_delay_seconds",
-                           "Publish time minus trigger time of each dispatched task.",
-                           buckets=_FINE)
+                           "Publish time minus trigger time of each dispatched task (0 when "
+                           "staged ahead), by queue.", ["queue"], buckets=_FINE)
 schedule_batch_size = Histogram("ax_schedule_batch_size", "Tasks claimed per claim statement.",
                                 buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000))
 wheel_queue_depth = Gauge("ax_wheel_queue_depth", "Tasks held in memory by the scheduler.",
@@ -54,7 +54,8 @@ job_misfires_total = Counter("ax_job_misfires_total",
 gate_total = Counter("ax_gate_total",
                      "Gated tasks (order key, limit, job strategy) by what the gated claim did: "
                      "start, wait (parked), cancel (discard), supersede (cover).", ["action"])
-execute_total = Counter("ax_execute_total", "Task runs by outcome.", ["queue", "result"])
+execute_total = Counter("ax_execute_total", "Task runs by outcome (task_type: see type_label).",
+                        ["queue", "result", "task_type"])
 execute_duration = Histogram("ax_execute_duration_seconds", "Run time of one task.", ["queue"],
                              buckets=_FINE)
 start_delay = Histogram("ax_start_delay_seconds", "Start time minus trigger time.",

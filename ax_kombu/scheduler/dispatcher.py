@@ -110,8 +110,11 @@ class Dispatcher(threading.Thread):
         done = self._now()
         failed_ids = {m.task_id for m in failed}
         sent = [m for m in messages if m.task_id not in failed_ids]
-        metrics.observe_many(metrics.schedule_delay,  # staged ahead: 0
-                             [max(0, done - m.trigger_time) / 1000.0 for m in sent])
+        delays: dict[str, list[float]] = {}
+        for m in sent:  # staged ahead: 0
+            delays.setdefault(m.priority, []).append(max(0, done - m.trigger_time) / 1000.0)
+        for priority, values in delays.items():
+            metrics.observe_many(metrics.schedule_delay.labels(queue=priority), values)
         if self._on_published is not None:
             self._on_published(sent, done)
         self.published += len(messages) - len(failed)

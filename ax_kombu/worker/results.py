@@ -194,22 +194,25 @@ def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
 
 
 @functools.cache
-def _children(queue_name: str, kind: str) -> tuple[Any, Any]:
-    """The labelled metrics of one (queue, outcome): looked up once, not per task."""
-    return (metrics.execute_total.labels(queue=queue_name, result=kind),
+def _children(queue_name: str, kind: str, type_label: str) -> tuple[Any, Any]:
+    """The labelled metrics of one (queue, outcome, type label): looked up once, not per
+    task."""
+    return (metrics.execute_total.labels(queue=queue_name, result=kind, task_type=type_label),
             metrics.execute_duration.labels(queue=queue_name))
 
 
 def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
-    """A batch's runs in the metrics: a count per (queue, outcome), durations, retry counts."""
-    runs: dict[tuple[str, str], list[float]] = {}
+    """A batch's runs in the metrics: a count per (queue, outcome, type label), durations,
+    retry counts."""
+    runs: dict[tuple[str, str, str], list[float]] = {}
     for result in batch:
         outcome = result.outcome
         kind = ("success" if outcome.ok else "timeout" if outcome.timed_out
                 else "abandoned" if outcome.abandoned is not None else "error")
-        runs.setdefault((result.task.priority, kind), []).append(outcome.duration_s)
-    for (queue_name, kind), durations in runs.items():
-        total, duration = _children(queue_name, kind)
+        key = (result.task.priority, kind, metrics.type_label(result.task.task_type))
+        runs.setdefault(key, []).append(outcome.duration_s)
+    for (queue_name, kind, type_label), durations in runs.items():
+        total, duration = _children(queue_name, kind, type_label)
         total.inc(len(durations))
         if kind == "timeout":
             metrics.execute_timeout_total.inc(len(durations))

@@ -151,6 +151,27 @@ def test_task_types_are_labels_only_when_allowed(monkeypatch: pytest.MonkeyPatch
     assert metrics.type_label("email") == "other"
 
 
+def test_runs_are_counted_by_type_only_for_listed_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ax_kombu.broker.messages import TaskMessage
+    from ax_kombu.config import Settings
+    from ax_kombu.worker.pools import Outcome
+    from ax_kombu.worker.results import RunResult, _observe, decide
+
+    def count(task_type: str) -> float:
+        return REGISTRY.get_sample_value(
+            "ax_execute_total", {"queue": "slow", "result": "success", "task_type": task_type}) or 0
+
+    monkeypatch.setenv("AX_METRICS_TASK_TYPES", "mon.listed")
+    before = {t: count(t) for t in ("mon.listed", "mon.unlisted", "other")}
+    batch = [RunResult(TaskMessage(i, 1, task_type, None, "t", 0, 1000, "slow", 0, 0, None, None,
+                                   0, "s"), Outcome(True, value=None, duration_s=0.001), 5)
+             for i, task_type in enumerate(["mon.listed", "mon.listed", "mon.unlisted"])]
+    _observe(batch, [decide(r, Settings(), None) for r in batch])  # type: ignore[arg-type]
+    assert count("mon.listed") - before["mon.listed"] == 2
+    assert count("other") - before["other"] == 1
+    assert count("mon.unlisted") == before["mon.unlisted"] == 0
+
+
 @pytest.mark.parametrize("command", [scheduler_cli.main, worker_cli.main])
 def test_both_daemons_take_the_metrics_address(command: click.Command) -> None:
     options = {param.name: param for param in command.params}
