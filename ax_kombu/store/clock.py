@@ -125,6 +125,12 @@ class DbClock:
         """
         return self._mono_ms() + self._base_ms
 
+    def earliest_ms(self) -> float:
+        """The earliest the database time can be now (:meth:`local_ms` less half the
+        measurement's round trip, its uncertainty): waiting until this reaches a time
+        never ends before that time."""
+        return self._mono_ms() + self._base_ms - self.round_trip_ms / 2.0
+
     def _sync_due(self) -> bool:
         return (self._next_sync is None or self._mono_ms() >= self._next_sync
                 or self._wall_stepped())

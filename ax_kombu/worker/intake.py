@@ -88,8 +88,9 @@ class Intake:
         resolver: how a task's processor name resolves to a function.
         wakeup: rung when a run ends.
         flags: while stopping, lanes' prefetch is left as it is (consumers stay cancelled).
-        clock: the database clock in epoch ms, without a round trip (a staged task is
-            held until its trigger time on it).
+        clock: the earliest the database time can be, epoch ms, without a round trip
+            (:meth:`~ax_kombu.store.clock.DbClock.earliest_ms`): a staged task is held
+            until it reaches the task's trigger time.
     """
 
     def __init__(self, lanes: list[Lane], receipts: ReceiptWriter, results: ResultWriter,

@@ -108,7 +108,7 @@ class Worker:
                                       settings.worker_receipt_writers,
                                       lambda: self.heartbeat.incarnation)
         self.intake = Intake(self.lanes, self.receipts, self.results, self.resolver,
-                             self.stats, wakeup, self.flags, self.store.clock.local_ms)
+                             self.stats, wakeup, self.flags, self.store.clock.earliest_ms)
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
                                  self.flags)
         self.consumer = Consumer(settings, self.lanes, self.intake, self.shutdown, self.stats,

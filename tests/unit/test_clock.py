@@ -42,6 +42,22 @@ def test_clock_reads_monotonic_time_plus_the_measured_base() -> None:
     assert host.db_reads == 3  # measured once, then read locally
 
 
+def test_the_earliest_reading_is_less_the_half_round_trip() -> None:
+    """A hold until a time on the database clock must not end before it however the
+    round trip was split: the earliest reading takes the whole uncertainty off."""
+    mono = [1000.0]
+
+    def db() -> int:  # the query takes 40 ms; the database read its clock somewhere in it
+        mono[0] += 40.0
+        return 1530
+
+    clock = DbClock(db, mono_ms=lambda: mono[0], wall_ms=lambda: mono[0], samples=1)
+    clock.sync()
+    assert clock.round_trip_ms == 40.0
+    assert clock.local_ms() == 1040.0 + 510.0           # the midpoint estimate
+    assert clock.earliest_ms() == 1040.0 + 510.0 - 20.0  # 1530 may have been read at 1040
+
+
 @pytest.mark.parametrize("step_ms", [10_000.0, -10_000.0])
 def test_a_wall_clock_step_moves_neither_now_nor_local_time(step_ms: float) -> None:
     host = Host()
