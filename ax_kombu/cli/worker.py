@@ -3,6 +3,12 @@
 Every flag can also be given as an ``AX_*`` variable (shown in ``--help``).
 SIGTERM or SIGINT stops warmly (exit 0); a second one, or SIGQUIT, stops
 cold (exit 1). See :mod:`ax_kombu.worker.node`.
+
+``--processes N`` (N > 1) runs a supervisor instead, which starts N workers
+as ``python -m ax_kombu.cli.worker`` with the flags given here (less
+``--processes``, ``--pidfile`` and the metrics flags, which the supervisor
+keeps), each named ``NAME.i`` and told ``--supervised``. See
+:mod:`ax_kombu.worker.supervisor`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from ax_kombu.cli.base import broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
@@ -26,12 +33,14 @@ from ax_kombu.cli.daemon import (
     pidfile,
     setup_logging,
 )
-from ax_kombu.config import PRIORITIES, from_env
+from ax_kombu.config import PRIORITIES, Settings, from_env
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.observability import metrics
+from ax_kombu.store.nodes import default_node_id
 from ax_kombu.worker.lanes import parse_queues
 from ax_kombu.worker.node import Worker
 from ax_kombu.worker.processors import Resolver, split_names
+from ax_kombu.worker.supervisor import SharedMetrics, Supervisor, obey_supervisor
 
 
 def parse_concurrency(text: str | None) -> dict[str, int]:
@@ -82,12 +91,20 @@ def node_name(template: str | None) -> str | None:
               help="Serve Prometheus /metrics on PORT, 0: off [AX_METRICS_PORT]")
 @click.option("--metrics-addr", envvar="AX_METRICS_ADDR", default="127.0.0.1", show_default=True,
               help="Address /metrics listens on, 0.0.0.0: every interface [AX_METRICS_ADDR]")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              envvar="AX_WORKER_PROCESSES",
+              help="Worker processes under one supervisor, each with the full -c pools and "
+                   "its own connections, named NAME.1 … NAME.N after -n NAME (%p: the "
+                   "supervisor's pid) [AX_WORKER_PROCESSES]")
+@click.option("--supervised", is_flag=True, hidden=True,
+              help="Run as a child of --processes: stop orders come on stdin")
 @db_option
 @broker_option
 def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
          prefetch_multiplier: int | None, hostname: str | None, loglevel: str,
          log_format: str, pidfile_path: str | None, metrics_port: int, metrics_addr: str,
-         database_url: str | None, broker_url: str | None) -> None:
+         processes: int, supervised: bool, database_url: str | None,
+         broker_url: str | None) -> None:
     """Run tasks from the high, default and slow queues in bounded pools.
 
     Settings not given as flags come from AX_* variables (see ax_kombu.config).
@@ -95,28 +112,94 @@ def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
     setup_logging(loglevel, log_format)
     overrides = {"prefetch_multiplier": prefetch_multiplier, "database_url": database_url,
                  "broker_url": broker_url}
+    if processes > 1 and not supervised:
+        argv = child_argv(click.get_current_context())
+        sys.exit(run_guarded(lambda: _supervise(processes, argv, queues, apps, concurrency,
+                                                hostname, pidfile_path, metrics_port,
+                                                metrics_addr, overrides)))
     sys.exit(run_guarded(lambda: _run(queues, apps, concurrency, hostname, pidfile_path,
-                                      metrics_port, metrics_addr, overrides)))
+                                      metrics_port, metrics_addr, supervised, overrides)))
 
 
-def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: str | None,
-         pid_path: str | None, metrics_port: int, metrics_addr: str,
-         overrides: dict[str, Any]) -> int:
+def _settings(queues: str, apps: tuple[str, ...], concurrency: str | None,
+              overrides: dict[str, Any]) -> tuple[Settings, list[str], list[str]]:
+    """The settings, the queues and the processor modules (imported), checked."""
     settings = from_env(**overrides, **parse_concurrency(concurrency))
     check_urls(settings)
     chosen = parse_queues(queues, settings)
     modules = import_apps(apps, settings)
-    settings = settings.replace(processor_modules=",".join(modules))
+    return settings.replace(processor_modules=",".join(modules)), chosen, modules
+
+
+def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: str | None,
+         pid_path: str | None, metrics_port: int, metrics_addr: str, supervised: bool,
+         overrides: dict[str, Any]) -> int:
+    settings, chosen, modules = _settings(queues, apps, concurrency, overrides)
     resolver = Resolver(modules, split_names(settings.callback_allow_hosts),
                         settings.callback_secret)
     with pidfile(pid_path):
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
         declare_periodic_jobs(settings)
-        install_stop_signals(lambda cold: worker.request_stop(cold))
+        if supervised:
+            obey_supervisor(worker.request_stop, lambda: worker.stopping)
+        else:
+            install_stop_signals(lambda cold: worker.request_stop(cold))
         metrics.serve(metrics_port, metrics_addr)
         metrics.node_up.labels(kind="worker").set(1)
         freeze_start_up_objects()
         return worker.run()
+
+
+#: what the supervisor keeps to itself: each child gets its own -n, no pidfile, no endpoint
+_SUPERVISOR_ONLY = frozenset({"processes", "supervised", "hostname", "pidfile_path",
+                              "metrics_port", "metrics_addr"})
+#: the variables of those flags, taken out of the children's environment
+_SUPERVISOR_ONLY_ENV = ("AX_WORKER_PROCESSES", "AX_NODE_ID", "AX_PIDFILE", "AX_METRICS_PORT",
+                        "AX_METRICS_ADDR")
+
+
+def child_argv(ctx: click.Context) -> list[str]:
+    """The flags given on this command line that a child worker repeats (not the
+    supervisor's own, :data:`_SUPERVISOR_ONLY`). Settings from ``AX_*`` variables reach
+    the children through the environment they inherit."""
+    argv: list[str] = []
+    for param in ctx.command.params:
+        name = param.name or ""
+        if (not isinstance(param, click.Option) or name in _SUPERVISOR_ONLY
+                or ctx.get_parameter_source(name) is not ParameterSource.COMMANDLINE):
+            continue
+        flag = max(param.opts, key=len)
+        for value in (ctx.params[name] if param.multiple else [ctx.params[name]]):
+            if param.is_flag:
+                argv += [flag] if value else []
+            else:
+                argv += [flag, str(value)]
+    return argv
+
+
+def _supervise(processes: int, argv: list[str], queues: str, apps: tuple[str, ...],
+               concurrency: str | None, hostname: str | None, pid_path: str | None,
+               metrics_port: int, metrics_addr: str, overrides: dict[str, Any]) -> int:
+    """Check the settings once, then run ``processes`` workers under a supervisor."""
+    _settings(queues, apps, concurrency, overrides)  # a bad setting fails here, once
+    base = node_name(hostname) or default_node_id("worker")
+    env = {k: v for k, v in os.environ.items() if k not in _SUPERVISOR_ONLY_ENV}
+    shared = SharedMetrics() if metrics_port else None
+    try:
+        with pidfile(pid_path):
+            if shared is not None:
+                env.update(shared.env)
+                shared.serve(metrics_port, metrics_addr)
+            supervisor = Supervisor(
+                lambda name: [sys.executable, "-m", "ax_kombu.cli.worker", *argv,
+                              "-n", name, "--supervised"],
+                base, processes, env=env,
+                on_exit=shared.process_dead if shared is not None else lambda pid: None)
+            install_stop_signals(supervisor.request_stop)
+            return supervisor.run()
+    finally:
+        if shared is not None:
+            shared.close()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ every metric those files name is defined here, so rename nothing.
 Label values stay few: ``queue`` is a priority (high, default, slow), and a
 task's type becomes a label only through :func:`type_label`, which reports
 types outside the ``AX_METRICS_TASK_TYPES`` allow-list as ``"other"``.
+
+Under ``ax-worker --processes N`` the children write these metrics in
+prometheus_client's multiprocess mode and the supervisor serves their merge
+(:mod:`ax_kombu.worker.supervisor`): counters and histograms are summed over
+the children, and each gauge says how its children's values combine
+(``multiprocess_mode``; ``live…``: only running children count). The mode is
+ignored in a single process.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ schedule_delay = Histogram("ax_schedule_delay_seconds",
 schedule_batch_size = Histogram("ax_schedule_batch_size", "Tasks claimed per claim statement.",
                                 buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000))
 wheel_queue_depth = Gauge("ax_wheel_queue_depth", "Tasks held in memory by the scheduler.",
-                          ["layer"])
+                          ["layer"], multiprocess_mode="livesum")
 dispatch_total = Counter("ax_dispatch_total", "Dispatch outcomes per task.", ["result"])
 dispatch_latency = Histogram("ax_dispatch_latency_seconds",
                              "Time to claim and publish one batch.", buckets=_FINE)
@@ -38,7 +45,8 @@ ack_timeout_total = Counter("ax_ack_timeout_total",
                             "Tasks returned to READY because no worker started them in time.")
 preload_total = Counter("ax_preload_total", "Tasks taken into memory by the preload.")
 recovered_total = Counter("ax_recovered_total", "Tasks recovered from dead nodes.", ["kind"])
-clock_skew = Gauge("ax_clock_skew_seconds", "This node's clock offset to the database clock.")
+clock_skew = Gauge("ax_clock_skew_seconds", "This node's clock offset to the database clock.",
+                   multiprocess_mode="liveall")
 clock_steps_total = Counter("ax_clock_steps_total",
                             "Steps of the wall clock noticed (database time is unaffected).")
 fenced_total = Counter("ax_node_fenced_total",
@@ -71,7 +79,8 @@ rejected_messages_total = Counter(
     ["reason"])
 node_up = Gauge("ax_node_up",
                 "1 while this daemon runs, by kind: scheduler or worker (set by ax-scheduler / "
-                "ax-worker at start; the series goes away with the process).", ["kind"])
+                "ax-worker at start; the series goes away with the process; under ax-worker "
+                "--processes, the live children's count).", ["kind"], multiprocess_mode="livesum")
 execute_timeout_total = Counter(
     "ax_execute_timeout_total",
     "Runs that overran their timeout_ms, counted when their outcome is recorded (the run's "
@@ -85,19 +94,22 @@ dedup_total = Counter(
 oldest_overdue = Gauge(
     "ax_oldest_overdue_seconds",
     "Database time minus the trigger time of the oldest task that is due and not dispatched "
-    "(CREATED, DELAYED or READY, parked gated tasks excluded); 0 when none is overdue.")
-pool_size = Gauge("ax_pool_size", "Slots (threads) of this worker's pool for a queue.", ["queue"])
+    "(CREATED, DELAYED or READY, parked gated tasks excluded); 0 when none is overdue.",
+    multiprocess_mode="livemax")
+pool_size = Gauge("ax_pool_size", "Slots (threads) of this worker's pool for a queue.", ["queue"],
+                  multiprocess_mode="livesum")
 pool_busy = Gauge("ax_pool_busy",
                   "Slots of this worker's pool for a queue held by a run (stuck runs included).",
-                  ["queue"])
+                  ["queue"], multiprocess_mode="livesum")
 pool_prefetched = Gauge(
     "ax_pool_prefetched",
     "Messages this worker holds for a queue, received from the broker and not acked yet "
-    "(running, or waiting in the lane's backlog for a slot).", ["queue"])
+    "(running, or waiting in the lane's backlog for a slot).", ["queue"],
+    multiprocess_mode="livesum")
 queue_waiting_without_consumer = Gauge(
     "ax_queue_waiting_without_consumer",
     "Tasks READY or DISPATCHING for a queue that no live worker consumes (0 when some worker "
-    "consumes it).", ["queue"])
+    "consumes it).", ["queue"], multiprocess_mode="livemax")
 
 #: the variable naming the task types that may appear as a ``task_type`` label value
 TASK_TYPES_ENV = "AX_METRICS_TASK_TYPES"

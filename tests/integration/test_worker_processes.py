@@ -1,0 +1,260 @@
+"""``ax-worker --processes 2``: one supervisor, two worker processes, real signals.
+
+Each test runs one ``ax-scheduler`` and one supervisor (``-n wp``, children
+``wp.1`` and ``wp.2``) as real processes on this run's PostgreSQL database and
+its own Redis key prefix (:class:`tests.e2e.system.System`). Processors append
+one line per run, with their pid, to a run log (:mod:`tests.e2e.e2e_tasks`),
+so the tests count runs and see which process ran what. Every wait is a poll
+with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ax_kombu.store.nodes import pid_running
+from ax_kombu.worker.supervisor import child_name, restart_delay_s
+
+from ..e2e.system import Daemon, RunLog, System
+
+
+def services(test: Callable[..., None]) -> Callable[..., None]:
+    """Marks a test that runs real daemons on PostgreSQL and Redis."""
+    for mark in (pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(90)):
+        test = mark(test)
+    return test
+
+
+NAME = "wp"
+CHILDREN = (child_name(NAME, 1), child_name(NAME, 2))
+POOLS = "high=2,default=2,slow=2"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture
+def make_system(pg_url: str, redis_broker: dict[str, str],
+                tmp_path: Path) -> Iterator[Callable[..., System]]:
+    """``make_system(**settings)``: a System whose daemons get these settings too."""
+    made: list[System] = []
+
+    def make(**env: Any) -> System:
+        system = System(pg_url, redis_broker, tmp_path,
+                        env={"retry_backoff_base_ms": 200, "retry_backoff_max_ms": 1000, **env})
+        made.append(system)
+        return system
+
+    yield make
+    for system in made:
+        system.close()
+
+
+def start(system: System, *args: str) -> Daemon:
+    """A scheduler and ``ax-worker --processes 2 -n wp``; returns the supervisor once both
+    children and the scheduler are registered."""
+    system.scheduler("sched-0")
+    supervisor = system.worker(NAME, concurrency=POOLS, args=["--processes", "2", *args])
+    system.wait_for(lambda: {"sched-0", *CHILDREN} <= system.live_nodes(), 60,
+                    "the scheduler and both worker processes registered")
+    return supervisor
+
+
+def pid_of(system: System, node: str) -> int:
+    return int(system.node(node).pid)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def items(log: RunLog, count: int, **payload: Any) -> list[dict[str, Any]]:
+    return [{"task_type": "e2e.task", "payload": {"log": str(log), "i": i, **payload},
+             "delay": 1.0, "max_retry": 3} for i in range(count)]
+
+
+@services
+def test_two_processes_run_a_batch_exactly_once_between_them(
+        make_system: Callable[..., System], tmp_path: Path) -> None:
+    system = make_system()
+    log = RunLog(tmp_path / "runs.jsonl")
+    supervisor = start(system)
+    pids = {pid_of(system, name) for name in CHILDREN}
+    assert len(pids) == 2 and supervisor.proc.pid not in pids
+    assert {parent_of(pid) for pid in pids} == {supervisor.proc.pid}
+
+    ids = system.enqueue_many(items(log, 40, sleep=0.05))
+    system.wait_final(len(ids), 40)
+
+    rows = system.tasks()
+    assert {r.status for r in rows.values()} == {"SUCCESS"}
+    runs = log.by_task()
+    assert sorted(runs) == sorted(ids)
+    assert all(len(task_runs) == 1 for task_runs in runs.values()), runs
+    assert {run.pid for task_runs in runs.values() for run in task_runs} == pids
+    assert {r.last_run_node for r in rows.values()} == set(CHILDREN)
+
+
+@services
+def test_sigterm_to_the_supervisor_stops_every_child_warmly(
+        make_system: Callable[..., System], tmp_path: Path) -> None:
+    system = make_system()
+    log = RunLog(tmp_path / "runs.jsonl")
+    supervisor = start(system)
+    pids = {pid_of(system, name) for name in CHILDREN}
+    ids = system.enqueue_many(items(log, 4, sleep=1.5))
+    system.wait_for(lambda: len({r.pid for r in log.runs()}) == 2 and len(log.runs()) == 4, 30,
+                    "two runs started in each process", detail=log.runs)
+
+    supervisor.proc.send_signal(signal.SIGTERM)
+    assert supervisor.proc.wait(30) == 0, system.tails()
+
+    assert not any(pid_running(pid) for pid in pids)
+    rows = system.tasks()
+    assert {rows[i].status for i in ids} == {"SUCCESS"}, "warm: running tasks finish"
+    assert all(len(r) == 1 for r in log.by_task().values())
+    assert not system.query("SELECT task_id FROM ax_task WHERE status = 'RUNNING'")
+    for name in CHILDREN:
+        assert system.node(name).stopped_at is not None, f"{name} did not stop cleanly"
+    assert "stopping the worker processes" in supervisor.tail(200)
+
+
+@services
+def test_a_killed_child_is_restarted_under_its_name_and_every_task_runs(
+        make_system: Callable[..., System], tmp_path: Path) -> None:
+    system = make_system(ack_timeout_ms=3000)
+    log = RunLog(tmp_path / "runs.jsonl")
+    supervisor = start(system)
+    victim = CHILDREN[0]
+    victim_pid = pid_of(system, victim)
+    ids = system.enqueue_many(items(log, 12, sleep=1.0))
+    system.wait_for(lambda: any(r.pid == victim_pid for r in log.runs()), 30,
+                    f"{victim} running a task")
+    incarnation = system.node(victim).incarnation
+
+    os.kill(victim_pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        row = system.node(victim)
+        return bool(row.pid != victim_pid and row.stopped_at is None
+                    and row.incarnation > incarnation)
+
+    system.wait_for(restarted, 30, f"{victim} restarted and registered")
+    new_pid = pid_of(system, victim)
+    assert parent_of(new_pid) == supervisor.proc.pid
+    system.wait_final(len(ids), 60)
+
+    rows = system.tasks()
+    assert {rows[i].status for i in ids} == {"SUCCESS"}
+    runs = log.by_task()
+    assert sorted(runs) == sorted(ids)
+    # what the killed process was running ran again, in another process, at a new attempt
+    again = [task_runs for task_runs in runs.values()
+             if task_runs[0].pid == victim_pid and len(task_runs) > 1]
+    assert again, runs
+    assert all(r.pid != victim_pid for task_runs in again for r in task_runs[1:]), again
+    assert supervisor.alive
+    tail = supervisor.tail(400)
+    assert "worker process exited unexpectedly; restarting it" in tail
+    assert "SIGKILL" in tail
+
+
+def scrape(port: int) -> Samples | None:
+    """Every sample of the endpoint, by (name, labels); None if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            body = response.read().decode()
+    except OSError:
+        return None
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@services
+def test_one_endpoint_sums_the_children_metrics(
+        make_system: Callable[..., System], tmp_path: Path) -> None:
+    system = make_system()
+    log = RunLog(tmp_path / "runs.jsonl")
+    port = free_port()
+    supervisor = start(system, "--metrics-port", str(port))
+    pids = [pid_of(system, name) for name in CHILDREN]
+    with open(f"/proc/{pids[0]}/environ", "rb") as environ:
+        variables = dict(v.split(b"=", 1) for v in environ.read().split(b"\0") if b"=" in v)
+    shared_dir = Path(variables[b"PROMETHEUS_MULTIPROC_DIR"].decode())
+    assert shared_dir.is_dir()
+
+    def settled(check: Callable[[Samples], bool], what: str) -> Samples:
+        last: list[Samples | None] = [None]
+
+        def attempt() -> Samples | None:
+            last[0] = scrape(port)
+            return last[0] if last[0] is not None and check(last[0]) else None
+
+        return system.wait_for(attempt, 20, what, detail=lambda: last[0])  # type: ignore[no-any-return]
+
+    def both_up(s: Samples) -> bool:
+        return (total(s, "ax_node_up", kind="worker") == 2
+                and total(s, "ax_pool_size", queue="default") == 4)
+
+    settled(both_up, "both children up, their pools summed")
+    ids = system.enqueue_many(items(log, 30))
+    system.wait_final(len(ids), 40)
+    ran = len(log.runs())
+    assert ran == len(ids)
+    samples = settled(lambda s: total(s, "ax_execute_total") >= ran, "the counters caught up")
+    assert total(samples, "ax_execute_total") == ran
+    assert total(samples, "ax_execute_total", result="success") == ran
+    assert total(samples, "ax_execute_duration_seconds_count") == ran
+    assert not any("pid" in dict(ls) for (n, ls) in samples if n == "ax_execute_total")
+
+    # a dead child's counts stay in the sums; its live gauges go, its successor's come
+    os.kill(pids[0], signal.SIGKILL)
+    system.wait_for(lambda: pid_of(system, CHILDREN[0]) != pids[0], 30, "the child restarted")
+    samples = settled(both_up, "the restarted child counted once in the gauges")
+    assert total(samples, "ax_execute_total") == ran
+
+    supervisor.proc.send_signal(signal.SIGTERM)
+    assert supervisor.proc.wait(30) == 0, system.tails()
+    assert not shared_dir.exists(), "the supervisor removes the metrics directory"
+
+
+@pytest.mark.parametrize("given", ["flag", "variable"])
+def test_zero_processes_is_a_usage_error(tmp_path: Path, given: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
+    args = ["--processes", "0"] if given == "flag" else []
+    if given == "variable":
+        env["AX_WORKER_PROCESSES"] = "0"
+    done = subprocess.run([sys.executable, "-m", "ax_kombu.cli.worker", *args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ax: error: ") and "'--processes'" in lines[0], lines
+    assert "0 is not in the range x>=1" in lines[0], lines
+
+
+def test_restart_back_off_doubles_up_to_its_cap() -> None:
+    assert [restart_delay_s(n) for n in range(8)] == [1.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
