@@ -17,25 +17,19 @@ every transport delivers straight to that queue.
 * The Celery task id is :func:`celery_task_id` of ``(ax task id, attempt)``: stable
   (the same attempt always has the same id) and new for each attempt. ax publishes
   each attempt exactly once; a worker that runs it runs it under that id.
-* Never early. The scheduler hands batches to the publisher up to ``claim_lead_ms``
-  before they are due (staging, for ax's own workers). A Celery-bound message handed
-  over early is held by the publisher until its trigger time (:func:`split_held`,
-  :func:`due_groups`), because a Celery worker is slow with a burst of ``eta``
-  messages: 1,000 due at once on Redis started p50 ≈ 850 ms late with ``eta``, ≈ 85 ms
-  without (tests/e2e/test_celery_e2e.py). Should a message still leave before its
-  trigger time (the hold is capped at :data:`MAX_HOLD_MS`), its ``eta`` header is the
-  trigger time, and the Celery worker holds it until then; one published at or after
-  its trigger time has no ``eta`` and runs at once.
+* Never early. The scheduler claims a Celery-bound task only once it is due on its
+  database clock, not ``claim_lead_ms`` ahead as it stages ax's own tasks
+  (:mod:`ax_kombu.store.claims`), because a stock Celery worker cannot hold a message
+  cheaply: 1,000 ``eta`` messages due at once on Redis started p50 ≈ 850 ms late,
+  ≈ 85 ms without ``eta`` (tests/e2e/test_celery_e2e.py). So a message never has an
+  ``eta``: the Celery worker runs it as soon as it reads it.
 * ``ax_task_id``, ``ax_attempt`` and ``trace_id`` ride along as extra headers (a Celery
   task sees them as ``self.request.ax_task_id`` …).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import orjson
@@ -49,9 +43,6 @@ CELERY_PREFIX = "celery:"
 FENCED_PREFIX = "celery+ax:"
 #: the namespace of :func:`celery_task_id` (a fixed, random UUID: never change it)
 TASK_ID_NAMESPACE = uuid.UUID("5f0c2b8e-3a51-4c1e-9a57-1d2f6c3b7e90")
-#: the longest a publisher holds Celery-bound messages for their trigger time (the most
-#: ``claim_lead_ms`` may be)
-MAX_HOLD_MS = 1000
 #: as Celery's ``argsrepr_maxsize`` / ``kwargsrepr_maxsize`` defaults
 _REPR_MAX = 1024
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -83,11 +74,6 @@ def celery_task_id(task_id: int, attempt: int) -> str:
     return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{task_id:d}.{attempt:d}"))
 
 
-def iso_utc(epoch_ms: int) -> str:
-    """``epoch_ms`` as ISO 8601 in UTC with an offset, as Celery writes ``eta``."""
-    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
-
-
 class CeleryMessage(NamedTuple):
     """One protocol-2 message, ready for ``Producer.publish`` or a Redis envelope."""
 
@@ -97,50 +83,16 @@ class CeleryMessage(NamedTuple):
     properties: dict[str, Any]
 
 
-def split_held(messages: Sequence[TaskMessage]) -> tuple[list[TaskMessage], list[TaskMessage]]:
-    """``(to publish now, to hold)``: Celery-bound messages built before their trigger
-    time are held (see the module docstring); every other message goes now."""
-    now: list[TaskMessage] = []
-    held: list[TaskMessage] = []
-    for m in messages:
-        (held if m.trigger_time > m.dispatched_at and is_celery(m.processor) else now).append(m)
-    return now, held
-
-
-def due_groups(held: Sequence[TaskMessage], *, sleep: Callable[[float], None] = time.sleep,
-               monotonic: Callable[[], float] = time.monotonic) -> Iterator[list[TaskMessage]]:
-    """``held`` in groups, each yielded once it is due, its ``dispatched_at`` = that time.
-
-    "Now" is the messages' ``dispatched_at`` (the dispatcher's clock when it built them,
-    just before handing them over) plus the monotonic time since this call; the wait
-    for the whole is at most :data:`MAX_HOLD_MS`.
-    """
-    pending = sorted(held, key=lambda m: m.trigger_time)
-    start, base = monotonic(), min(m.dispatched_at for m in pending) if pending else 0
-    while pending:
-        elapsed = int((monotonic() - start) * 1000)
-        now = base + elapsed
-        due = [m for m in pending if m.trigger_time <= now]
-        if due or elapsed >= MAX_HOLD_MS:
-            group = due or pending
-            yield [m._replace(dispatched_at=now) for m in group]
-            pending = pending[len(group):]
-            continue
-        sleep(min(pending[0].trigger_time - now, MAX_HOLD_MS - elapsed) / 1000)
-
-
 def celery_message(m: TaskMessage) -> CeleryMessage:
-    """The Celery protocol-2 message for one attempt of a Celery-bound task, published at
-    ``m.dispatched_at`` (``eta`` if that is before its trigger time)."""
+    """The Celery protocol-2 message for one attempt of a Celery-bound task (due: no ``eta``)."""
     payload = orjson.loads(str(m.payload)) if isinstance(m.payload, str) else m.payload
     args = payload.get("args") or []
     kwargs = payload.get("kwargs") or {}
     task_id = celery_task_id(m.task_id, m.attempt)
     timelimit = payload.get("timelimit") or [None, None]
-    early = m.dispatched_at < m.trigger_time
     headers = {
         "lang": "py", "task": m.task_type, "id": task_id, "shadow": None,
-        "eta": iso_utc(m.trigger_time) if early else None,
+        "eta": None,
         "expires": payload.get("expires"), "group": None, "group_index": None,
         "retries": 0, "timelimit": timelimit, "root_id": task_id, "parent_id": None,
         "argsrepr": repr(tuple(args))[:_REPR_MAX], "kwargsrepr": repr(kwargs)[:_REPR_MAX],

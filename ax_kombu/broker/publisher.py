@@ -12,6 +12,8 @@
   same confirms (:mod:`ax_kombu.broker.celery_wire`); the first publish to a Celery
   queue on a connection declares it as Celery declares its queues (durable), unless
   it exists already (then it is left as it is).
+* Nothing is held here: every message is published when handed over. The scheduler
+  hands a Celery-bound task over only once it is due (:mod:`ax_kombu.store.claims`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ from ax_kombu.broker.celery_wire import (
     celery_message,
     celery_queue,
     celery_redis_envelope,
-    due_groups,
     is_celery,
-    split_held,
 )
 from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.broker.messages import TaskMessage, redis_envelope
@@ -112,30 +112,11 @@ class Publisher:
         self._celery_queues = set()
 
     def publish(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
-        """Publish ``messages``; returns those that did not certainly reach the broker.
+        """Publish ``messages`` at once; returns those that did not certainly reach the broker.
 
         Never raises for a broker problem: the connection is dropped (and made
         again on the next call) and the affected messages are returned.
-        Celery-bound messages handed over before their trigger time are published
-        when it comes, after the others (:func:`~ax_kombu.broker.celery_wire.due_groups`;
-        at most ``MAX_HOLD_MS``).
         """
-        now, held = split_held(messages)
-        if not held:
-            return self._publish_batch(messages)
-        failed = self._publish_batch(now)
-        if now and self._producer is None:  # the broker failed: hold nothing for it
-            return failed + held
-        tried: set[int] = set()
-        for group in due_groups(held):
-            group_failed = self._publish_batch(group)
-            failed += group_failed
-            tried.update(m.task_id for m in group)
-            if group_failed and self._producer is None:
-                return failed + [m for m in held if m.task_id not in tried]
-        return failed
-
-    def _publish_batch(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
         if not messages:
             return []
         try:

@@ -18,6 +18,9 @@ Contracts:
   still holds (row locked by a racing claim) fire again shortly; those no
   longer ours (cancelled, claimed elsewhere, released) are dropped. A failed
   claim puts the whole batch back.
+* **Celery-bound tasks are not staged**: the claim statement takes them only once
+  due on the claimer's database clock (:mod:`ax_kombu.store.claims`); they reach
+  the wheel ``claim_lead_ms`` late, so they fire when due.
 * **Gated tasks** (an order key, a job strategy, a type with a limit) are left
   by the claim statement; the due ones among the skipped go through the gated
   claim at once (:mod:`ax_kombu.store.gates`: what may start is claimed, what
@@ -153,12 +156,14 @@ class Claimer(Stage):
 
     def _keep_unclaimed(self, batch: list[int], rows: Sequence[Any]) -> None:
         """Ids the claim skipped that are still ours: gated and due → the gated claim;
-        others fire again soon; the rest (no longer ours) are dropped."""
+        others fire again soon, a Celery-bound one not due yet at its trigger time (its
+        time here is ``claim_lead_ms`` late, see :func:`ax_kombu.store.claims.fire_time`);
+        the rest (no longer ours) are dropped."""
         claimed = {r.task_id for r in rows}
         missing = [t for t in batch if t not in claimed]
         try:
             with self._store.engine.connect() as conn:
-                ours = still_held(conn, missing, self._node_id)
+                ours = still_held(conn, missing, self._node_id, celery_lag_ms=self._lead_ms)
         except SQLAlchemyError as exc:
             self._timing.retry_later(missing)  # the next claim sorts out which are still ours
             self.db_failed("claim", exc)

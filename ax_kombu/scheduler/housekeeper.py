@@ -9,7 +9,9 @@ database clock (every pass re-measures it when due, see
   ``NOTIFY``, :class:`ax_kombu.store.notify.WakeListener`), and again straight
   away while it keeps finding full batches: tasks due within
   ``preload_window_ms`` — CREATED rows and rows nobody holds
-  (:func:`ax_kombu.store.recovery.preload`) — are handed to the timing loop.
+  (:func:`ax_kombu.store.recovery.preload`) — are handed to the timing loop;
+  a Celery-bound one ``claim_lead_ms`` after its trigger time, so that it fires
+  when due and is never staged (:mod:`ax_kombu.store.claims`).
   Memory is bounded by the window and ``max_held``, never by how many future
   tasks exist; no preload starts before the last one is in the wheel.
   A preload that failed may have committed without its reply reaching us:
@@ -170,11 +172,14 @@ class Housekeeper(Stage):
             self._next["preload"] = now + self._poll_ms
             return
         horizon = now + settings.preload_window_ms
+        lag = settings.claim_lead_ms  # a Celery-bound task fires when due, not staged
         try:
             with self._store.engine.begin() as conn:
-                rows = recovery.preload(conn, self._node_id, now, horizon, room)
+                rows = recovery.preload(conn, self._node_id, now, horizon, room,
+                                        celery_lag_ms=lag)
                 if self._reconcile:  # re-adding an id the wheel has only reschedules it
-                    rows += recovery.held_by(conn, self._node_id, horizon, room)
+                    rows += recovery.held_by(conn, self._node_id, horizon, room,
+                                             celery_lag_ms=lag)
         except SQLAlchemyError:
             self._wake_pending = True  # try again after the back-off
             self._reconcile = True

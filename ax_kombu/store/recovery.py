@@ -19,6 +19,8 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, text
 
+from ax_kombu.store.claims import fire_time
+
 # PostgreSQL: the candidates are locked in a MATERIALIZED CTE, evaluated once, and joined
 # back by primary key only (rows it locked cannot change state meanwhile, so no recheck).
 # Written as ``WHERE task_id IN (subquery) AND status = …`` the planner, with stale
@@ -33,7 +35,7 @@ UPDATE ax_task AS t
    SET status = CASE WHEN t.trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
        last_run_node = :node
   FROM c WHERE t.task_id = c.task_id
-RETURNING t.task_id, t.trigger_time""",
+RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.processor_name"),
     "sqlite": """
 UPDATE ax_task
    SET status = CASE WHEN trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
@@ -42,7 +44,7 @@ UPDATE ax_task
                     WHERE status = 'CREATED' AND trigger_time < :horizon
                     ORDER BY trigger_time LIMIT :n)
    AND status = 'CREATED'
-RETURNING task_id, trigger_time""",
+RETURNING task_id, """ + fire_time(),
 }
 
 _ADOPT_UNHELD = {
@@ -53,7 +55,7 @@ WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
                          ORDER BY trigger_time LIMIT :n FOR UPDATE SKIP LOCKED)
 UPDATE ax_task AS t SET last_run_node = :node
   FROM c WHERE t.task_id = c.task_id
-RETURNING t.task_id, t.trigger_time""",
+RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.processor_name"),
     "sqlite": """
 UPDATE ax_task SET last_run_node = :node
  WHERE task_id IN (SELECT task_id FROM ax_task
@@ -61,7 +63,7 @@ UPDATE ax_task SET last_run_node = :node
                       AND trigger_time < :horizon
                     ORDER BY trigger_time LIMIT :n)
    AND status IN ('DELAYED', 'READY') AND last_run_node IS NULL
-RETURNING task_id, trigger_time""",
+RETURNING task_id, """ + fire_time(),
 }
 
 
@@ -79,15 +81,18 @@ def _sql(conn: Connection, forms: dict[str, str]) -> str:
 
 
 def preload(conn: Connection, node: str, now_ms: int, horizon_ms: int,
-            limit: int) -> list[tuple[int, int]]:
+            limit: int, *, celery_lag_ms: int = 0) -> list[tuple[int, int]]:
     """Take up to ``limit`` tasks due before ``horizon_ms`` for ``node``, oldest first.
 
     CREATED rows become DELAYED (or READY when already due); unheld
-    DELAYED/READY rows are adopted. Returns ``(task_id, trigger_time)`` pairs.
-    On PostgreSQL, ``conn`` must be in a transaction (a planner setting is made
-    for it alone).
+    DELAYED/READY rows are adopted. Returns ``(task_id, trigger_time)`` pairs, a
+    Celery-bound task's time ``celery_lag_ms`` later
+    (:func:`ax_kombu.store.claims.fire_time`: the scheduler passes ``claim_lead_ms``,
+    so such a task fires at its trigger time, unstaged). On PostgreSQL, ``conn``
+    must be in a transaction (a planner setting is made for it alone).
     """
-    params = {"node": node, "now": now_ms, "horizon": horizon_ms, "n": limit}
+    params = {"node": node, "now": now_ms, "horizon": horizon_ms, "n": limit,
+              "celery_lag": celery_lag_ms}
     if conn.dialect.name == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
     rows = [(r[0], r[1]) for r in conn.execute(text(_sql(conn, _PRELOAD_CREATED)), params)]
@@ -281,14 +286,17 @@ def oldest_overdue_ms(conn: Connection, now_ms: int) -> int:
     return max(0, now_ms - int(oldest)) if oldest is not None else 0
 
 
-def held_by(conn: Connection, node: str, horizon_ms: int, limit: int) -> list[tuple[int, int]]:
-    """DELAYED/READY tasks ``node`` holds, due before ``horizon_ms``: ``(task_id, trigger_time)``.
+def held_by(conn: Connection, node: str, horizon_ms: int, limit: int, *,
+            celery_lag_ms: int = 0) -> list[tuple[int, int]]:
+    """DELAYED/READY tasks ``node`` holds, due before ``horizon_ms``: ``(task_id, trigger_time)``,
+    a Celery-bound task's time ``celery_lag_ms`` later (as for :func:`preload`).
 
     A preload whose commit reply was lost left rows held by the node that its
     memory does not have; the node reconciles with this after such an error.
     """
-    stmt = text("SELECT task_id, trigger_time FROM ax_task WHERE status IN ('DELAYED', 'READY') "
+    stmt = text(f"SELECT task_id, {fire_time()} FROM ax_task "
+                "WHERE status IN ('DELAYED', 'READY') "
                 "AND last_run_node = :node AND trigger_time < :horizon "
                 "ORDER BY trigger_time LIMIT :n")
     return [(r[0], r[1]) for r in conn.execute(stmt, {"node": node, "horizon": horizon_ms,
-                                                      "n": limit})]
+                                                      "n": limit, "celery_lag": celery_lag_ms})]

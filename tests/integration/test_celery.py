@@ -187,34 +187,29 @@ def test_published_messages_run_in_celerys_own_request(client: Client,
     assert all(r[2] == "hi" and r[0] == celery_task_id(r[3], 1) for r in RUNS)
 
 
-def test_early_publish_carries_the_trigger_time_as_eta(client: Client,
-                                                       redis_broker: dict[str, str]) -> None:
-    app = make_app(queue=f"celery.{redis_broker['queue_high']}")
-    axc.enqueue(app, "app.tasks.send_email", args=("e@x",), countdown=2, client=client)
-    (message,) = claimed_messages(client)
-    assert message.dispatched_at < message.trigger_time
-    settings = from_env({}, **redis_broker)
-    publisher = Publisher(settings)
-    assert publisher.publish([message]) == []
-    publisher.close()
-    (raw,) = celery_consume(settings, app.conf.task_default_queue, 1)
-    from datetime import datetime
-
-    eta = datetime.fromisoformat(raw.headers["eta"])
-    assert round(eta.timestamp() * 1000) == message.trigger_time
-
-
-def test_held_messages_come_back_at_once_when_the_broker_is_down(client: Client) -> None:
+def test_a_celery_bound_task_is_claimed_only_when_due_and_cancel_wins_until_then(
+        client: Client) -> None:
+    """On PostgreSQL: the claim with a lead takes the ax task due within it, not the
+    Celery-bound one (it reaches the wheel the lead late, so it fires when due); until
+    its trigger time it is DELAYED, so a cancel wins and nothing is ever sent for it."""
+    lead = 250
     app = make_app()
-    axc.enqueue(app, "app.tasks.send_email", args=("down@x",), countdown=0.3, client=client)
-    axc.enqueue(app, "app.tasks.send_email", args=("down2@x",), countdown=0.5, client=client)
-    messages = claimed_messages(client)
-    assert all(m.dispatched_at < m.trigger_time for m in messages)  # both held
-    publisher = Publisher(from_env({}, broker_url="redis://127.0.0.1:1/0"))
-    started = time.monotonic()
-    assert sorted(m.task_id for m in publisher.publish(messages)) == sorted(
-        m.task_id for m in messages)
-    assert time.monotonic() - started < 3  # the second group is not tried again
+    bound = int(axc.enqueue(app, "app.tasks.send_email", args=("e@x",), countdown=0.2,
+                            client=client))
+    plain = int(client.enqueue("plain.task", {"x": 3}, delay=0.2))
+    trigger = {r.task_id: r.trigger_time for r in rows(client)}
+    now = min(trigger.values()) - 150
+    node = "sched-test"
+    with client.store.engine.begin() as conn:
+        times = dict(recovery.preload(conn, node, now, now + 10_000, 100, celery_lag_ms=lead))
+        assert times == {bound: trigger[bound] + lead, plain: trigger[plain]}
+        assert [r.task_id for r in claim(conn, [bound, plain], node, now, now + lead)] == [plain]
+        assert claim(conn, [bound], node, trigger[bound] - 1, trigger[bound] + lead) == []
+    assert client.get(bound).status.value == "DELAYED"
+    client.cancel(bound)
+    with client.store.engine.begin() as conn:
+        assert claim(conn, [bound], node, trigger[bound], trigger[bound] + lead) == []
+    assert client.get(bound).status.value == "CANCELLED"
 
 
 # -- the hand-off and the recovery -----------------------------------------------------------

@@ -1,29 +1,35 @@
 """The Celery protocol-2 message ax builds by hand equals what Celery's own send_task builds,
-and the Celery integration's pure parts (payload, times, beat schedules) — no servers."""
+the Celery integration's pure parts (payload, times, beat schedules), and the scheduler's
+rule that a Celery-bound task is claimed only when due (never staged) while an ax task is
+staged — no servers (SQLite on a temporary file, ax's SQLite transport)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
+import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import (
-    MAX_HOLD_MS,
     celery_message,
     celery_redis_envelope,
     celery_task_id,
-    due_groups,
     is_celery,
-    iso_utc,
     processor_for,
-    split_held,
 )
 from ax_kombu.broker.messages import RawJson, TaskMessage
+from ax_kombu.config import Settings, from_env
 from ax_kombu.exceptions import ValidationError
+from ax_kombu.scheduler.node import Scheduler
+from ax_kombu.store import recovery
+from ax_kombu.store.claims import claim, still_held
 
 celery = pytest.importorskip("celery")
 
@@ -47,7 +53,6 @@ def test_marker_and_ids() -> None:
     assert is_celery("celery:mail") and not is_celery("mail") and not is_celery(None)
     assert celery_task_id(42, 3) == celery_task_id(42, 3) != celery_task_id(42, 4)
     assert celery_task_id(42, 3) != celery_task_id(43, 3)
-    assert iso_utc(0) == "1970-01-01T00:00:00+00:00"
 
 
 def test_message_matches_celerys_own() -> None:
@@ -66,43 +71,11 @@ def test_message_matches_celerys_own() -> None:
     assert c.queue == "mail"
 
 
-def test_eta_only_when_published_before_due() -> None:
-    early = celery_message(_message({"args": [], "kwargs": {}}, dispatched_at=TRIGGER - 200))
-    assert early.headers["eta"] == iso_utc(TRIGGER)
-    assert datetime.fromisoformat(early.headers["eta"]).timestamp() * 1000 == TRIGGER
-    for at in (TRIGGER, TRIGGER + 50):
+def test_a_message_never_has_an_eta() -> None:
+    """The scheduler hands a Celery-bound task over only when due (the staging tests
+    below), so its message is never one a Celery worker must hold."""
+    for at in (TRIGGER - 200, TRIGGER, TRIGGER + 50):
         assert celery_message(_message({"args": [], "kwargs": {}}, at)).headers["eta"] is None
-
-
-def test_early_celery_messages_are_held_until_due() -> None:
-    """Only Celery-bound messages built before their trigger time are held; they come out
-    in due groups, each stamped with the time it was released (so: no eta)."""
-    def msg(i: int, trigger: int, celery: bool = True) -> TaskMessage:
-        return _message({"args": [i], "kwargs": {}}, dispatched_at=TRIGGER - 250)._replace(
-            task_id=i, trigger_time=trigger, processor=processor_for("q") if celery else "ax")
-
-    batch = [msg(1, TRIGGER - 300), msg(2, TRIGGER - 100), msg(3, TRIGGER, celery=False),
-             msg(4, TRIGGER + 100), msg(5, TRIGGER - 100)]
-    now, held = split_held(batch)
-    assert [m.task_id for m in now] == [1, 3] and [m.task_id for m in held] == [2, 4, 5]
-    clock = [0.0]
-    sleeps: list[float] = []
-
-    def sleep(s: float) -> None:
-        sleeps.append(s)
-        clock[0] += s
-
-    groups = list(due_groups(held, sleep=sleep, monotonic=lambda: clock[0]))
-    assert [[m.task_id for m in g] for g in groups] == [[2, 5], [4]]
-    assert [g[0].dispatched_at for g in groups] == [TRIGGER - 100, TRIGGER + 100]
-    assert all(celery_message(m).headers["eta"] is None for g in groups for m in g)
-    assert sum(sleeps) * 1000 == pytest.approx(350)
-    # the hold is capped: what is still early then leaves with its eta
-    far = [msg(6, TRIGGER + 5000)]
-    clock[0] = 0.0
-    (group,) = list(due_groups(far, sleep=sleep, monotonic=lambda: clock[0]))
-    assert group[0].dispatched_at == TRIGGER - 250 + MAX_HOLD_MS
-    assert celery_message(group[0]).headers["eta"] == iso_utc(TRIGGER + 5000)
 
 
 def test_options_reach_the_headers() -> None:
@@ -187,3 +160,95 @@ def test_core_never_imports_celery() -> None:
             "ax_kombu.cli.worker, ax_kombu.broker.publisher\n"
             "assert 'celery' not in sys.modules, sorted(m for m in sys.modules if 'celery' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- staging: ax tasks are claimed up to claim_lead_ms early, Celery-bound ones when due ----
+
+LEAD_MS = 300
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Settings:
+    return from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.sqlite3'}",
+                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}",
+                    heartbeat_interval_s=0.5, preload_window_ms=120_000,
+                    claim_lead_ms=LEAD_MS)
+
+
+@pytest.fixture
+def client(cfg: Settings) -> Any:
+    c = Client(cfg)
+    yield c
+    c.close()
+
+
+def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> None:
+    """Claimed with a lead, an ax task due within it moves, a Celery-bound one does not; it
+    fires ``claim_lead_ms`` late in the wheel's terms (preload, still_held), so when due."""
+    plain = int(client.enqueue("plain", {"i": 1}, delay=0.1))
+    bound = int(client.enqueue("app.tasks.x", {"args": [], "kwargs": {}}, delay=0.1,
+                               processor=processor_for("q")))
+    trigger = {i: client.get(i).trigger_time for i in (plain, bound)}
+    now = min(trigger.values()) - 100
+    with client.store.engine.begin() as conn:
+        times = dict(recovery.preload(conn, "s1", now, now + 10_000, 10,
+                                      celery_lag_ms=LEAD_MS))
+        assert times == {plain: trigger[plain], bound: trigger[bound] + LEAD_MS}
+        claimed = claim(conn, [plain, bound], "s1", now, due_before=now + LEAD_MS)
+        assert [r.task_id for r in claimed] == [plain]
+        assert still_held(conn, [bound], "s1", celery_lag_ms=LEAD_MS) == [
+            (bound, trigger[bound] + LEAD_MS, False)]
+        assert recovery.held_by(conn, "s1", now + 10_000, 10, celery_lag_ms=LEAD_MS) == [
+            (bound, trigger[bound] + LEAD_MS)]
+        assert claim(conn, [bound], "s1", trigger[bound] - 1, trigger[bound] + LEAD_MS) == []
+        (row,) = claim(conn, [bound], "s1", trigger[bound], trigger[bound] + LEAD_MS)
+        assert (row.task_id, row.attempt) == (bound, 1)
+
+
+def test_the_publisher_holds_nothing() -> None:
+    from ax_kombu.broker import publisher
+
+    assert not hasattr(publisher, "split_held") and not hasattr(publisher, "due_groups")
+
+
+def test_a_celery_bound_task_is_never_published_before_due_an_ax_task_still_is_staged(
+        cfg: Settings, client: Client) -> None:
+    """A scheduler node on the embedded store: each Celery-bound task is claimed and
+    published at or after its trigger time on the database clock (here the store's
+    clock, which SQLite shares with this process), ends SUCCESS at its hand-off, and its
+    message has no eta; each ax task is claimed ahead of its trigger time, at most the lead."""
+    n = 30
+    bound = [int(i) for i in client.enqueue_many(
+        [{"task_type": "app.tasks.x", "payload": {"args": [i], "kwargs": {}},
+          "delay": 0.5 + i / 50, "processor": processor_for("celery")} for i in range(n)])]
+    plain = [int(i) for i in client.enqueue_many(
+        [{"task_type": "plain", "payload": {"i": i}, "delay": 0.5 + i / 50} for i in range(n)])]
+    published: list[tuple[TaskMessage, int]] = []
+    lock = threading.Lock()
+
+    def seen(messages: list[TaskMessage], _at_ms: int) -> None:
+        db_now = client.store.now_ms()  # the database clock once the publish is over
+        with lock:
+            published.extend((m, db_now) for m in messages)
+
+    scheduler = Scheduler(cfg, "sched-celery", on_published=seen)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(published) < 2 * n and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        scheduler.request_stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert sorted(m.task_id for m, _ in published) == sorted(bound + plain)  # once each
+    for m, db_now in published:
+        if m.task_id in bound:
+            assert m.dispatched_at >= m.trigger_time and db_now >= m.trigger_time
+            assert celery_message(m).headers["eta"] is None
+        else:
+            assert m.trigger_time - LEAD_MS <= m.dispatched_at < m.trigger_time  # staged
+    rows = {i: client.get(i) for i in bound}
+    assert all(r.status.value == "SUCCESS" and r.dispatched_at is not None
+               and r.dispatched_at >= r.trigger_time for r in rows.values())
