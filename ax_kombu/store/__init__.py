@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 
 from ax_kombu.config import Settings
 from ax_kombu.store.clock import DbClock
-from ax_kombu.store.engine import db_now_ms, make_engine, migrate
+from ax_kombu.store.engine import db_now_ms, db_now_precise_ms, make_engine, migrate
 
 
 class Store:
@@ -26,11 +26,11 @@ class Store:
             migrate(self.engine)
         self.clock = DbClock(self._read_clock)
 
-    def _read_clock(self) -> int:
+    def _read_clock(self) -> float:
         if self.engine.dialect.name == "sqlite":
-            return time.time_ns() // 1_000_000  # an embedded database shares our clock
+            return time.time_ns() / 1_000_000  # an embedded database shares our clock
         with self.engine.connect() as conn:
-            return db_now_ms(conn)
+            return db_now_precise_ms(conn)
 
     def now_ms(self) -> int:
         """The database clock now (epoch ms)."""

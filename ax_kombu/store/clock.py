@@ -31,8 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-#: (local ms before the query, database ms, local ms after the query)
-Sample = tuple[float, int, float]
+#: (local ms before the query, database ms, local ms after the query); the database
+#: reading must be exact to well under a millisecond (PostgreSQL's is to the microsecond):
+#: a reading rounded to whole milliseconds would make :meth:`DbClock.earliest_ms` up to
+#: half a millisecond late, and a held task start that much early
+Sample = tuple[float, float, float]
 
 #: how far the wall clock may move against the monotonic one between two readings
 #: before it counts as a step (NTP slewing stays far below this)
@@ -70,7 +73,7 @@ class DbClock:
         samples: round trips per measurement.
     """
 
-    def __init__(self, read_db_ms: Callable[[], int], *, refresh_s: float = 30.0,
+    def __init__(self, read_db_ms: Callable[[], float], *, refresh_s: float = 30.0,
                  mono_ms: Callable[[], float] = _monotonic_ms,
                  wall_ms: Callable[[], float] = _wall_ms, samples: int = 3) -> None:
         self._read_db_ms = read_db_ms

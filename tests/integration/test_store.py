@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -13,6 +14,7 @@ from ax_kombu.config import Settings
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
 from ax_kombu.store import claims, transitions
+from ax_kombu.store.engine import db_now_precise_ms, make_engine
 from ax_kombu.store.schema import tasks
 
 
@@ -197,3 +199,23 @@ def test_postgresql_indexes_only_tasks_with_a_biz_key_and_still_enforces_it(pg_u
             assert conn.execute(text("SELECT COUNT(*) FROM ax_task")).scalar_one() == 3
     finally:
         engine.dispose()
+
+
+@pytest.mark.integration
+def test_the_clock_reading_is_exact_to_well_under_a_millisecond(pg_url: str) -> None:
+    """The offset is measured from a reading to the microsecond: one rounded to whole
+    milliseconds made held tasks start up to half a millisecond before their trigger time.
+    PostgreSQL runs on this host here, so its clock is the wall clock."""
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            readings = []
+            for _ in range(20):
+                before = time.time() * 1000
+                db = db_now_precise_ms(conn)
+                after = time.time() * 1000
+                readings.append((before, db, after))
+    finally:
+        engine.dispose()
+    assert all(before - 0.05 <= db <= after + 0.05 for before, db, after in readings), readings
+    assert any(db != int(db) for _, db, _ in readings), "every reading was a whole millisecond"
