@@ -8,9 +8,11 @@ row). After a warm-up, windows alternate: a baseline window of WINDOW s with not
 running, then ``ax archive --older-than 7d --limit ROWS/PARTS`` (a real subprocess, default
 batch), and so on, ending with a baseline window; the last archive run takes what is left.
 
-Figures, from the rows (database clock): start − trigger p50/p99 of the steady tasks whose
-trigger time falls in the baseline windows and in the archive windows (each pooled, and
-per window), and each archive run's rate (tasks/s, as it reports).
+Figures: start − trigger p50/p99 of the steady tasks whose trigger time falls in the
+baseline windows and in the archive windows (each pooled, and per window), as each task's
+body recorded it (its own wall clock, :mod:`bench.ledger`; not ``started_at``, which a
+staged task gets as its trigger time by construction), tasks that ran twice or started
+early, and each archive run's rate (tasks/s, as it reports).
 
     .venv/bin/python -m bench.archive [--rows 1000000 --rate 1000 --parts 4 --window 30]
                                       [--pause 20ms] [-c high=8,default=64,slow=8]
@@ -25,9 +27,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import redis
 from sqlalchemy import text
 
 from ax_kombu.api import Client
@@ -35,6 +39,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.ids import EPOCH_MS
 from ax_kombu.store.engine import make_engine
 
+from . import ledger
 from .common import machine, pct, scratch_database
 from .e2e import ROOT, _cleanup_redis, _env, daemons, scalar, wait_ready
 
@@ -116,15 +121,16 @@ def windows(client: Client, settings: Settings, args: argparse.Namespace
     return found
 
 
-def lateness(client: Client, start: int, end: int, now: int) -> tuple[list[int], int]:
-    """start − trigger (ms) of the steady tasks due in [start, end), and how many of them
-    had not started by ``now`` (counted as ``now`` − trigger: a lower bound)."""
-    with client.store.engine.connect() as conn:
-        found = list(conn.execute(text(
-            "SELECT COALESCE(started_at, :now) - trigger_time, started_at IS NULL FROM ax_task "
-            "WHERE task_type = 'bench.steady' AND trigger_time >= :s AND trigger_time < :e"),
-            {"s": start, "e": end, "now": now}))
-    return [r[0] for r in found], sum(r[1] for r in found)
+def lateness(client: Client, entries: list[ledger.Entry], start: int, end: int
+             ) -> tuple[list[float], int]:
+    """start − trigger (ms) of the steady tasks due in [start, end), as their bodies recorded
+    them (:mod:`bench.ledger`: the body's own wall clock against the trigger time; the
+    database is on this host, so its clock is the wall clock), and how many tasks due in
+    the window left no entry (never ran)."""
+    late = [e.lateness_ms for e in entries if start <= e.due_ms < end]
+    due = scalar(client, "SELECT count(*) FROM ax_task WHERE task_type = 'bench.steady' "
+                         "AND trigger_time >= :s AND trigger_time < :e", s=start, e=end)
+    return late, max(0, due - len(late))
 
 
 def wait_started(client: Client, until_ms: int, deadline_s: float = 300.0) -> None:
@@ -136,13 +142,12 @@ def wait_started(client: Client, until_ms: int, deadline_s: float = 300.0) -> No
         time.sleep(1.0)
 
 
-def summary(client: Client, found: list[tuple[str, int, int, dict[str, Any] | None]]
-            ) -> dict[str, Any]:
-    pooled: dict[str, list[int]] = {"baseline": [], "archive": []}
+def summary(client: Client, entries: list[ledger.Entry],
+            found: list[tuple[str, int, int, dict[str, Any] | None]]) -> dict[str, Any]:
+    pooled: dict[str, list[float]] = {"baseline": [], "archive": []}
     per_window = []
-    now = client.store.now_ms()
     for kind, start, end, ran in found:
-        late, unstarted = lateness(client, start, end, now)
+        late, unstarted = lateness(client, entries, start, end)
         pooled[kind] += late
         per_window.append({"kind": kind, "seconds": round((end - start) / 1000, 1),
                            "tasks": len(late), "unstarted": unstarted,
@@ -179,7 +184,11 @@ def run(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
             producer.send_signal(signal.SIGTERM)
             producer.wait(30)
         wait_started(client, found[-1][2])
-    result = summary(client, found)
+    entries = ledger.read(redis.Redis.from_url(settings.broker_url), os.environ[ledger.KEY_VAR])
+    runs = Counter(e.i for e in entries)
+    result = summary(client, entries, found)
+    result["ran_twice"] = sum(1 for n in runs.values() if n > 1)
+    result["started_early"] = sum(1 for e in entries if e.lateness_ms < 0)
     result["left_in_hot_table"] = scalar(client, "SELECT count(*) FROM ax_task "
                                                  "WHERE task_type = 'bench.old'")
     client.close()
@@ -203,6 +212,9 @@ def main() -> None:
     with scratch_database("ax_bench_archive") as url:
         settings = from_env({}, database_url=url, broker_url=args.broker,
                             broker_key_prefix=f"axarch{os.getpid()}:")
+        # the worker's steady body records its own start here (bench.e2e.steady_body)
+        os.environ[ledger.URL_VAR] = args.broker
+        os.environ[ledger.KEY_VAR] = f"{settings.broker_key_prefix}ledger"
         try:
             result = run(settings, args)
         finally:

@@ -47,15 +47,24 @@ import ax_kombu as ax
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
 
+from . import ledger
 from .common import drop_redis_keys, machine, pct, proc_mb, scratch_database
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @ax.processor("bench.burst")
-@ax.processor("bench.steady")
 def noop(payload: Any, ctx: Any) -> None:
     """Does nothing: the figures are ax's own cost."""
+
+
+@ax.processor("bench.steady")
+def steady_body(payload: Any, ctx: Any) -> None:
+    """Does nothing, unless a ledger is set (:mod:`bench.ledger`, ``AXBENCH_LEDGER_*`` in
+    the worker's environment; :mod:`bench.archive` sets it): then it records its own start
+    against the task's trigger time, one ``RPUSH``."""
+    if ledger.configured():
+        ledger.record(payload["n"], ctx.trigger_time)
 
 
 @ax.processor("bench.gated")

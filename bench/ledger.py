@@ -38,6 +38,11 @@ def connect(url: str, key: str) -> None:
     _key = key
 
 
+def configured() -> bool:
+    """Whether :func:`connect` has pointed :func:`record` at a ledger."""
+    return _client is not None
+
+
 def record(i: int, due_ms: int) -> None:
     """The task body: one ``RPUSH`` of ``"<i> <due_ms> <start_ms>"`` to the ledger."""
     start_ns = time.time_ns()
