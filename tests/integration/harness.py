@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kombu import Consumer
+from kombu import Consumer, Queue
 
 from ax_kombu.broker.connection import connection, task_queues
 from ax_kombu.config import Settings
@@ -25,6 +25,26 @@ def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "co
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s")
         time.sleep(0.02)
+
+
+def consume(settings: Settings, queues: list[Queue], expected: int,
+            timeout: float = 20.0) -> list[Any]:
+    """The messages on ``queues``, each acked, read by a plain Kombu consumer until
+    ``expected`` came or ``timeout`` seconds passed (``message.payload`` is the body)."""
+    got: list[Any] = []
+    with connection(settings) as conn:
+        def on_message(_body: Any, message: Any) -> None:
+            got.append(message)
+            message.ack()
+
+        with Consumer(conn, queues=queues, callbacks=[on_message], accept=["json"]):
+            deadline = time.monotonic() + timeout
+            while len(got) < expected and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+    return got
 
 
 @dataclass

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kombu import Consumer
 
-from ax_kombu.broker.connection import connection, task_queues
+from ax_kombu.broker.connection import task_queues
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import from_env
+
+from .harness import consume
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,24 +26,8 @@ def message(i: int, priority: str) -> TaskMessage:
 def drain(settings: Any, expected: int, timeout: float = 20.0) -> list[tuple[str, dict[str, Any],
                                                                              dict[str, Any]]]:
     """Everything on the three queues, read by a plain Kombu consumer until ``expected`` came."""
-    import time
-
-    got: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-    with connection(settings) as conn:
-        queues = list(task_queues(settings).values())
-
-        def on_message(body: Any, msg: Any) -> None:
-            got.append((msg.delivery_info["routing_key"], body, msg.headers))
-            msg.ack()
-
-        with Consumer(conn, queues=queues, callbacks=[on_message], accept=["json"]):
-            deadline = time.monotonic() + timeout
-            while len(got) < expected and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=0.5)
-                except TimeoutError:
-                    pass
-    return got
+    got = consume(settings, list(task_queues(settings).values()), expected, timeout)
+    return [(m.delivery_info["routing_key"], m.payload, m.headers) for m in got]
 
 
 def test_batches_arrive_in_their_priority_queue(broker: dict[str, str]) -> None:

@@ -5,17 +5,15 @@ recorded after the publish, and the recovery of an unconfirmed one."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kombu import Consumer, Exchange, Queue
+from kombu import Exchange, Queue
 from sqlalchemy import text
 
 from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import celery_task_id, processor_for
-from ax_kombu.broker.connection import connection
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
@@ -24,6 +22,8 @@ from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.scheduler.handoff import CeleryHandOff
 from ax_kombu.store import recovery
 from ax_kombu.store.claims import claim
+
+from .harness import consume
 
 celery = pytest.importorskip("celery")
 
@@ -138,22 +138,8 @@ def claimed_messages(client: Client, node: str = "sched-test") -> list[TaskMessa
 def celery_consume(settings: Settings, queue: str, expected: int,
                    timeout: float = 20.0) -> list[Any]:
     """The raw messages on Celery queue ``queue``, declared as a Celery worker declares it."""
-    got: list[Any] = []
-    with connection(settings) as conn:
-        q = Queue(queue, Exchange(queue), routing_key=queue, durable=True)
-
-        def on_message(_body: Any, msg: Any) -> None:
-            got.append(msg)
-            msg.ack()
-
-        with Consumer(conn, queues=[q], callbacks=[on_message], accept=["json"]):
-            deadline = time.monotonic() + timeout
-            while len(got) < expected and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=0.5)
-                except TimeoutError:
-                    pass
-    return got
+    q = Queue(queue, Exchange(queue), routing_key=queue, durable=True)
+    return consume(settings, [q], expected, timeout)
 
 
 def test_published_messages_run_in_celerys_own_request(client: Client,
