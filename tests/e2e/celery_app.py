@@ -7,16 +7,20 @@ the same as ax's), ``AX_TEST_CELERY_QUEUE`` and ``AX_TEST_CELERY_BOOTSTEP=1`` (a
 Its one task, ``e2e.celery.record``, appends one JSON line per run to the file named in its
 arguments (task id, ax headers, worker, start time), with one ``O_APPEND`` write per line,
 so the test can count runs and check when each started, then sleeps ``sleep`` seconds.
+A worker of this app logs "ready." at WARNING once it consumes, so a test sees it whatever
+the worker's log level (Celery's own "ready." line is at INFO).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_ready
 
 app = Celery("ax_e2e_celery", set_as_current=False)
 
@@ -49,3 +53,8 @@ def record(self: Any, log: str, i: int, sleep: float = 0.0) -> None:
     finally:
         os.close(fd)
     time.sleep(sleep)
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    logging.getLogger(__name__).warning("e2e worker ready.")

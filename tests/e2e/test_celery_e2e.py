@@ -1,24 +1,42 @@
-"""ax as the countdown backend of a Celery app, in real processes: an ``ax-scheduler`` and an
+"""ax as the countdown backend of a Celery app, in real processes: two ``ax-scheduler`` s and an
 unmodified ``celery -A tests.e2e.celery_app worker`` on one broker (Redis under this test's
-key prefix, or a RabbitMQ vhost of this run), PostgreSQL as ax's store.
+key prefix, and a RabbitMQ vhost of this run), PostgreSQL as ax's store.
 
-After ``ax.celery.install(app)``, N calls ``record.apply_async(..., countdown=3)`` from 8
-producer threads are stored in ax, handed to the publisher by 2 schedulers up to
-``claim_lead_ms`` early and published by it when due, and run by the Celery worker: each
-exactly once, under the Celery id of its first attempt, never before it is due; each ax task
-ends SUCCESS at the hand-off. The lateness (Celery's start − the due time), how early ax
-claimed, and how many messages carried an ``eta`` (none expected) are printed. Meanwhile a
+The countdown test (issue 16's "10,000 tasks via ``apply_async(countdown=…)`` after
+``install(app)`` all run exactly once, on time"), on Redis and on RabbitMQ: N = 10,000 calls
+``record.apply_async(..., countdown=…)`` from 8 producer threads, stored in ax, claimed by
+one of the 2 schedulers when due (never staged ahead: a Celery-bound task is claimed only
+once its trigger time has come on the scheduler's database clock) and run by the Celery
+worker. The task body appends one line per run to a ledger file; judged from it:
+
+* exactly once: N lines, one per call, each under the Celery id of the ax task's first
+  attempt (``AsyncResult.id``), each ax task SUCCESS at its hand-off;
+* never early: no run starts before its trigger time (the worker's wall clock against
+  PostgreSQL's, one host: :data:`~tests.e2e.system.CLOCK_TOLERANCE_MS` is allowed for the
+  two clock readings);
+* on time: lateness (start − trigger time) p99 ≤ :data:`P99_LATE_MS`, max ≤
+  :data:`MAX_LATE_MS` (see there why).
+
+Why spread, not one instant: the countdowns are ``COUNTDOWN_S + SPREAD_S · i / N``, so the
+N due times cover ``SPREAD_S`` plus the producing time (≈ 15–20 s, ≈ 500–700 a second).
+This test is about ax's timing in front of a stock Celery worker; 10,000 due in the same
+millisecond would measure only how fast one stock worker drains a backlog (N over its
+throughput, seconds on this 2-core machine; the bench's burst scenario shows that, with
+Celery's own ETA beside it). Spread at a rate one worker sustains, every task should start
+within milliseconds of its trigger time, so lateness measures ax's part.
+
+The worker: ``-P threads -c 8``, ``-l WARNING`` (see :class:`CeleryWorker`). Meanwhile a
 ``beat_schedule`` entry (every second), imported with ``import_beat_schedule``, fires through
 the same 2 schedulers: one task per occurrence, each run once.
 
-N is 1,000 to keep CI short. For the issue's 10,000, run
-``AX_CELERY_E2E_N=10000 pytest tests/e2e/test_celery_e2e.py -k countdown -s``
-(``AX_CELERY_E2E_CLAIM_LEAD_MS`` sets the scheduler's ``claim_lead_ms``).
+``AX_CELERY_E2E_N`` and ``AX_CELERY_E2E_SPREAD_S`` change N and the spread (e.g. N=1000 for
+a quick look); ``AX_CELERY_E2E_CLAIM_LEAD_MS`` sets the schedulers' ``claim_lead_ms``.
 
 With :class:`ax_kombu.celery.AxBootstep` in two Celery workers on Redis:
 one is SIGKILLed while running ax's tasks; they run again on the other within ax's recovery
 window (seconds), not after Redis's visibility timeout (1 h), each ending SUCCESS once; what
-the killed worker had not started runs once.
+the killed worker had not started runs once. (On RabbitMQ a dead consumer's unacked messages
+come back at once, so Redis is where the visibility timeout would hurt.)
 """
 
 from __future__ import annotations
@@ -29,7 +47,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -47,16 +64,38 @@ from ax_kombu.broker.celery_wire import celery_task_id
 from . import celery_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
-COUNTDOWN_S = 3
+#: the first countdown (s); the N calls' countdowns spread over SPREAD_S more
+COUNTDOWN_S = 5
+SPREAD_S = float(os.environ.get("AX_CELERY_E2E_SPREAD_S", "15"))
+N = int(os.environ.get("AX_CELERY_E2E_N", "0")) or 10_000
+#: Bounds on lateness (a run's start − its trigger time). ax's part is the wheel's tick
+#: (1 ms), one claim and one publish (a few ms each on loopback), then the broker and the
+#: worker's consume loop: a few ms at p50. The rest is this shared 2-core machine: the two
+#: schedulers, PostgreSQL, the broker, the worker and the 8 producer threads (still
+#: producing while the first tasks come due) take turns on two cores, and a GC or fsync
+#: pause holds a batch for tens of ms. The bounds leave that room, an order of magnitude
+#: below where Celery's own ETA is (p99 5–19 s for a burst, issue 16) and below the
+#: schedule-delay alert (2 s, SPEC):
+P99_LATE_MS = 250
+MAX_LATE_MS = 1000
 #: how long a run of the kill test takes
 RUN_S = 2.0
 
 
 class CeleryWorker:
-    """One ``celery worker`` subprocess (threads pool), its output in a log file."""
+    """One ``celery worker`` subprocess, its output in a log file.
+
+    The threads pool: the test's task is a file append of microseconds, so what limits a
+    worker is its one consuming thread (Kombu's receive, Celery's request handling), not
+    the pool; threads hand over in-process, where prefork would add a pipe round trip to
+    a child per task on a machine with 2 cores to share. ``-c 8`` with Celery's default
+    prefetch (4 × 8 = 32 messages) keeps the pool fed. ``-l WARNING``: at ``INFO`` Celery
+    logs two lines per task, a measurable share of the consuming thread at 700 tasks/s.
+    """
 
     def __init__(self, broker_url: str, prefix: str, queue: str, tmp: Path, name: str,
-                 concurrency: int = 16, env: dict[str, str] | None = None) -> None:
+                 concurrency: int = 8, env: dict[str, str] | None = None,
+                 loglevel: str = "INFO") -> None:
         self.log = tmp / f"{name}.log"
         environ = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
         environ.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO),
@@ -67,7 +106,7 @@ class CeleryWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "tests.e2e.celery_app", "worker",
                  "-P", "threads", "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h",
-                 "-l", "INFO",
+                 "-l", loglevel,
                  "--without-gossip", "--without-mingle", "--without-heartbeat"],
                 cwd=tmp, env=environ, stdout=out, stderr=subprocess.STDOUT)
 
@@ -76,6 +115,7 @@ class CeleryWorker:
         return "\n".join(text.splitlines()[-lines:])
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the worker logs "ready." (at WARNING too: see :mod:`tests.e2e.celery_app`)."""
         deadline = time.monotonic() + timeout
         while "ready." not in (self.log.read_text(errors="replace") if self.log.exists()
                                else ""):
@@ -95,90 +135,108 @@ class CeleryWorker:
                 self.proc.wait(10)
 
 
-@pytest.fixture
-def system(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterator[System]:
-    ax = System(pg_url, redis_broker, tmp_path)
-    yield ax
-    ax.close()
-
-
 def runs(log: Path) -> list[dict[str, Any]]:
     """The complete lines of a run log (one being written may be cut short)."""
     lines = log.read_text().split("\n")[:-1] if log.exists() else []
     return [json.loads(line) for line in lines]
 
 
-@pytest.mark.timeout(150)
+def count_runs(log: Path) -> int:
+    return log.read_bytes().count(b"\n") if log.exists() else 0
+
+
+@pytest.mark.timeout(240)
 def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
-        system: System, redis_broker: dict[str, str], tmp_path: Path) -> None:
-    broker = redis_broker
-    redis = True
-    n = int(os.environ.get("AX_CELERY_E2E_N", "0")) or 1000
+        pg_url: str, broker: dict[str, str], tmp_path: Path) -> None:
+    system = System(pg_url, broker, tmp_path)
+    redis = broker["broker_url"].startswith("redis")
     prefix = broker.get("broker_key_prefix", "")
     queue = f"celery.{broker['queue_default']}"
-    worker = CeleryWorker(broker["broker_url"], prefix, queue, tmp_path, "celery-w1")
+    celery_app.configure(broker["broker_url"], prefix, queue)
+    worker = CeleryWorker(broker["broker_url"], prefix, queue, tmp_path, "celery-w1",
+                          loglevel="WARNING")
+    log = tmp_path / "celery-runs.jsonl"
+    beat_log = tmp_path / "beat-runs.jsonl"
+    began = time.monotonic()
     try:
         lead = os.environ.get("AX_CELERY_E2E_CLAIM_LEAD_MS")  # see the module docstring
         for i in (1, 2):
             system.scheduler(f"sched-celery-{i}", env={"claim_lead_ms": lead} if lead else None)
         system.wait_ready()
         worker.wait_ready()
-        celery_app.configure(broker["broker_url"], prefix, queue)
-        beat_log = tmp_path / "beat-runs.jsonl"
         celery_app.app.conf.beat_schedule = {"tick": {
             "task": "e2e.celery.record", "schedule": timedelta(seconds=1),
             "args": (str(beat_log), -1)}}
         axc.import_beat_schedule(celery_app.app, client=system.client, prefix="beat:")
         axc.install(celery_app.app, client=system.client)
-        log = tmp_path / "celery-runs.jsonl"
         record = celery_app.app.tasks["e2e.celery.record"]
+        started = time.monotonic()
         with ThreadPoolExecutor(8) as producers:  # 8 producer threads, as a web app has
-            results = list(producers.map(
-                lambda i: record.apply_async((str(log), i), countdown=COUNTDOWN_S), range(n)))
-        deadline = time.monotonic() + COUNTDOWN_S + 60 + n / 500
-        while len(runs(log)) < n:
+            results = list(producers.map(lambda i: record.apply_async(
+                (str(log), i), countdown=COUNTDOWN_S + SPREAD_S * i / N), range(N)))
+        produced_s = time.monotonic() - started
+        deadline = started + COUNTDOWN_S + SPREAD_S + produced_s + 60
+        while count_runs(log) < N:
             if time.monotonic() > deadline or worker.proc.poll() is not None:
-                raise AssertionError(f"{len(runs(log))}/{n} ran\n{worker.tail()}\n"
+                raise AssertionError(f"{count_runs(log)}/{N} ran\n{worker.tail()}\n"
                                      f"{system.tails()}")
-            time.sleep(0.1)
+            time.sleep(0.2)
         system.wait_for(lambda: system.query(
-            "SELECT count(*) FROM ax_task WHERE job IS NULL AND status = 'SUCCESS'")[0][0] == n,
-            30, f"{n} ax tasks SUCCESS", detail=system.statuses)
+            "SELECT count(*) FROM ax_task WHERE job IS NULL AND status = 'SUCCESS'")[0][0] == N,
+            30, f"{N} ax tasks SUCCESS", detail=system.statuses)
+        system.wait_for(lambda: beat_ran(system, beat_log), 10, "every handed-off tick ran")
     finally:
         worker.stop()
         axc.uninstall(celery_app.app)
         celery_app.app.conf.beat_schedule = {}
+        system.close()
+    took_s = time.monotonic() - began
     done = runs(log)
     every = system.tasks()
     tasks = {i: row for i, row in every.items() if row.job is None}
-    assert len(done) == n and len({r["i"] for r in done}) == n  # exactly once each
-    assert len(tasks) == n
-    # the beat entry, fired by 2 schedulers: one task per occurrence, each run once
-    ticks = [row for row in every.values() if row.job == "beat:tick"]
-    beat_runs = runs(beat_log)
-    assert len({row.scheduled_at for row in ticks}) == len(ticks)
-    assert len(beat_runs) >= COUNTDOWN_S
-    assert len({r["ax"] for r in beat_runs}) == len(beat_runs)
-    assert all(every[r["ax"]].job == "beat:tick" for r in beat_runs)
+    assert len(done) == N and len({r["i"] for r in done}) == N  # exactly once each
+    assert len(tasks) == N and {r["ax"] for r in done} == set(tasks)
+    assert sorted(res.id for res in results) == sorted(r["id"] for r in done)
     late: list[int] = []
-    sent_late: list[int] = []  # ax's part: claimed (and published) − due; < 0: staged ahead
     for r in done:
         row = tasks[r["ax"]]
-        assert r["attempt"] == row.attempt == 1
+        assert row.status == "SUCCESS" and r["attempt"] == row.attempt == 1
         assert r["id"] == celery_task_id(row.task_id, 1) == json.loads(row.result)[
             "celery_task_id"]
-        assert r["start"] >= row.trigger_time - CLOCK_TOLERANCE_MS, "started early"
+        assert r["eta"] is None
         late.append(r["start"] - row.trigger_time)
-        sent_late.append(row.dispatched_at - row.trigger_time)
-    assert sorted(res.id for res in results) == sorted(r["id"] for r in done)
-    with_eta = sum(1 for r in done if r.get("eta"))
+    early = sorted(x for x in late if x < 0)
+    assert min(late) >= -CLOCK_TOLERANCE_MS, f"started early: {early[:10]} ms"
     starts = sorted(r["start"] for r in done)
     due = sorted(row.trigger_time for row in tasks.values())
-    spans = f"due over {due[-1] - due[0]} ms, started over {starts[-1] - starts[0]} ms"
-    print(f"\n{n} Celery tasks via ax ({'redis' if redis else 'rabbitmq'}): lateness p50 "
-          f"{pct(late, 50)} ms, p99 {pct(late, 99)} ms, max {max(late)} ms; claimed − due "
-          f"p50 {pct(sent_late, 50)} ms, p99 {pct(sent_late, 99)} ms; {with_eta} had an eta; "
-          f"{len(beat_runs)} beat occurrences, each run once; {spans}")
+    beat = check_beat(every, beat_log)
+    print(f"\n{N} Celery tasks via ax ({'redis' if redis else 'rabbitmq'}): produced in "
+          f"{produced_s:.1f} s ({N / produced_s:.0f}/s); due over "
+          f"{(due[-1] - due[0]) / 1000:.1f} s, started over {(starts[-1] - starts[0]) / 1000:.1f}"
+          f" s; lateness p50 {pct(late, 50)} ms, p99 {pct(late, 99)} ms, max {max(late)} ms, "
+          f"min {min(late)} ms; {beat} beat occurrences, each run once; "
+          f"the test took {took_s:.1f} s")
+    assert pct(late, 99) <= P99_LATE_MS and max(late) <= MAX_LATE_MS, (
+        pct(late, 99), max(late))
+
+
+def beat_ran(system: System, beat_log: Path) -> bool:
+    """True when every beat task handed off to Celery so far has a line in ``beat_log``."""
+    handed = {r[0] for r in system.query(
+        "SELECT task_id FROM ax_task WHERE job = 'beat:tick' AND status = 'SUCCESS'")}
+    return handed <= {r["ax"] for r in runs(beat_log)}
+
+
+def check_beat(every: dict[int, Any], beat_log: Path) -> int:
+    """The beat entry, fired by 2 schedulers: one task per occurrence, each handed-off one
+    run exactly once; returns how many ran."""
+    ticks = {i: row for i, row in every.items() if row.job == "beat:tick"}
+    ran = [r["ax"] for r in runs(beat_log)]
+    assert len({row.scheduled_at for row in ticks.values()}) == len(ticks)
+    assert len(set(ran)) == len(ran) and set(ran) <= set(ticks)
+    assert set(ran) == {i for i, row in ticks.items() if row.status == "SUCCESS"}
+    assert len(ran) >= COUNTDOWN_S + SPREAD_S - 2  # about one a second while the test ran
+    return len(ran)
 
 
 @pytest.mark.timeout(120)
