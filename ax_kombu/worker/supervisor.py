@@ -39,10 +39,10 @@ as one endpoint. Contracts:
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -178,7 +178,7 @@ class Supervisor:
             self._on_exit(proc.pid)
             if self.flags.stopping:
                 log.info("worker process exited", extra={"node": child.name, "pid": proc.pid,
-                                                         "exit": describe_exit(proc.returncode)})
+                                                         "status": describe_exit(proc.returncode)})
                 continue
             self._schedule_restart(child, proc)
 
@@ -189,7 +189,7 @@ class Supervisor:
         child.restart_at = now + delay
         log.warning("worker process exited unexpectedly; restarting it",
                     extra={"node": child.name, "pid": proc.pid,
-                           "exit": describe_exit(proc.returncode),
+                           "status": describe_exit(proc.returncode),
                            "ran_s": round(now - child.started, 1), "restart_in_s": delay})
 
     def _restart_due(self) -> None:
@@ -221,13 +221,16 @@ def _close_quietly(stream: IO[bytes]) -> None:
 
 
 def obey_supervisor(request_stop: Callable[[bool], None], stopping: Callable[[], bool],
-                    stdin: IO[bytes] | None = None) -> threading.Thread:
-    """Make this worker process a supervisor's child: stop orders come from ``stdin``.
+                    fd: int = 0) -> threading.Thread:
+    """Make this worker process a supervisor's child: stop orders come on ``fd`` (stdin).
 
     SIGTERM and SIGINT are ignored (the supervisor forwards them), SIGQUIT is
     a cold stop; a thread reads ``warm`` / ``cold`` lines, and takes end of
     file (the supervisor is gone) as a warm stop. A warm order while a stop is
-    already under way changes nothing. Call it from the main thread.
+    already under way changes nothing. The thread reads the descriptor with
+    ``os.read``, not through ``sys.stdin``: a daemon thread blocked inside a
+    buffered reader holds its lock, which aborts the interpreter at exit.
+    Call it from the main thread.
 
     Returns:
         The reading thread (a daemon).
@@ -235,14 +238,16 @@ def obey_supervisor(request_stop: Callable[[bool], None], stopping: Callable[[],
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGQUIT, lambda _sig, _frame: request_stop(True))
-    source = stdin if stdin is not None else sys.stdin.buffer
 
     def read() -> None:
-        for line in source:
-            if line.strip() == COLD.strip():
-                request_stop(True)
-            elif line.strip() == WARM.strip() and not stopping():
-                request_stop(False)
+        pending = b""
+        while chunk := _read(fd):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line == COLD.strip():
+                    request_stop(True)
+                elif line == WARM.strip() and not stopping():
+                    request_stop(False)
         if not stopping():
             log.warning("the supervisor's pipe closed; stopping warmly")
             request_stop(False)
@@ -250,6 +255,14 @@ def obey_supervisor(request_stop: Callable[[bool], None], stopping: Callable[[],
     thread = threading.Thread(target=read, name="ax-supervisor-pipe", daemon=True)
     thread.start()
     return thread
+
+
+def _read(fd: int) -> bytes:
+    """The next bytes on ``fd``; empty at end of file (or if it cannot be read)."""
+    try:
+        return os.read(fd, 512)
+    except OSError:
+        return b""
 
 
 # -- metrics ------------------------------------------------------------------------------------

@@ -78,6 +78,14 @@ def parent_of(pid: int) -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
+def assert_stopped_cleanly(supervisor: Daemon) -> None:
+    """Each child's exit, as the supervisor logged it, was a plain ``exit 0``."""
+    tail = supervisor.tail(400)
+    exits = [line for line in tail.splitlines() if "worker process exited node=" in line]
+    assert len(exits) == len(CHILDREN) and all("status=exit 0" in line for line in exits), tail
+    assert "Fatal Python error" not in tail and "Traceback" not in tail, tail
+
+
 def items(log: RunLog, count: int, **payload: Any) -> list[dict[str, Any]]:
     return [{"task_type": "e2e.task", "payload": {"log": str(log), "i": i, **payload},
              "delay": 1.0, "max_retry": 3} for i in range(count)]
@@ -127,6 +135,7 @@ def test_sigterm_to_the_supervisor_stops_every_child_warmly(
     for name in CHILDREN:
         assert system.node(name).stopped_at is not None, f"{name} did not stop cleanly"
     assert "stopping the worker processes" in supervisor.tail(200)
+    assert_stopped_cleanly(supervisor)
 
 
 @services
@@ -239,6 +248,7 @@ def test_one_endpoint_sums_the_children_metrics(
     supervisor.proc.send_signal(signal.SIGTERM)
     assert supervisor.proc.wait(30) == 0, system.tails()
     assert not shared_dir.exists(), "the supervisor removes the metrics directory"
+    assert_stopped_cleanly(supervisor)
 
 
 @pytest.mark.parametrize("given", ["flag", "variable"])
@@ -258,3 +268,15 @@ def test_zero_processes_is_a_usage_error(tmp_path: Path, given: str) -> None:
 
 def test_restart_back_off_doubles_up_to_its_cap() -> None:
     assert [restart_delay_s(n) for n in range(8)] == [1.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_children_repeat_the_flags_given_less_the_supervisors_own() -> None:
+    from ax_kombu.cli.worker import child_argv, main
+
+    ctx = main.make_context("ax-worker", [
+        "-Q", "high,slow", "-A", "app.one", "-A", "app.two", "-c", "4", "-n", "w1",
+        "--processes", "3", "--pidfile", "/tmp/w.pid", "--metrics-port", "9100",
+        "-l", "debug", "--db", "sqlite:///ax.db"])
+    assert child_argv(ctx) == ["--queues", "high,slow", "--app", "app.one", "--app", "app.two",
+                               "--concurrency", "4", "--loglevel", "DEBUG",
+                               "--db", "sqlite:///ax.db"]
