@@ -140,7 +140,9 @@ def report(results: list[dict[str, Any]], config: Config, args: argparse.Namespa
         from .plots import plot
 
         title = (f"{args.scenario}: {args.n:,} tasks"
-                 + (" due at one instant" if args.scenario == "burst" else f" at {args.rate:g}/s")
+                 + {"burst": " due at one instant",
+                    "backlog": " due as they are handed over"}.get(args.scenario,
+                                                                   f" at {args.rate:g}/s")
                  + (f", handed over {args.delay:g} s ahead" if args.scenario == "steady" else "")
                  + f", {config.broker}, {machine().split(',')[0]}, {started:%Y-%m-%d %H:%M} UTC")
         print("PNG:", plot(results, title, Path(args.img) / f"bench-{name}.png"))

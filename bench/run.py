@@ -1,6 +1,6 @@
 """ax, Celery ETA and 200 ms table polling side by side, the same body, the same run (issue 15).
 
-    python -m bench run --scenario burst|spread|steady [--n N] [--broker redis|rabbitmq]
+    python -m bench run --scenario burst|spread|steady|backlog [--n N] [--broker redis|rabbitmq]
                         [--systems ax,celery,polling] [--repeat R] [--out DIR]
 
 Scenarios (N defaults to 10,000):
@@ -10,6 +10,9 @@ Scenarios (N defaults to 10,000):
   LEAD s after they are handed over.
 * ``steady`` — the due times of ``spread``, but each task is handed over live, DELAY s
   (default 1) before it is due, in 50 ms ticks: the system takes new work while it runs.
+* ``backlog`` — N tasks all due at the instant their hand-over begins, so each arrives
+  already due (what a system meets after an outage, or when a producer enqueues work to run
+  now): the drain rate and how late the last one starts, with no head start for anyone.
 
 Every system is started fresh for each run, on loopback, with its own scratch state (see
 :mod:`bench.systems`), in the order given, and the whole order again for each repeat, so
@@ -71,7 +74,7 @@ TICK_S = 0.05
 
 def due_times(scenario: str, n: int, first_ms: int, rate: float) -> list[int]:
     """Each task's due time (epoch ms): all at ``first_ms``, or ``rate``/s from it."""
-    if scenario == "burst":
+    if scenario in ("burst", "backlog"):
         return [first_ms] * n
     return [first_ms + round(k * 1000 / rate) for k in range(n)]
 
@@ -139,6 +142,10 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
             if args.scenario == "steady":
                 lead_s = args.delay
                 dues, late = feed(running, args)
+            elif args.scenario == "backlog":  # due as the hand-over begins: no lead, by design
+                lead_s, late = 0.0, 0
+                dues = due_times("backlog", args.n, time.time_ns() // 1_000_000, args.rate)
+                running.submit(list(enumerate(dues)))
             else:
                 lead_s = lead_for(args, per_task_s)
                 first = time.time_ns() // 1_000_000 + round(lead_s * 1000)
@@ -207,7 +214,7 @@ def broker(args: argparse.Namespace, prefix: str) -> Iterator[str]:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=["burst", "spread", "steady"], required=True)
+    parser.add_argument("--scenario", choices=["burst", "spread", "steady", "backlog"], required=True)
     parser.add_argument("--n", type=int, default=10_000, help="tasks (default 10,000)")
     parser.add_argument("--rate", type=float, default=500.0,
                         help="spread, steady: tasks due per s")

@@ -11,6 +11,7 @@ from bench.run import due_times, summarise, timeline
 def test_due_times_burst_and_spread() -> None:
     assert due_times("burst", 3, 1000, 500.0) == [1000, 1000, 1000]
     assert due_times("spread", 4, 1000, 500.0) == [1000, 1002, 1004, 1006]
+    assert due_times("backlog", 2, 1000, 500.0) == [1000, 1000]  # all due at the hand-over
 
 
 def test_summary_counts_first_runs_and_ignores_the_warm_up() -> None:
