@@ -149,6 +149,14 @@ _RELEASE = """
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
  RETURNING task_id"""
 
+# a staged run withdrawn by its stopping worker before its trigger time: unheld, as it was
+_HAND_BACK = """
+    UPDATE ax_task AS t SET status = 'DELAYED', last_run_node = NULL
+      FROM {source}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
+       AND t.last_run_node = :node
+ RETURNING task_id"""
+
 _FINISH = """
     UPDATE ax_task AS t
        SET status = v.st,
@@ -199,6 +207,20 @@ def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int
     Fenced by attempt like :func:`start_many`; returns the ids that moved.
     """
     return _run_batch(conn, ("id", "att"), _RELEASE, pairs)
+
+
+def hand_back_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str) -> int:
+    """RUNNING → DELAYED, at the same attempt, for staged runs ``node`` never started.
+
+    ``last_run_node`` becomes NULL (unheld: a scheduler claims the task again);
+    ``trigger_time``, ``retry_count`` and ``started_at`` are left as they are.
+    Only a row at its pair's attempt, RUNNING on ``node``, moves: one recovered,
+    cancelled or started again meanwhile does not.
+
+    Returns:
+        How many rows moved.
+    """
+    return len(_run_batch(conn, ("id", "att"), _HAND_BACK, pairs, node=node))
 
 
 class Finish(NamedTuple):

@@ -28,7 +28,6 @@ import time
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
-from ax_kombu.core.states import Status
 from ax_kombu.store import Store, transitions
 from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
@@ -54,6 +53,7 @@ class Shutdown:
         self._wakeup = wakeup
         self._flags = flags
         self._db = HeldConnection(store.engine)
+        self._node = intake.receipts.node_id
 
     def hand_back(self) -> None:
         """Start the batches in flight, then hand received-but-unstarted work back to READY."""
@@ -78,15 +78,9 @@ class Shutdown:
         """RUNNING → DELAYED (unheld, nothing else changed) for withdrawn staged runs."""
         if not held:
             return
-        by_attempt: dict[int, list[int]] = {}
-        for delivery in held:
-            by_attempt.setdefault(delivery.task.attempt, []).append(delivery.task.task_id)
         try:
             with self._db.begin() as conn:
-                moved = sum(len(transitions.transition(conn, ids, [Status.RUNNING],
-                                                       Status.DELAYED, attempt=attempt,
-                                                       values={"last_run_node": None}))
-                            for attempt, ids in by_attempt.items())
+                moved = transitions.hand_back_many(conn, [d.pair for d in held], self._node)
         except SQLAlchemyError:
             log.warning("could not hand staged runs back; the recovery retries them",
                         exc_info=True, extra={"count": len(held)})

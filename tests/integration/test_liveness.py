@@ -176,6 +176,29 @@ def test_a_start_whose_reply_was_lost_is_resumed_not_refused(client: Client) -> 
         assert transitions.start_many(conn, pairs, "w3", now + 1, resume=True) == []
 
 
+def test_a_hand_back_moves_only_runs_still_running_at_their_attempt_on_its_node(
+        client: Client) -> None:
+    """A stopping worker's withdrawn staged runs: RUNNING → DELAYED, unheld, the rest of the
+    row kept. A stale attempt, a run that ended and another node's run stay as they are."""
+    back, stale, ended, other = ids = claimed(client, "s", 4)
+    now = client.store.now_ms()
+    with client.store.engine.begin() as conn:
+        transitions.start_many(conn, [(back, 1), (stale, 1), (ended, 1)], "w4", now)
+        transitions.start_many(conn, [(other, 1)], "w5", now)
+        transitions.finish_many(conn, [transitions.Finish(ended, 1, Status.SUCCESS, now)])
+        before = conn.execute(select(tasks).where(tasks.c.task_id == back)).one()
+        assert transitions.hand_back_many(conn, [], "w4") == 0
+        moved = transitions.hand_back_many(
+            conn, [(back, 1), (back, 1), (stale, 2), (ended, 1), (other, 1)], "w4")
+    assert moved == 1
+    assert statuses(client, ids) == {back: ("DELAYED", None), stale: ("RUNNING", "w4"),
+                                     ended: ("SUCCESS", "w4"), other: ("RUNNING", "w5")}
+    with client.store.engine.connect() as conn:
+        after = conn.execute(select(tasks).where(tasks.c.task_id == back)).one()
+    kept = ("attempt", "trigger_time", "retry_count", "started_at", "dispatched_at")
+    assert [after._mapping[c] for c in kept] == [before._mapping[c] for c in kept]
+
+
 def test_re_dispatch_backs_off_per_attempt_and_stops_at_the_maximum(client: Client) -> None:
     (task,) = claimed(client, "s", 1)
     (slow,) = claimed(client, "s", 1, priority="slow")
