@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import select as selectors
-import subprocess
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -21,37 +19,11 @@ from ax_kombu.config import from_env
 from ax_kombu.store.schema import attempts, tasks
 from ax_kombu.store.tasks import WAKE_CHANNEL
 
-from .ax_cli import run_ax
+from .ax_cli import Ax
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 HOUR, DAY = 3_600_000, 86_400_000
-
-
-class Ax:
-    """Runs ``ax ARGS`` with ``AX_DATABASE_URL`` set to this test's database."""
-
-    def __init__(self, url: str) -> None:
-        self.env = {"AX_DATABASE_URL": url}
-
-    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return run_ax(*args, env=self.env)
-
-    def ok(self, *args: str) -> str:
-        proc = self(*args)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.ok(*args, "--json"))
-
-    def fails(self, code: int, *args: str) -> str:
-        proc = self(*args)
-        lines = proc.stderr.splitlines()
-        assert proc.returncode == code, (proc.returncode, proc.stderr)
-        assert len(lines) == 1 and lines[0].startswith("ax: error: "), proc.stderr
-        assert proc.stdout == ""
-        return lines[0]
 
 
 @pytest.fixture

@@ -27,35 +27,12 @@ from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms, make_engine, migrate
 from ax_kombu.store.schema import attempt_archive, attempts, task_archive, tasks
 
-from .ax_cli import ax_command, run_ax
+from .ax_cli import Ax, ax_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 DAY = 86_400_000
 _made = itertools.count(1)
-
-
-class Ax:
-    """Runs ``ax ARGS`` with ``AX_DATABASE_URL`` set to this test's database."""
-
-    def __init__(self, url: str) -> None:
-        self.env = {"AX_DATABASE_URL": url}
-
-    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return run_ax(*args, env=self.env)
-
-    def json(self, *args: str) -> Any:
-        proc = self(*args, "--json")
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
-
-    def fails(self, code: int, *args: str) -> str:
-        proc = self(*args)
-        lines = proc.stderr.splitlines()
-        assert proc.returncode == code, (proc.returncode, proc.stderr)
-        assert len(lines) == 1 and lines[0].startswith("ax: error: "), proc.stderr
-        assert proc.stdout == ""
-        return lines[0]
 
 
 @pytest.fixture
