@@ -144,23 +144,37 @@ def ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
                 drop_redis_keys(config.broker_url, f"{config.prefix}{tag}:")
 
 
-@contextmanager
-def celery_system(config: Config, key: str, tag: str) -> Iterator[Running]:
-    """One ``celery worker -P threads``; ETA tasks through one producer."""
-    from .celery_app import TASK_NAME, make_app  # Celery is optional: the bench extra
-
+def _celery_queue(config: Config, tag: str) -> tuple[str, str]:
+    """The run's Celery queue, and its Redis key prefix (none on RabbitMQ: a scratch vhost)."""
     queue = f"{config.prefix}{tag}"
-    prefix = f"{config.prefix}{tag}:" if config.broker == "redis" else ""
+    return queue, f"{queue}:" if config.broker == "redis" else ""
+
+
+@contextmanager
+def _celery_worker(config: Config, key: str, tag: str) -> Iterator[subprocess.Popen[bytes]]:
+    """One stock ``celery worker -P threads -c THREADS`` on the run's queue (no gossip,
+    mingle or heartbeat), logging to ``TAG-worker.log``; warm-stopped on exit."""
+    queue, prefix = _celery_queue(config, tag)
     env = _plain_env({"AXBENCH_CELERY_BROKER": config.broker_url,
                       "AXBENCH_CELERY_PREFIX": prefix, "AXBENCH_CELERY_QUEUE": queue,
                       **_ledger_env(config, key)})
     cmd = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", "-P", "threads",
            "-c", str(config.threads), "-Q", queue, "-n", f"{tag}@localhost", "-l", "WARNING",
            "--without-gossip", "--without-mingle", "--without-heartbeat"]
+    with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
+        yield proc
+
+
+@contextmanager
+def celery_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """One ``celery worker -P threads``; ETA tasks through one producer."""
+    from .celery_app import TASK_NAME, make_app  # Celery is optional: the bench extra
+
+    queue, prefix = _celery_queue(config, tag)
     app = make_app(config.broker_url, prefix, queue)
     task = app.tasks[TASK_NAME]
     try:
-        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
+        with _celery_worker(config, key, tag) as proc:
 
             def send(tasks: list[Task]) -> None:
                 with app.producer_or_acquire() as producer:
@@ -202,14 +216,7 @@ def celery_ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
 
     from .celery_app import TASK_NAME, make_app
 
-    queue = f"{config.prefix}{tag}"
-    prefix = f"{config.prefix}{tag}:" if config.broker == "redis" else ""
-    env = _plain_env({"AXBENCH_CELERY_BROKER": config.broker_url,
-                      "AXBENCH_CELERY_PREFIX": prefix, "AXBENCH_CELERY_QUEUE": queue,
-                      **_ledger_env(config, key)})
-    cmd = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", "-P", "threads",
-           "-c", str(config.threads), "-Q", queue, "-n", f"{tag}@localhost", "-l", "WARNING",
-           "--without-gossip", "--without-mingle", "--without-heartbeat"]
+    queue, prefix = _celery_queue(config, tag)
     with scratch_database(f"{config.prefix}{tag}") as url:
         settings = from_env({}, database_url=url, broker_url=config.broker_url,
                             **({"broker_key_prefix": prefix} if prefix else {}))
@@ -220,7 +227,7 @@ def celery_ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
         try:
             with spawned([("scheduler", f"{tag}-scheduler", ["-l", "WARNING"])], _env(settings),
                          config.logs) as procs, \
-                    _process(cmd, env, config.logs / f"{tag}-worker.log") as worker:
+                    _celery_worker(config, key, tag) as worker:
                 _wait_registered(client, procs[0])
 
                 def send(tasks: list[Task]) -> None:
