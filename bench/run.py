@@ -230,6 +230,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="Celery -c and poller threads (ax: its default pools, 16 for default)")
     parser.add_argument("--ax-concurrency", default="",
                         help="ax-worker -c, e.g. default=64 (default: ax's pools, 16 for default)")
+    parser.add_argument("--ax-set", action="append", default=[], metavar="SETTING=VALUE",
+                        help="an ax setting for its daemons (AX_<SETTING>), e.g. claim_lead_ms=20")
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="give up this many s after the last due time")
     parser.add_argument("--redis-url", default=REDIS_URL, help="the ledger's Redis (and broker)")
@@ -257,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         with broker(args, prefix) as url:
             config = Config(args.broker, url, args.redis_url, prefix, args.threads,
-                            Path(args.logs), args.ax_concurrency)
+                            Path(args.logs), args.ax_concurrency, tuple(args.ax_set))
             for repeat in range(args.repeat):
                 for system in args.systems:
                     wait_quiet()

@@ -66,6 +66,9 @@ class Config:
     logs: Path
     #: ax-worker ``-c`` (e.g. ``default=64``); empty: ax's default pools
     ax_concurrency: str = ""
+    #: ``SETTING=VALUE`` items for the ax daemons (``--ax-set claim_lead_ms=20`` →
+    #: ``AX_CLAIM_LEAD_MS=20``), for A/B runs of one setting
+    ax_set: tuple[str, ...] = ()
 
 
 @dataclass
@@ -119,7 +122,7 @@ def ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
     with scratch_database(f"{config.prefix}{tag}") as url:
         settings = from_env({}, database_url=url, broker_url=config.broker_url,
                             broker_key_prefix=f"{config.prefix}{tag}:")
-        env = {**_env(settings), **_ledger_env(config, key)}
+        env = {**_env(settings, list(config.ax_set)), **_ledger_env(config, key)}
         worker = ["-Q", "high,default,slow", "-A", "bench.ax_tasks", "-l", "WARNING"]
         if config.ax_concurrency:
             worker += ["-c", config.ax_concurrency]
@@ -225,8 +228,8 @@ def celery_ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
         axc.install(app, client=client)
         task = app.tasks[TASK_NAME]
         try:
-            with spawned([("scheduler", f"{tag}-scheduler", ["-l", "WARNING"])], _env(settings),
-                         config.logs) as procs, \
+            with spawned([("scheduler", f"{tag}-scheduler", ["-l", "WARNING"])],
+                         _env(settings, list(config.ax_set)), config.logs) as procs, \
                     _celery_worker(config, key, tag) as worker:
                 _wait_registered(client, procs[0])
 
