@@ -11,7 +11,8 @@ its P processes are registered every message is published to Redis.
 tasks/s is ``n / (last finished_at - first started_at)``, from the database.
 The runs alternate P = 1, 2, 1, 2 … (``--rounds`` each, on one scratch
 database), and the medians are reported, with the CPU seconds of the worker
-processes and of PostgreSQL during each run and the load average before it.
+processes and of PostgreSQL (a lower bound: backends that ended are missed)
+during each run, and the 1-minute load average before and after it.
 
     .venv/bin/python -m bench.processes [--n 2000] [--rounds 2] [-c 2] [--task-ms 5]
 """
@@ -39,7 +40,6 @@ from ax_kombu.store import claims
 
 from .common import cpu_s, drop_redis_keys, machine, median, scratch_database, wait_quiet
 from .e2e import _command, _env, scalar
-from .worker import postgres_cpu_s
 
 TASK_TYPE = "bench.cpu"
 CLAIMER = "bench-claimer"
@@ -89,6 +89,27 @@ def prepare(client: Client, n: int, loops: int) -> list[Any]:
     return rows
 
 
+def postgres_cpu() -> dict[int, float]:
+    """CPU seconds so far of each local PostgreSQL process, by pid."""
+    found: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as comm:
+                if comm.read().strip() == "postgres":
+                    found[int(entry)] = cpu_s(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def postgres_cpu_since(before: dict[int, float]) -> float:
+    """PostgreSQL CPU seconds since ``before`` over the processes alive now (backends that
+    ended meanwhile are missing, so this is a lower bound; never negative)."""
+    return sum(max(0.0, now - before.get(pid, 0.0)) for pid, now in postgres_cpu().items())
+
+
 def live_pids(client: Client, name: str) -> list[int]:
     """The pids of the live worker processes named ``name`` or ``name.i``."""
     with client.store.engine.connect() as conn:
@@ -122,7 +143,7 @@ def run_once(settings: Settings, client: Client, args: argparse.Namespace, loops
     try:
         wait_for(lambda: len(live_pids(client, name)) == processes, 60, "worker processes up")
         pids = [proc.pid, *live_pids(client, name)] if processes > 1 else [proc.pid]
-        cpu_before, pg_before = sum(cpu_s(p) for p in pids), postgres_cpu_s()
+        cpu_before, pg_before = sum(cpu_s(p) for p in pids), postgres_cpu()
         publisher = Publisher(settings)
         try:
             now = client.store.now_ms()
@@ -135,7 +156,8 @@ def run_once(settings: Settings, client: Client, args: argparse.Namespace, loops
                                         "('SUCCESS', 'FAILED')") >= args.n,
                  args.timeout, f"{args.n} tasks finished")
         worker_cpu = sum(cpu_s(p) for p in pids) - cpu_before
-        pg_cpu = postgres_cpu_s() - pg_before
+        pg_cpu = postgres_cpu_since(pg_before)
+        load_after = os.getloadavg()[0]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -146,7 +168,7 @@ def run_once(settings: Settings, client: Client, args: argparse.Namespace, loops
     return {"processes": processes, "tasks": args.n, "success": int(success),
             "span_s": round(span_s, 2), "tasks_per_s": round(args.n / span_s, 1),
             "worker_cpu_s": round(worker_cpu, 1), "postgres_cpu_s": round(pg_cpu, 1),
-            "load_1m_before": round(load, 2)}
+            "load_1m_before": round(load, 2), "load_1m_after": round(load_after, 2)}
 
 
 def main() -> None:
