@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -280,3 +281,46 @@ def test_children_repeat_the_flags_given_less_the_supervisors_own() -> None:
     assert child_argv(ctx) == ["--queues", "high,slow", "--app", "app.one", "--app", "app.two",
                                "--concurrency", "4", "--loglevel", "DEBUG",
                                "--db", "sqlite:///ax.db"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_a_second_signal_stops_every_child_cold(tmp_path: Path) -> None:
+    """On the embedded store and transport (no servers): SIGTERM then SIGQUIT to the
+    supervisor → each child stops cold (exit 1), and so does the supervisor."""
+    from ax_kombu.config import from_env
+    from ax_kombu.store import Store
+
+    from ..e2e.system import stop_all
+
+    url = f"sqlite:///{tmp_path / 'ax.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
+    env.update({"AX_DATABASE_URL": url, "AX_BROKER_URL": f"ax+sqlite:///{tmp_path / 'b.db'}",
+                "AX_HEARTBEAT_INTERVAL_S": "0.5"})
+    with open(tmp_path / "wc.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "ax_kombu.cli.worker", "-n", "wc",
+                                 "--processes", "2", "-l", "INFO"], env=env, cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT)
+    store = Store(from_env({}, database_url=url))
+    try:
+        def registered() -> bool:
+            with store.engine.connect() as conn:
+                rows = conn.exec_driver_sql(
+                    "SELECT node_id FROM ax_node WHERE stopped_at IS NULL").fetchall()
+            return {r[0] for r in rows} >= {"wc.1", "wc.2"}
+
+        deadline = time.monotonic() + 40
+        while not registered():
+            assert time.monotonic() < deadline and proc.poll() is None, \
+                (tmp_path / "wc.log").read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGQUIT)
+        assert proc.wait(30) == 1
+    finally:
+        stop_all([proc])
+        store.close()
+    lines = (tmp_path / "wc.log").read_text().splitlines()
+    exits = [line for line in lines if "worker process exited node=" in line]
+    assert len(exits) == 2 and all("status=exit 1" in line for line in exits), lines
+    assert any("stopping the worker processes cold=True" in line for line in lines), lines
