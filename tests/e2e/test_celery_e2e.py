@@ -4,7 +4,7 @@ key prefix, and a RabbitMQ vhost of this run), PostgreSQL as ax's store.
 
 The countdown test (issue 16's "10,000 tasks via ``apply_async(countdown=…)`` after
 ``install(app)`` all run exactly once, on time"), on Redis and on RabbitMQ: N = 10,000 calls
-``record.apply_async(..., countdown=…)`` from 8 producer threads, stored in ax, claimed by
+``record.apply_async(..., countdown=…)`` from :data:`PRODUCERS` threads, stored in ax, claimed by
 one of the 2 schedulers when due (never staged ahead: a Celery-bound task is claimed only
 once its trigger time has come on the scheduler's database clock) and run by the Celery
 worker. The task body appends one line per run to a ledger file; judged from it:
@@ -14,16 +14,18 @@ worker. The task body appends one line per run to a ledger file; judged from it:
 * never early: no run starts before its trigger time (the worker's wall clock against
   PostgreSQL's, one host: :data:`~tests.e2e.system.CLOCK_TOLERANCE_MS` is allowed for the
   two clock readings);
-* on time: lateness (start − trigger time) p99 ≤ :data:`P99_LATE_MS`, max ≤
-  :data:`MAX_LATE_MS` (see there why).
+* on time: ax claimed each when due, never before (``dispatched_at`` ≥ trigger time),
+  claimed − due p99 ≤ :data:`CLAIM_P99_MS`, max ≤ :data:`CLAIM_MAX_MS`; and start − trigger
+  time p99 ≤ :data:`P99_LATE_MS`, max ≤ :data:`MAX_LATE_MS` (see there why).
 
 Why spread, not one instant: the countdowns are ``COUNTDOWN_S + SPREAD_S · i / N``, so the
-N due times cover ``SPREAD_S`` plus the producing time (≈ 15–20 s, ≈ 500–700 a second).
+N due times cover ``SPREAD_S`` plus the producing time (≈ 40 s at load 12, ≈ 250 a second).
 This test is about ax's timing in front of a stock Celery worker; 10,000 due in the same
 millisecond would measure only how fast one stock worker drains a backlog (N over its
-throughput, seconds on this 2-core machine; the bench's burst scenario shows that, with
-Celery's own ETA beside it). Spread at a rate one worker sustains, every task should start
-within milliseconds of its trigger time, so lateness measures ax's part.
+throughput: tens of seconds on this 2-core machine; the bench's burst scenario shows that,
+with Celery's own ETA beside it). Spread at a rate one worker can take, lateness is ax's
+part plus the worker's delivery, not a queue.
+A run takes ≈ 50–55 s per broker at load 11–13, most of it producing (``PRODUCERS``).
 
 The worker: ``-P threads -c 8``, ``-l WARNING`` (see :class:`CeleryWorker`). Meanwhile a
 ``beat_schedule`` entry (every second), imported with ``import_beat_schedule``, fires through
@@ -68,16 +70,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 COUNTDOWN_S = 5
 SPREAD_S = float(os.environ.get("AX_CELERY_E2E_SPREAD_S", "15"))
 N = int(os.environ.get("AX_CELERY_E2E_N", "0")) or 10_000
-#: Bounds on lateness (a run's start − its trigger time). ax's part is the wheel's tick
-#: (1 ms), one claim and one publish (a few ms each on loopback), then the broker and the
-#: worker's consume loop: a few ms at p50. The rest is this shared 2-core machine: the two
-#: schedulers, PostgreSQL, the broker, the worker and the 8 producer threads (still
-#: producing while the first tasks come due) take turns on two cores, and a GC or fsync
-#: pause holds a batch for tens of ms. The bounds leave that room, an order of magnitude
-#: below where Celery's own ETA is (p99 5–19 s for a burst, issue 16) and below the
-#: schedule-delay alert (2 s, SPEC):
-P99_LATE_MS = 250
-MAX_LATE_MS = 1000
+#: Bounds on lateness. ax's part, claimed − due (both on the database clock, from the row):
+#: the wheel's tick (1 ms), then one claim round trip; a batch waits behind the one before
+#: it, so p99 is tens of ms even on a loaded machine (measured 127–142 ms at load 13). Then
+#: the publish, the broker and the stock worker: its consume loop takes one message at a
+#: time (on Redis one BRPOP plus two pipelines, the unacked index and the ack, per message),
+#: so when the machine's 2 cores are shared with two schedulers, PostgreSQL, the broker, the
+#: producer threads (still producing while the first tasks come due) and other jobs, the
+#: worker trails by up to seconds: start − due p50 63 / 347 ms, p99 621 / 2,070 ms, max 732 /
+#: 2,370 ms on RabbitMQ / Redis at load 11–13 (2026-12-03). The bounds leave room for that on
+#: a shared CI runner, and are still under SPEC's critical schedule-delay level (10 s) and
+#: Celery's own ETA for this count (p99 5–19 s, issue 16):
+CLAIM_P99_MS, CLAIM_MAX_MS = 250, 1000
+P99_LATE_MS, MAX_LATE_MS = 3000, 5000
+#: Producer threads. One apply_async is an ax enqueue: about three round trips to PostgreSQL
+#: and a commit (≈ 2.7 ms, ≈ 370 calls/s from one thread here); the threads overlap those
+#: waits: 8 made ≈ 570/s and 16 ≈ 810/s on this 2-core machine under load (2,000 calls).
+PRODUCERS = 16
 #: how long a run of the kill test takes
 RUN_S = 2.0
 
@@ -171,7 +180,7 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
         axc.install(celery_app.app, client=system.client)
         record = celery_app.app.tasks["e2e.celery.record"]
         started = time.monotonic()
-        with ThreadPoolExecutor(8) as producers:  # 8 producer threads, as a web app has
+        with ThreadPoolExecutor(PRODUCERS) as producers:
             results = list(producers.map(lambda i: record.apply_async(
                 (str(log), i), countdown=COUNTDOWN_S + SPREAD_S * i / N), range(N)))
         produced_s = time.monotonic() - started
@@ -184,7 +193,8 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
         system.wait_for(lambda: system.query(
             "SELECT count(*) FROM ax_task WHERE job IS NULL AND status = 'SUCCESS'")[0][0] == N,
             30, f"{N} ax tasks SUCCESS", detail=system.statuses)
-        system.wait_for(lambda: beat_ran(system, beat_log), 10, "every handed-off tick ran")
+        handed_ticks = system.wait_for(lambda: beat_ran(system, beat_log), 10,
+                                       "every handed-off tick ran")
     finally:
         worker.stop()
         axc.uninstall(celery_app.app)
@@ -198,6 +208,7 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
     assert len(tasks) == N and {r["ax"] for r in done} == set(tasks)
     assert sorted(res.id for res in results) == sorted(r["id"] for r in done)
     late: list[int] = []
+    sent_late = [row.dispatched_at - row.trigger_time for row in tasks.values()]  # ax's part
     for r in done:
         row = tasks[r["ax"]]
         assert row.status == "SUCCESS" and r["attempt"] == row.attempt == 1
@@ -209,32 +220,36 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
     assert min(late) >= -CLOCK_TOLERANCE_MS, f"started early: {early[:10]} ms"
     starts = sorted(r["start"] for r in done)
     due = sorted(row.trigger_time for row in tasks.values())
-    beat = check_beat(every, beat_log)
     print(f"\n{N} Celery tasks via ax ({'redis' if redis else 'rabbitmq'}): produced in "
           f"{produced_s:.1f} s ({N / produced_s:.0f}/s); due over "
           f"{(due[-1] - due[0]) / 1000:.1f} s, started over {(starts[-1] - starts[0]) / 1000:.1f}"
           f" s; lateness p50 {pct(late, 50)} ms, p99 {pct(late, 99)} ms, max {max(late)} ms, "
-          f"min {min(late)} ms; {beat} beat occurrences, each run once; "
-          f"the test took {took_s:.1f} s")
+          f"min {min(late)} ms; claimed − due p50 {pct(sent_late, 50)} ms, p99 "
+          f"{pct(sent_late, 99)} ms, min {min(sent_late)} ms; the test took {took_s:.1f} s")
+    assert pct(sent_late, 99) <= CLAIM_P99_MS and max(sent_late) <= CLAIM_MAX_MS, (
+        pct(sent_late, 99), max(sent_late))
+    assert min(sent_late) >= 0  # claimed when due, never staged ahead
     assert pct(late, 99) <= P99_LATE_MS and max(late) <= MAX_LATE_MS, (
         pct(late, 99), max(late))
+    print(f"{check_beat(every, beat_log, handed_ticks)} beat occurrences, each run once")
 
 
-def beat_ran(system: System, beat_log: Path) -> bool:
-    """True when every beat task handed off to Celery so far has a line in ``beat_log``."""
+def beat_ran(system: System, beat_log: Path) -> set[int] | None:
+    """The beat tasks handed off to Celery so far, once each has a line in ``beat_log``."""
     handed = {r[0] for r in system.query(
         "SELECT task_id FROM ax_task WHERE job = 'beat:tick' AND status = 'SUCCESS'")}
-    return handed <= {r["ax"] for r in runs(beat_log)}
+    return handed if handed <= {r["ax"] for r in runs(beat_log)} else None
 
 
-def check_beat(every: dict[int, Any], beat_log: Path) -> int:
-    """The beat entry, fired by 2 schedulers: one task per occurrence, each handed-off one
-    run exactly once; returns how many ran."""
+def check_beat(every: dict[int, Any], beat_log: Path, handed: set[int]) -> int:
+    """The beat entry, fired by 2 schedulers: one task per occurrence, each handed off
+    (``handed``: those seen before the worker stopped) run exactly once, none run that was
+    not handed off; returns how many ran."""
     ticks = {i: row for i, row in every.items() if row.job == "beat:tick"}
     ran = [r["ax"] for r in runs(beat_log)]
     assert len({row.scheduled_at for row in ticks.values()}) == len(ticks)
-    assert len(set(ran)) == len(ran) and set(ran) <= set(ticks)
-    assert set(ran) == {i for i, row in ticks.items() if row.status == "SUCCESS"}
+    assert len(set(ran)) == len(ran)
+    assert handed <= set(ran) <= {i for i, row in ticks.items() if row.status == "SUCCESS"}
     assert len(ran) >= COUNTDOWN_S + SPREAD_S - 2  # about one a second while the test ran
     return len(ran)
 
