@@ -175,8 +175,7 @@ class Housekeeper(Stage):
         lag = settings.claim_lead_ms  # a Celery-bound task fires when due, not staged
         try:
             with self._store.engine.begin() as conn:
-                rows = recovery.preload(conn, self._node_id, now, horizon, room,
-                                        celery_lag_ms=lag)
+                rows = recovery.preload(conn, self._node_id, now, horizon, room, lag)
                 if self._reconcile:  # re-adding an id the wheel has only reschedules it
                     rows += recovery.held_by(conn, self._node_id, horizon, room,
                                              celery_lag_ms=lag)

@@ -81,7 +81,7 @@ def _sql(conn: Connection, forms: dict[str, str]) -> str:
 
 
 def preload(conn: Connection, node: str, now_ms: int, horizon_ms: int,
-            limit: int, *, celery_lag_ms: int = 0) -> list[tuple[int, int]]:
+            limit: int, celery_lag_ms: int = 0) -> list[tuple[int, int]]:
     """Take up to ``limit`` tasks due before ``horizon_ms`` for ``node``, oldest first.
 
     CREATED rows become DELAYED (or READY when already due); unheld
