@@ -94,12 +94,14 @@ RUN_S = 2.0
 class CeleryWorker:
     """One ``celery worker`` subprocess, its output in a log file.
 
-    The threads pool: the test's task is a file append of microseconds, so what limits a
-    worker is its one consuming thread (Kombu's receive, Celery's request handling), not
-    the pool; threads hand over in-process, where prefork would add a pipe round trip to
-    a child per task on a machine with 2 cores to share. ``-c 8`` with Celery's default
-    prefetch (4 × 8 = 32 messages) keeps the pool fed. ``-l WARNING``: at ``INFO`` Celery
-    logs two lines per task, a measurable share of the consuming thread at 700 tasks/s.
+    ``-P threads -c 8``: what limits a stock worker here is its one consuming thread
+    (Kombu's receive, one message at a time; on Redis a BRPOP plus the unacked-index and
+    ack pipelines per message), not the pool. Draining 5,000 queued ``record`` calls on
+    Redis at load 7–9 (2026-12-03): threads -c 8 prefetch ×4 630/s, ×16 626/s; solo 651/s;
+    prefork -c 2 575/s (a pipe round trip to a child per task). So the threads pool, which
+    stays close to the best with the concurrency a real app needs, and Celery's default
+    prefetch. ``-l WARNING`` for the countdown test: at ``INFO`` Celery logs two lines per
+    task on that same thread.
     """
 
     def __init__(self, broker_url: str, prefix: str, queue: str, tmp: Path, name: str,
