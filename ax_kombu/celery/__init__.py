@@ -23,7 +23,10 @@ Guarantees:
 * Dispatch is exactly once per attempt: the ax-scheduler whose claim moved the
   row publishes one Celery message, whose task id is derived from the ax task id
   and the attempt (:func:`ax_kombu.broker.celery_wire.celery_task_id`), when the
-  task is due, never before (:mod:`ax_kombu.broker.celery_wire`).
+  task is due, never before: unlike ax's own tasks it is not staged; the scheduler
+  claims it only once its trigger time has come on its database clock
+  (:mod:`ax_kombu.store.claims`), so until then ``cancel`` wins, and the message has no
+  ``eta`` for the Celery worker to hold.
 * Without the worker extension, once the broker has accepted that message the ax
   task is SUCCESS (its ``result`` names the Celery task id); from there on Celery's
   own semantics apply: at-least-once with ``acks_late``, at-most-once without,
