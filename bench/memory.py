@@ -88,10 +88,12 @@ class Sampler(threading.Thread):
         return self.peak
 
 
-def snapshot(label: str, rows: int, pids: dict[str, int], note: str = "") -> dict[str, Any]:
+def snapshot(label: str, rows: int, pids: dict[str, int], note: str = "",
+             rss: dict[str, int] | None = None) -> dict[str, Any]:
+    """VmRSS (or the given sampled peaks ``rss``) and VmHWM of each process now."""
     out: dict[str, Any] = {"when": label, "rows": rows}
     for name, pid in pids.items():
-        out[f"{name}_rss_mb"] = proc_mb(pid, "VmRSS")
+        out[f"{name}_rss_mb"] = rss[name] if rss else proc_mb(pid, "VmRSS")
         out[f"{name}_hwm_mb"] = proc_mb(pid, "VmHWM")
     out["load1"] = round(os.getloadavg()[0], 2)
     out["utc"] = datetime.now(UTC).strftime("%H:%M:%S")
@@ -136,13 +138,12 @@ def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             done = wait_done(client, args.burst, args.lead + args.timeout)
             last = int(scalar(client, "SELECT MAX(finished_at) FROM ax_task"))
             peak = sampler.stop()
-            burst = snapshot(f"{args.burst:,} burst: peak", have + args.burst, pids,
-                             f"{done:,} final, {args.burst / max(1e-3, (last - trigger) / 1000):,.0f}"
-                             f" tasks/s, {sampler.samples} samples over "
-                             f"{time.monotonic() - started:.0f} s")
-            for name in pids:  # the sampled peak; VmHWM stays the kernel's
-                burst[f"{name}_rss_mb"] = peak[name]
-            found.append(burst)
+            # VmRSS: the sampled peak; VmHWM: the kernel's peak since the process started
+            found.append(snapshot(f"{args.burst:,} burst: peak", have + args.burst, pids,
+                                  f"{done:,} final, "
+                                  f"{args.burst / max(1e-3, (last - trigger) / 1000):,.0f} "
+                                  f"tasks/s, {sampler.samples} samples over "
+                                  f"{time.monotonic() - started:.0f} s", rss=peak))
             time.sleep(args.settle)
             found.append(snapshot("after the burst", have + args.burst, pids,
                                   f"{args.settle:g} s after the last task"))
