@@ -178,6 +178,19 @@ def figures(client: Client) -> dict[str, Any]:
 
 # -- scenarios ------------------------------------------------------------------------------------
 
+def enqueue_burst(client: Client, n: int, lead_s: float, task_type: str = "bench.burst") -> int:
+    """``n`` tasks ``{"i": i}`` all due ``lead_s`` from now (database clock), in bulk; returns
+    their trigger time (epoch ms). Fails if enqueueing took longer than the lead."""
+    trigger = client.store.now_ms() + int(lead_s * 1000)
+    run_at = datetime.fromtimestamp(trigger / 1000, UTC)
+    for base in range(0, n, 20_000):
+        client.enqueue_many([{"task_type": task_type, "run_at": run_at, "payload": {"i": i}}
+                             for i in range(base, min(n, base + 20_000))])
+    if client.store.now_ms() >= trigger:
+        raise SystemExit(f"enqueueing took longer than --lead {lead_s}s; raise it")
+    return trigger
+
+
 def burst(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
     client = Client(settings)
     with daemons(settings, args) as procs:

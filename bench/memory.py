@@ -36,7 +36,7 @@ from ax_kombu.config import from_env
 from ax_kombu.store.engine import make_engine
 
 from .common import machine, proc_mb, scratch_database, wait_quiet
-from .e2e import _cleanup_redis, daemons, scalar, wait_done, wait_ready
+from .e2e import _cleanup_redis, daemons, enqueue_burst, scalar, wait_done, wait_ready
 
 HOUR = 3_600_000
 
@@ -127,14 +127,7 @@ def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             sampler = Sampler(pids)
             sampler.start()
             started = time.monotonic()
-            trigger = client.store.now_ms() + int(args.lead * 1000)
-            run_at = datetime.fromtimestamp(trigger / 1000, UTC)
-            for base in range(0, args.burst, 20_000):
-                client.enqueue_many([{"task_type": "bench.burst", "run_at": run_at,
-                                      "payload": {"i": i}}
-                                     for i in range(base, min(args.burst, base + 20_000))])
-            if client.store.now_ms() >= trigger:
-                raise SystemExit(f"enqueueing took longer than --lead {args.lead}s; raise it")
+            trigger = enqueue_burst(client, args.burst, args.lead)
             done = wait_done(client, args.burst, args.lead + args.timeout)
             last = int(scalar(client, "SELECT MAX(finished_at) FROM ax_task"))
             peak = sampler.stop()

@@ -57,7 +57,7 @@ from ax_kombu.config import from_env
 from ax_kombu.store.engine import make_engine
 
 from .common import cpu_s, machine, scratch_database, wait_quiet
-from .e2e import _cleanup_redis, daemons, wait_ready
+from .e2e import _cleanup_redis, daemons, enqueue_burst, wait_ready
 
 PROBE = "ax-bench-probe"
 FINAL = "('SUCCESS', 'FAILED', 'CANCELLED')"
@@ -273,14 +273,7 @@ def one_round(variant: str, k: int, args: argparse.Namespace) -> dict[str, Any]:
                 s_idle = watch.snapshot()
                 time.sleep(args.idle)
                 s0 = watch.snapshot()
-                trigger = client.store.now_ms() + int(args.lead * 1000)
-                run_at = datetime.fromtimestamp(trigger / 1000, UTC)
-                for base in range(0, args.n, 20_000):
-                    client.enqueue_many([{"task_type": "bench.burst", "run_at": run_at,
-                                          "payload": {"i": i}}
-                                         for i in range(base, min(args.n, base + 20_000))])
-                if client.store.now_ms() >= trigger:
-                    raise SystemExit(f"enqueueing took longer than --lead {args.lead}s")
+                trigger = enqueue_burst(client, args.n, args.lead)
                 s1 = watch.snapshot()
                 cpu0 = {"scheduler": cpu_s(procs[0].pid), "worker": cpu_s(procs[1].pid)}
                 deadline = time.monotonic() + args.lead + args.timeout

@@ -87,6 +87,15 @@ def assert_stopped_cleanly(supervisor: Daemon) -> None:
     assert "Fatal Python error" not in tail and "Traceback" not in tail, tail
 
 
+def two_children(make_system: Callable[..., System], tmp_path: Path
+                 ) -> tuple[System, RunLog, Daemon, set[int]]:
+    """A system, its run log, a supervisor of two children started on it, the children's pids."""
+    system = make_system()
+    supervisor = start(system)
+    return (system, RunLog(tmp_path / "runs.jsonl"), supervisor,
+            {pid_of(system, name) for name in CHILDREN})
+
+
 def items(log: RunLog, count: int, **payload: Any) -> list[dict[str, Any]]:
     return [{"task_type": "e2e.task", "payload": {"log": str(log), "i": i, **payload},
              "delay": 1.0, "max_retry": 3} for i in range(count)]
@@ -95,10 +104,7 @@ def items(log: RunLog, count: int, **payload: Any) -> list[dict[str, Any]]:
 @services
 def test_two_processes_run_a_batch_exactly_once_between_them(
         make_system: Callable[..., System], tmp_path: Path) -> None:
-    system = make_system()
-    log = RunLog(tmp_path / "runs.jsonl")
-    supervisor = start(system)
-    pids = {pid_of(system, name) for name in CHILDREN}
+    system, log, supervisor, pids = two_children(make_system, tmp_path)
     assert len(pids) == 2 and supervisor.proc.pid not in pids
     assert {parent_of(pid) for pid in pids} == {supervisor.proc.pid}
 
@@ -117,10 +123,7 @@ def test_two_processes_run_a_batch_exactly_once_between_them(
 @services
 def test_sigterm_to_the_supervisor_stops_every_child_warmly(
         make_system: Callable[..., System], tmp_path: Path) -> None:
-    system = make_system()
-    log = RunLog(tmp_path / "runs.jsonl")
-    supervisor = start(system)
-    pids = {pid_of(system, name) for name in CHILDREN}
+    system, log, supervisor, pids = two_children(make_system, tmp_path)
     ids = system.enqueue_many(items(log, 4, sleep=1.5))
     system.wait_for(lambda: len({r.pid for r in log.runs()}) == 2 and len(log.runs()) == 4, 30,
                     "two runs started in each process", detail=log.runs)
