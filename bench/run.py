@@ -142,16 +142,13 @@ def measure(system: str, repeat: int, config: Config, args: argparse.Namespace) 
             if args.scenario == "steady":
                 lead_s = args.delay
                 dues, late = feed(running, args)
-            elif args.scenario == "backlog":  # due as the hand-over begins: no lead, by design
-                lead_s, late = 0.0, 0
-                dues = due_times("backlog", args.n, time.time_ns() // 1_000_000, args.rate)
-                running.submit(list(enumerate(dues)))
-            else:
-                lead_s = lead_for(args, per_task_s)
+            else:  # backlog: due as the hand-over begins, no lead by design (never "late")
+                backlog = args.scenario == "backlog"
+                lead_s = 0.0 if backlog else lead_for(args, per_task_s)
                 first = time.time_ns() // 1_000_000 + round(lead_s * 1000)
                 dues = due_times(args.scenario, args.n, first, args.rate)
                 running.submit(list(enumerate(dues)))
-                late = args.n if time.time() * 1000 > first else 0
+                late = args.n if not backlog and time.time() * 1000 > first else 0
             enqueue_s = time.monotonic() - began
             load = os.getloadavg()[0]
             wait_ledger(client, key, args.n, dues[-1] / 1000 + args.timeout, running)

@@ -26,7 +26,14 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 _FINE = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
          60.0, 300.0)
@@ -163,7 +170,10 @@ def observe_many(histogram: Any, values: Iterable[float]) -> None:
             bucket.inc(count)
 
 
-def serve(port: int, addr: str = "127.0.0.1") -> None:
-    """Expose /metrics on ``addr:port`` (0 disables)."""
-    if port:
-        start_http_server(port, addr=addr)
+def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> Any:
+    """Expose ``registry`` (this process's metrics by default) as /metrics on ``addr:port``
+    (0 disables). Returns the HTTP server, or None when disabled."""
+    if not port:
+        return None
+    served = start_http_server(port, addr=addr, registry=registry)
+    return served[0] if isinstance(served, tuple) else None

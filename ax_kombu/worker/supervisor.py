@@ -288,13 +288,14 @@ class SharedMetrics:
 
     def serve(self, port: int, addr: str) -> None:
         """Serve the children's merged metrics at ``http://addr:port/metrics``."""
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
+
+        from ax_kombu.observability import metrics
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.path)  # type: ignore[no-untyped-call]
-        served = start_http_server(port, addr=addr, registry=registry)
-        self._server = served[0] if isinstance(served, tuple) else None
+        self._server = metrics.serve(port, addr, registry)
 
     def process_dead(self, pid: int) -> None:
         """Drop the live gauges of a child that exited (its counters stay in the sums)."""
