@@ -1,7 +1,14 @@
-"""ax, Celery ETA and 200 ms table polling side by side, the same body, the same run (issue 15).
+"""ax, Celery ETA and 200 ms table polling side by side, the same body, the same run (issue 15),
+and on demand the PostgreSQL peers: a tight poller, PgQueuer and Procrastinate.
 
     python -m bench run --scenario burst|spread|steady|backlog [--n N] [--broker redis|rabbitmq]
                         [--systems ax,celery,polling] [--repeat R] [--out DIR]
+
+Systems (``--systems``, default ``ax,celery,polling``; see :mod:`bench.systems`): ``ax``,
+``celery`` (Celery ETA), ``celery-ax`` (Celery's ETA calls through ax), ``polling`` (a
+table polled every 200 ms), ``tight-poller`` (16 threads each claiming 50 due rows in a
+loop), ``pgqueuer`` (PgQueuer 1.6, ``execute_after``) and ``procrastinate``
+(Procrastinate 3.10, ``schedule_at``); the last two need the ``bench`` extra.
 
 Scenarios (N defaults to 10,000):
 
@@ -221,10 +228,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="s from the hand-over to the first due time (default 5 + n/500)")
     parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
     parser.add_argument("--systems", default="ax,celery,polling",
-                        help="comma-separated, run in this order: ax, celery, polling")
+                        help="comma-separated, run in this order, of: ax, celery, celery-ax, "
+                             "polling, tight-poller, pgqueuer, procrastinate")
     parser.add_argument("--repeat", type=int, default=1, help="run the whole order R times")
     parser.add_argument("--threads", type=int, default=16,
-                        help="Celery -c and poller threads (ax: its default pools, 16 for default)")
+                        help="Celery -c, poller threads, PgQueuer and Procrastinate concurrency "
+                             "(ax: its default pools, 16 for default)")
     parser.add_argument("--ax-concurrency", default="",
                         help="ax-worker -c, e.g. default=64 (default: ax's pools, 16 for default)")
     parser.add_argument("--ax-set", action="append", default=[], metavar="SETTING=VALUE",

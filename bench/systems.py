@@ -19,6 +19,19 @@ threads by default:
   ``ax-scheduler`` sends each to the Celery worker when due (issue 16).
 * ``polling`` — :mod:`bench.poller` (200 ms ticks, ``FOR UPDATE SKIP LOCKED LIMIT 1000``,
   a pool of THREADS) over a plain table, rows inserted in one transaction.
+* ``tight-poller`` — :mod:`bench.poller` ``--tight`` over the same table: THREADS threads,
+  each claiming ``LIMIT 50`` due rows in a loop that re-polls at once while rows come back
+  (50 ms sleep after an empty claim), marking them done in one statement.
+* ``pgqueuer`` — :mod:`bench.pgqueuer_worker`: PgQueuer's ``pgq run`` equivalent on a
+  dedicated asyncpg connection, ``batch_size`` 8, ``max_concurrent_tasks`` THREADS, the
+  body on THREADS threads; tasks enqueued in batches with ``execute_after`` = due.
+* ``procrastinate`` — :mod:`bench.procrastinate_worker` (its app and producer:
+  :mod:`bench.procrastinate_app`): one worker with ``concurrency`` THREADS, a pool of
+  THREADS + 1, 50 ms ``fetch_job_polling_interval``; tasks batch-deferred with
+  ``schedule_at`` = due.
+
+The three peers' libraries are in the ``bench`` extra; each is imported only when its
+system runs.
 """
 
 from __future__ import annotations
@@ -53,7 +66,7 @@ CELERY_PRODUCERS = 4
 class Config:
     """What every system of one invocation shares."""
 
-    #: ``redis`` or ``rabbitmq``: the broker ax and Celery use (polling uses none)
+    #: ``redis`` or ``rabbitmq``: the broker ax and Celery use (the PostgreSQL peers none)
     broker: str
     #: the broker URL (a scratch vhost on RabbitMQ)
     broker_url: str
@@ -61,7 +74,8 @@ class Config:
     redis_url: str
     #: this invocation's Redis key prefix and database name stem
     prefix: str
-    #: threads running the body in Celery and the poller (ax: its default pools)
+    #: threads running the body in Celery, the pollers, PgQueuer and Procrastinate (ax: its
+    #: default pools)
     threads: int
     logs: Path
     #: ax-worker ``-c`` (e.g. ``default=64``); empty: ax's default pools
@@ -262,5 +276,49 @@ def polling_system(config: Config, key: str, tag: str) -> Iterator[Running]:
             yield Running(lambda tasks: poller.insert(url, tasks), {"worker": proc})
 
 
+@contextmanager
+def tight_poller_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """:mod:`bench.poller` ``--tight`` over a plain table in a scratch database."""
+    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
+        poller.create_table(url)
+        cmd = [sys.executable, "-m", "bench.poller", url, "--tight",
+               "--threads", str(config.threads)]
+        env = _plain_env(_ledger_env(config, key))
+        with _process(cmd, env, config.logs / f"{tag}-poller.log") as proc:
+            yield Running(lambda tasks: poller.insert(url, tasks), {"worker": proc})
+
+
+@contextmanager
+def pgqueuer_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """:mod:`bench.pgqueuer_worker` on a scratch database with PgQueuer's schema."""
+    from . import pgqueuer_worker  # PgQueuer is optional: the bench extra
+
+    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
+        pgqueuer_worker.install(url)
+        cmd = [sys.executable, "-m", "bench.pgqueuer_worker", url,
+               "--concurrency", str(config.threads)]
+        env = _plain_env(_ledger_env(config, key))
+        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
+            yield Running(lambda tasks: pgqueuer_worker.enqueue(url, tasks), {"worker": proc})
+
+
+@contextmanager
+def procrastinate_system(config: Config, key: str, tag: str) -> Iterator[Running]:
+    """:mod:`bench.procrastinate_worker` on a scratch database with Procrastinate's schema."""
+    from . import procrastinate_app  # Procrastinate is optional: the bench extra
+
+    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
+        procrastinate_app.apply_schema(url)
+        cmd = [sys.executable, "-m", "bench.procrastinate_worker", url,
+               "--concurrency", str(config.threads)]
+        env = _plain_env(_ledger_env(config, key))
+        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
+            yield Running(lambda tasks: procrastinate_app.defer(url, tasks),
+                          {"worker": proc})
+
+
 SYSTEMS: dict[str, System] = {"ax": ax_system, "celery": celery_system,
-                              "celery-ax": celery_ax_system, "polling": polling_system}
+                              "celery-ax": celery_ax_system, "polling": polling_system,
+                              "tight-poller": tight_poller_system,
+                              "pgqueuer": pgqueuer_system,
+                              "procrastinate": procrastinate_system}
