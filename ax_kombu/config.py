@@ -130,8 +130,11 @@ class Settings:
     #: worker: slots for what is sent to this worker alone (``shards="workers"``), from
     #: its own queue (``ax.worker.<name>``).
     pool_own: int = 2
-    #: worker: broker prefetch per queue = pool slots not in use × this.
+    #: worker: broker prefetch per queue = pool slots not in use × this (plus the stage).
     prefetch_multiplier: int = 1
+    #: worker: each lane stages (fences RUNNING ahead of a free thread) what its threads
+    #: finish within this horizon at the measured run time, at most 200 per thread; 0: none.
+    worker_stage_horizon_ms: int = 1000
     #: worker: retry n waits min(max, base · 2ⁿ), minus up to ``jitter`` of it at random.
     retry_backoff_base_ms: int = 1000
     retry_backoff_max_ms: int = 600_000
@@ -207,6 +210,9 @@ class Settings:
                      "worker_batch_size", "worker_batch_ms", "worker_receipt_writers"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.worker_stage_horizon_ms <= 60_000:
+            raise ConfigurationError("worker_stage_horizon_ms must be 0..60000, got "
+                                     f"{self.worker_stage_horizon_ms}")
         if not 0 <= self.retry_backoff_base_ms <= self.retry_backoff_max_ms:
             raise ConfigurationError("retry backoff needs 0 <= retry_backoff_base_ms <= "
                                      "retry_backoff_max_ms")

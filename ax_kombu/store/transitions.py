@@ -165,7 +165,8 @@ _FINISH = """
            retry_count = t.retry_count + CASE WHEN v.st = 'DELAYED' THEN 1 ELSE 0 END,
            last_error = CASE WHEN v.st = 'SUCCESS' THEN t.last_error ELSE v.err END,
            result = CASE WHEN v.st = 'SUCCESS' THEN v.res ELSE t.result END,
-           last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END
+           last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END,
+           started_at = COALESCE(v.start, t.started_at)
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
  RETURNING task_id"""
@@ -237,6 +238,9 @@ class Finish(NamedTuple):
     error: str | None = None
     #: SUCCESS: the processor's return value as JSON text (None: none, or not stored)
     result: str | None = None
+    #: when the run really started (a run staged in its worker starts after its RUNNING
+    #: move wrote ``started_at``); None keeps the written one
+    started_at: int | None = None
 
 
 _FINISH_TARGETS = frozenset({S.SUCCESS, S.FAILED, S.DELAYED})
@@ -247,7 +251,8 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
 
     Columns set: SUCCESS ``finished_at``, ``result``; FAILED ``finished_at``,
     ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1``,
-    ``last_error`` and ``last_run_node = NULL`` (a scheduler adopts it).
+    ``last_error`` and ``last_run_node = NULL`` (a scheduler adopts it); and
+    ``started_at`` where the result gives the run's real start.
 
     Returns:
         The ids that moved; a task cancelled or recovered meanwhile does not.
@@ -257,8 +262,9 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     for result in results:
         if result.status not in _FINISH_TARGETS:
             raise IllegalTransition(f"a run cannot end in {result.status}")
-    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, r.error, r.result) for r in results]
-    return _run_batch(conn, ("id", "att", "st", "at", "err", "res"), _FINISH, rows)
+    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, r.error, r.result, r.started_at)
+            for r in results]
+    return _run_batch(conn, ("id", "att", "st", "at", "err", "res", "start"), _FINISH, rows)
 
 
 class Attempt(NamedTuple):

@@ -4,9 +4,10 @@ The consumer (:mod:`ax_kombu.worker.consumer`) appends what it receives to
 :attr:`Intake.pending`; once per loop the intake plans it and settles what
 came back:
 
-1. each message is planned into a free slot of its lane's pool; what cannot
-   start waits in the lane's backlog (only with ``prefetch_multiplier`` > 1,
-   at most ``pool × (multiplier − 1)``), else is handed back
+1. each message is planned into its lane's pool — a free thread, or the
+   lane's *stage* (runs fenced ahead of a free thread, bounded: see
+   :mod:`ax_kombu.worker.lanes`); what cannot be taken waits in the lane's
+   backlog (only with ``prefetch_multiplier`` > 1), else is handed back
    (:func:`~ax_kombu.worker.lanes.plan`);
 2. the receipt stage (:mod:`ax_kombu.worker.receipts`, its own threads) moves the
    startable tasks DISPATCHING → RUNNING in ONE statement, only where the
@@ -20,8 +21,17 @@ came back:
    arrived during this one's round trip (at most ``worker_batch_size``);
 3. a message whose move failed (task cancelled, or a stale message from an
    earlier attempt) is logged with the reason, counted, acked, not run;
-4. the started tasks go to their pools; each outcome is written in a batch
-   by :class:`~ax_kombu.worker.results.ResultWriter`, and its message is acked.
+4. the started tasks go to their pools, where a thread that finishes a run
+   takes the next staged one with no round trip in between; each outcome is
+   written in a batch by :class:`~ax_kombu.worker.results.ResultWriter`, and
+   its message is acked.
+
+**Before a run starts** (on its pool thread) it is checked once more, in
+memory: it must still be staged (not cancelled, not withdrawn by a stop) and
+the worker's :class:`~ax_kombu.worker.control.Lease` must be valid — a worker
+whose heartbeats stopped succeeding (cut off, or paused past its silence
+window) starts nothing it staged until a beat succeeds, and one declared dead
+meanwhile withdraws its stage (another node has those tasks now).
 
 **Staged tasks.** The scheduler claims and publishes a task up to
 ``claim_lead_ms`` before its trigger time, so that the round trips between the
@@ -30,17 +40,18 @@ commit, whose disk flush now and then takes a hundred milliseconds or more)
 are done ahead of it. A task received early is fenced (RUNNING) at once and
 held in its pool slot until its trigger time on the database clock: it never
 starts early, and its ``started_at`` is the trigger time. Staging is bounded
-by free capacity: a lane is only handed what its free slots can take. While
+by the lane's stage. While
 held it is a running task like any other: ``ax cancel`` stops it before it
 starts; a stopping worker (warm or cold) withdraws the held runs that have not
-started (:meth:`Intake.withdraw_held`) and hands them back; a worker killed
+started (:meth:`Intake.withdraw_staged`) and hands them back; a worker killed
 meanwhile leaves them RUNNING on a dead node, and the recovery gives them
 another attempt (they never ran, so nothing ran twice).
 
 A message is acked only after its RUNNING move committed, and normally
-stays unacked while its task runs: the broker's prefetch (``pool ×
-multiplier``) then bounds exactly what a lane holds, so a worker is only
-handed work it can start and nothing waits in an unbounded queue. See
+stays unacked while its task is staged or runs: the broker's prefetch (the
+lane's window: threads and stage) then bounds exactly what a lane holds, so
+a worker is only handed work it can start soon and nothing waits in an
+unbounded queue. See
 :mod:`ax_kombu.worker.lanes` for the runs that hold a slot without a message
 (timed-out threads, tasks allowed over ten minutes) and how the prefetch
 shrinks for them.
@@ -56,6 +67,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -64,12 +76,15 @@ from ax_kombu.broker import redis_pull
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
-from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.control import Lease, StopFlags, Wakeup
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome
 from ax_kombu.worker.processors import Cancellation, Context, Resolver
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
 from ax_kombu.worker.results import Counters, ResultWriter
+
+#: how long a staged run waits for the lease before looking at its signal again
+LEASE_WAIT_S = 0.1
 
 
 class Withdrawn(Exception):
@@ -91,11 +106,13 @@ class Intake:
         clock: the earliest the database time can be, epoch ms, without a round trip
             (:meth:`~ax_kombu.store.clock.DbClock.earliest_ms`): a staged task is held
             until it reaches the task's trigger time.
+        lease: a staged run starts only while the worker's incarnation is certainly live.
+        batch_size: the most RUNNING moves one receipt batch makes.
     """
 
     def __init__(self, lanes: list[Lane], receipts: ReceiptWriter, results: ResultWriter,
                  resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], lease: Lease, batch_size: int = 500) -> None:
         self.lanes = lanes
         self.receipts = receipts
         self._results = results
@@ -104,11 +121,16 @@ class Intake:
         self._wakeup = wakeup
         self._flags = flags
         self._clock = clock
-        #: staged runs submitted and still held before their trigger time
-        self._held: set[Delivery] = set()
-        self._held_lock = threading.Lock()
+        #: runs handed to a pool and not started yet (staged, or held before their
+        #: trigger time); a run starts only if it is still here
+        self._staged: set[Delivery] = set()
+        self._staged_lock = threading.Lock()
+        self._lease = lease
         #: received and not planned yet; the consumer appends, this list object stays the same
         self.pending: list[Delivery] = []
+        #: planned batches (their slots reserved) waiting for a free receipt writer
+        self._planned: deque[Batch] = deque()
+        self._batch_size = batch_size
         #: submitted to a pool and not settled yet
         self.running: set[Delivery] = set()
         self._completed: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
@@ -146,9 +168,7 @@ class Intake:
             if batch is None:
                 break
             self.receipted(batch)
-        self.pending.clear()
-        for lane in self.lanes:
-            lane.backlog.clear()
+        self.take_unstarted()  # the broker has them again
         for delivery in self.running:
             if not delivery.acked:
                 delivery.acked = True  # its run goes on, holding a slot without a message
@@ -157,15 +177,21 @@ class Intake:
     # -- handing batches to the receipt stage --------------------------------------------------
 
     def dispatch(self) -> None:
-        """Plan what arrived and send it to the receipt stage, if that is free."""
-        if self.receipts.full:
-            return
-        if not self.pending and not any(lane.backlog and lane.free() for lane in self.lanes):
-            return
-        start, release, dupes = plan(self.lanes, self.pending)  # plan keeps no reference
-        self.pending.clear()
-        if start or release or dupes:
-            self.receipts.send(Batch(start, release, dupes))
+        """Plan what arrived, and send planned batches to the receipt stage while a writer
+        is free (at most ``batch_size`` starts a batch, so the first runs of a large
+        intake start after a small write, and the writers share the rest)."""
+        if not self.receipts.full and (self.pending or any(lane.backlog and lane.free()
+                                                           for lane in self.lanes)):
+            start, release, dupes = plan(self.lanes, self.pending)  # plan keeps no reference
+            self.pending.clear()
+            for k in range(0, max(1, len(start)), self._batch_size):
+                first = k == 0
+                self._planned.append(Batch(start[k:k + self._batch_size],
+                                           release if first else [], dupes if first else []))
+        while self._planned and not self.receipts.full:
+            batch = self._planned.popleft()
+            if batch.start or batch.release or batch.dupes:
+                self.receipts.send(batch)
 
     def receipted(self, batch: Batch) -> None:
         """A batch's RUNNING move committed: ack what will not run, start the rest."""
@@ -186,8 +212,14 @@ class Intake:
             self._submit(delivery)
 
     def take_unstarted(self) -> list[Delivery]:
-        """Remove and return what was received and not started (pending and backlogs)."""
+        """Remove and return what was received and not fenced: pending, backlogs, and
+        planned batches not sent to a writer (their reservations are dropped)."""
         unstarted = self.pending + [d for lane in self.lanes for d in lane.backlog]
+        while self._planned:
+            batch = self._planned.popleft()
+            for delivery in batch.start:
+                delivery.lane.reserved -= 1
+            unstarted += batch.start + batch.release + batch.dupes
         self.pending.clear()
         for lane in self.lanes:
             lane.backlog.clear()
@@ -206,49 +238,62 @@ class Intake:
             self.ack(delivery)
 
     def _submit(self, delivery: Delivery) -> None:
-        task = delivery.task
-        # staged ahead of its trigger time: held in the slot until then (its timeout starts then)
-        hold_s = max(0.0, task.trigger_time - self._clock()) / 1000.0
-        timeout_s = task.timeout_ms / 1000.0
-        cancel = delivery.cancel = Cancellation()
-        ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
-                      task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
-                      cancel, time.monotonic() + hold_s + timeout_s, task.job,
-                      task.scheduled_at, task.shard_index, task.shard_total)
-        done = partial(self._done, delivery)
+        """Hand a fenced run to its pool: a free thread, or the stage (see lanes.py)."""
+        delivery.cancel = Cancellation()
+        with self._staged_lock:
+            self._staged.add(delivery)
         self.running.add(delivery)
-        run = partial(self._execute, task, ctx)
-        if hold_s:
-            with self._held_lock:
-                self._held.add(delivery)
-            run = partial(self._hold, delivery, ctx, cancel)
-        if not delivery.lane.pool.try_submit(run, done, timeout_s=hold_s + timeout_s,
-                                             labels=delivery.labels, cancel=cancel):
-            done(Outcome(False, abandoned="no free slot in the pool"))  # planned: cannot happen
+        if not delivery.lane.pool.try_submit(
+                partial(self._start, delivery), partial(self._done, delivery),
+                timeout_s=partial(self._timeout_s, delivery.task), labels=delivery.labels,
+                cancel=delivery.cancel, reserved=True):  # its room was reserved by plan()
+            self._done(delivery, Outcome(False, abandoned="the pool is closed"))  # stopping
 
-    def _hold(self, delivery: Delivery, ctx: Context, cancel: Cancellation) -> Any:
-        """A staged run (pool thread): wait for its trigger time, then run it, unless it was
-        cancelled or withdrawn meanwhile (the processor is then not called, and the outcome
-        is not recorded: the row is no longer RUNNING at this attempt)."""
-        task = delivery.task
+    def _timeout_s(self, task: TaskMessage) -> float:
+        """A run's timeout from when a thread takes it: the hold until its trigger time,
+        then ``timeout_ms``."""
+        return max(0.0, task.trigger_time - self._clock()) / 1000.0 + task.timeout_ms / 1000.0
+
+    def _start(self, delivery: Delivery) -> Any:
+        """A pool thread takes a staged run: hold it until its trigger time, make sure the
+        worker's incarnation is still certainly live (:class:`~ax_kombu.worker.control.Lease`),
+        then run it — unless it was cancelled or withdrawn meanwhile (the processor is then
+        not called, and no outcome is recorded: the row is no longer RUNNING at this
+        attempt, or is handed back by whoever withdrew it)."""
+        task, cancel = delivery.task, delivery.cancel
+        assert cancel is not None
         while (left_ms := task.trigger_time - self._clock()) > 0 and not cancel.wait(
                 left_ms / 1000.0):
             pass
-        with self._held_lock:
-            withdrawn = delivery not in self._held
-            self._held.discard(delivery)
+        while not self._lease.valid() and not cancel:
+            self._lease.wait(LEASE_WAIT_S)
+        with self._staged_lock:
+            withdrawn = delivery not in self._staged
+            self._staged.discard(delivery)
         if withdrawn or cancel:
-            raise Withdrawn(f"{cancel.reason or 'withdrawn'} before its trigger time")
+            raise Withdrawn(f"{cancel.reason or 'withdrawn'} before it started")
+        delivery.started = True
         metrics.start_delay.observe(-left_ms / 1000.0)
-        return self._execute(task, ctx)
+        # the real start (the RUNNING move wrote when it was fenced): the result records it
+        task = delivery.task = task._replace(started_at=max(task.trigger_time,
+                                                            int(self._clock())))
+        ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
+                      task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
+                      cancel, time.monotonic() + task.timeout_ms / 1000.0, task.job,
+                      task.scheduled_at, task.shard_index, task.shard_total)
+        began = time.monotonic()
+        try:
+            return self._execute(task, ctx)
+        finally:
+            delivery.lane.timed(time.monotonic() - began)
 
-    def withdraw_held(self) -> list[Delivery]:
-        """Take back the staged runs not started yet (a stopping worker hands them back):
-        none of them will call its processor, and none records an outcome. Their pool
-        threads sleep on until :meth:`wake` (or their trigger time)."""
-        with self._held_lock:
-            held, self._held = list(self._held), set()
-        return held
+    def withdraw_staged(self) -> list[Delivery]:
+        """Take back the runs not started yet (staged, or held before their trigger time):
+        none of them will call its processor, and none records an outcome. Whoever
+        withdraws them writes their rows back; their pool threads end at :meth:`wake`."""
+        with self._staged_lock:
+            staged, self._staged = list(self._staged), set()
+        return staged
 
     @staticmethod
     def wake(withdrawn: list[Delivery]) -> None:
@@ -265,8 +310,9 @@ class Intake:
 
     def _done(self, delivery: Delivery, outcome: Outcome) -> None:
         """A run's outcome (pool thread): to the result writer, and back to us for the ack.
-        A withdrawn or cancelled staged run never started: it records nothing."""
-        if not isinstance(outcome.error, Withdrawn):
+        A run that never started (withdrawn, cancelled, or abandoned while staged)
+        records nothing."""
+        if delivery.started:
             self._results.put(delivery.task, outcome)
         self._completed.put(delivery)
         self._wakeup.poke()

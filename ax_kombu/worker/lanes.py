@@ -1,10 +1,19 @@
 """A worker's lane: one queue, its consumer, its bounded pool, and the credit between them.
 
 Flow control is the broker's own prefetch. A message stays unacked while
-its task waits or runs, and is acked once the run's outcome is known, so
+its task is staged or runs, and is acked once the run's outcome is known, so
 the broker's count of unacked messages on the lane's channel *is* the
-lane's occupied capacity, and a prefetch of ``pool × multiplier`` means the
-broker never hands the lane more than it can start.
+lane's occupied capacity, and a prefetch of the lane's :attr:`Lane.window`
+means the broker never hands the lane more than it can start or stage.
+
+**The stage.** Beyond its threads a lane takes a bounded number of runs
+ahead (:meth:`Lane.stage_target`): fenced RUNNING in large batches before a
+thread frees up, they wait in the pool, and a thread that finishes takes the
+next with no round trip in between. The stage is at most
+:data:`STAGE_PER_THREAD` runs per thread (the design article's bounded queue
+per pool) and at most what the lane can finish within ``stage_horizon_s`` at
+its measured run time, so a busy worker does not take what an idle one
+could start; what does not fit stays in the broker.
 
 Two kinds of runs hold a slot without holding a message, and lower the
 prefetch by one each while they do (:meth:`Lane.target`):
@@ -46,6 +55,16 @@ OWN_LANE = "own"
 #: a task allowed longer than this has its message acked when it starts
 ACK_AT_START_MS = 10 * 60 * 1000
 
+#: a lane stages at most this many runs per thread
+STAGE_PER_THREAD = 200
+#: a run's time until one has been measured (sizes the first stage)
+FIRST_RUN_S = 0.05
+#: what a run costs the worker besides its processor (its share of the RUNNING write,
+#: the hand-offs and the result write), added to the measured run time
+RUN_OVERHEAD_S = 0.001
+#: weight of the newest run in the lane's average run time
+RUN_EWMA = 0.05
+
 
 @dataclass(eq=False, slots=True)
 class Delivery:
@@ -59,6 +78,8 @@ class Delivery:
     acked: bool = False
     #: the run's cancellation signal, once it is submitted
     cancel: Cancellation | None = None
+    #: its processor was called (a run withdrawn or abandoned before that records nothing)
+    started: bool = False
 
     @property
     def pair(self) -> tuple[int, int]:
@@ -74,16 +95,21 @@ class Lane:
     """One queue with its pool, consumer, backlog and credit; see the module docstring."""
 
     def __init__(self, priority: str, queue: Queue, size: int, multiplier: int,
-                 on_release: Callable[[], None]) -> None:
+                 on_release: Callable[[], None], stage_horizon_s: float = 0.0) -> None:
         self.priority = priority
         self.queue = queue
         self.pool = Pool(priority, size, on_release=on_release)
-        self.window = size * multiplier
+        self._unstaged = size * multiplier
+        self.stage_horizon_s = stage_horizon_s
+        #: the lane's average run time (seconds, moving average of the processors' runs)
+        self.run_s = FIRST_RUN_S
+        self.pool.stage_max = self.stage_target()
+        self.window = self._unstaged + self.pool.stage_max
         #: slots promised to tasks of receipt batches in flight (not submitted yet)
         self.reserved = 0
-        #: received tasks waiting for a slot (only with a multiplier above 1)
+        #: received tasks waiting for room in the pool (with a multiplier above 1, or
+        #: received before the stage shrank); see backlog_max
         self.backlog: deque[Delivery] = deque()
-        self.backlog_max = size * (multiplier - 1)
         self.consumer: Any = None
         #: set when a puller receives this lane's messages (no Kombu consumer):
         #: called with the prefetch, the most it may pop and not have acked
@@ -95,12 +121,34 @@ class Lane:
         #: runs whose message was acked (or lost with a connection) while they go on
         self.acked_running = 0
 
+    def backlog_max(self) -> int:
+        """How many received tasks may wait unfenced for room: ``pool × (multiplier − 1)``,
+        plus the stage (what the broker handed over before the stage shrank waits for the
+        next round instead of going back to READY)."""
+        return self._unstaged - self.pool.size + self.pool.stage_max
+
     def free(self) -> int:
-        """Pool slots no running task and no batch in flight has taken."""
-        return max(0, self.pool.free - self.reserved)
+        """Runs the pool can take (free slots and stage room) beyond the batches in flight."""
+        return max(0, self.pool.room - self.reserved)
+
+    def stage_target(self) -> int:
+        """How many runs to stage beyond the threads: what they finish within the horizon
+        at the measured run time, at most STAGE_PER_THREAD per thread (0: no horizon)."""
+        size = self.pool.size
+        if self.stage_horizon_s <= 0:
+            return 0
+        can_finish = int(size * self.stage_horizon_s / (self.run_s + RUN_OVERHEAD_S))
+        return max(size, min(size * STAGE_PER_THREAD, can_finish))
+
+    def timed(self, run_s: float) -> None:
+        """One run of the lane took ``run_s`` (any thread; a lost update only slows the
+        average down)."""
+        self.run_s += (run_s - self.run_s) * RUN_EWMA
 
     def target(self) -> int:
-        """The prefetch this lane should have now."""
+        """The prefetch this lane should have now (the stage resized to the run time)."""
+        self.pool.stage_max = self.stage_target()
+        self.window = self._unstaged + self.pool.stage_max
         return self.window - self.pool.stuck - self.acked_running
 
     def saturated(self) -> bool:
@@ -146,7 +194,8 @@ class Lane:
     def info(self) -> dict[str, int]:
         return {"size": self.pool.size, "free": self.pool.free, "stuck": self.pool.stuck,
                 "overdue": self.pool.overdue,
-                "backlog": len(self.backlog), "running": self.pool.active}
+                "backlog": len(self.backlog) + self.pool.staged, "staged": self.pool.staged,
+                "running": self.pool.active - self.pool.staged}
 
 
 def plan(lanes: Sequence[Lane], fresh: list[Delivery]
@@ -155,10 +204,11 @@ def plan(lanes: Sequence[Lane], fresh: list[Delivery]
 
     * dupes: every delivery of a task but the one with the newest attempt (only
       that one can still be live);
-    * start: as many as each lane has free slots (:meth:`Lane.free`), oldest
-      first; they are reserved until their batch is written;
-    * the rest wait in the lane's backlog (up to ``pool × (multiplier − 1)``),
-      and what does not fit there is released, to go back to READY.
+    * start: as many as each lane's pool can take, running or staged
+      (:meth:`Lane.free`), oldest first; they are reserved until their batch is
+      written;
+    * the rest wait in the lane's backlog (up to :meth:`Lane.backlog_max`), and
+      what does not fit there is released, to go back to READY.
     """
     newest: dict[int, Delivery] = {}
     dupes: list[Delivery] = []
@@ -180,7 +230,7 @@ def plan(lanes: Sequence[Lane], fresh: list[Delivery]
         start.extend(queued[:free])
         lane.reserved += len(queued[:free])
         for d in queued[free:]:
-            (lane.backlog if len(lane.backlog) < lane.backlog_max else release).append(d)
+            (lane.backlog if len(lane.backlog) < lane.backlog_max() else release).append(d)
     return start, release, dupes
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,7 @@ from ax_kombu.store.nodes import Heartbeat, default_node_id
 from ax_kombu.store.tasks import cancelled_among
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
-from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.control import Lease, StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import OWN_LANE, Lane, parse_queues
 from ax_kombu.worker.processors import Resolver, split_names
@@ -92,23 +93,30 @@ class Worker:
         self.flags = StopFlags()
         wakeup = self._wakeup = Wakeup()
         broker_queues = task_queues(settings)
+        horizon_s = settings.worker_stage_horizon_ms / 1000.0
         self.lanes = [Lane(p, broker_queues[p], settings.pool_size(p),
-                           settings.prefetch_multiplier, wakeup.poke)
+                           settings.prefetch_multiplier, wakeup.poke, horizon_s)
                       for p in parse_queues(queues, settings)]
         # what is sent to this worker alone (a shard of shards="workers"), in its own pool;
         # RabbitMQ drops the queue a day after its worker is last seen
         own = worker_queue(self.node_id)
         self.lanes.append(Lane(OWN_LANE, Queue(own, routing_key=own, durable=True,
                                                expires=86_400.0),
-                               settings.pool_own, settings.prefetch_multiplier, wakeup.poke))
+                               settings.pool_own, settings.prefetch_multiplier, wakeup.poke,
+                               horizon_s))
         #: set while consuming (tests wait for it)
         self.ready = threading.Event()
         self.receipts = ReceiptWriter(self.store, self.node_id, wakeup.poke,
                                       lambda: self.flags.stopping,
                                       settings.worker_receipt_writers,
                                       lambda: self.heartbeat.incarnation)
+        # a beat proves the incarnation live for silence_ms; the lease keeps one interval
+        # of that (at most half) as margin for the beat's own round trip and clock rates
+        silence_s = settings.silence_ms / 1000.0
+        self.lease = Lease(silence_s - min(settings.heartbeat_interval_s, silence_s / 2))
         self.intake = Intake(self.lanes, self.receipts, self.results, self.resolver,
-                             self.stats, wakeup, self.flags, self.store.clock.earliest_ms)
+                             self.stats, wakeup, self.flags, self.store.clock.earliest_ms,
+                             self.lease, settings.worker_batch_size)
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
                                  self.flags)
         self.consumer = Consumer(settings, self.lanes, self.intake, self.shutdown, self.stats,
@@ -157,7 +165,9 @@ class Worker:
             NodeNameInUse: another live process has this worker's name.
         """
         try:
+            sent = time.monotonic()
             took = self.heartbeat.register(self.info())
+            self.lease.confirm(sent)
         except SQLAlchemyError as exc:
             raise StoreError(f"cannot reach the store {redact_url(self.settings.database_url)}: "
                              f"{getattr(exc, 'orig', exc)}") from None
@@ -190,7 +200,10 @@ class Worker:
         anything else ends the thread, and the worker with it (supervised)."""
         while not self._heart_stop.wait(self.settings.heartbeat_interval_s):
             try:
-                if not self.heartbeat.beat(self.info()):
+                sent = time.monotonic()
+                if self.heartbeat.beat(self.info()):
+                    self.lease.confirm(sent)
+                else:
                     self._fenced()
                 self._signal_cancelled()
                 self._pool_gauges()
@@ -205,14 +218,24 @@ class Worker:
             metrics.pool_prefetched.labels(lane.priority).set(lane.held)
 
     def _fenced(self) -> None:
-        """Declared dead while alive (e.g. cut off from the database): no start succeeds
-        under the old incarnation (starts are fenced), running tasks go on, and the
-        worker registers anew, keeping what it is running."""
-        running = [d.task.task_id for d in list(self.intake.running)]
+        """Declared dead while alive (cut off from the database, or paused past the
+        silence window): no RUNNING move succeeds under the old incarnation (fenced in
+        SQL), no staged run starts (the lease is revoked, the stage withdrawn: a scheduler
+        may have given those tasks another attempt already; rows still ours go back
+        RUNNING → DELAYED at their attempt), running tasks go on, and the worker
+        registers anew, keeping what it is running."""
+        self.lease.revoke()
+        staged = self.intake.withdraw_staged()
+        self.shutdown.hand_back_staged(staged, self.store.engine)  # the heartbeat's thread
+        self.intake.wake(staged)
+        running = [d.task.task_id for d in list(self.intake.running) if d.started]
         log.warning("this worker was declared dead; registering anew",
-                    extra={"node": self.node_id, "running": len(running)})
+                    extra={"node": self.node_id, "running": len(running),
+                           "withdrawn": len(staged)})
         metrics.fenced_total.inc()
+        sent = time.monotonic()
         self.heartbeat.register(self.info(), keep_running=running)
+        self.lease.confirm(sent)
 
     def _signal_cancelled(self, held_only: bool = False) -> None:
         """Set the cancellation signal of runs whose task was cancelled (``ax cancel``).

@@ -2,10 +2,13 @@
 
 Guarantees:
 
-* **Bounded.** A pool of size N holds at most N jobs. :meth:`Pool.try_submit`
-  never queues: it returns False when no slot is free, and the caller decides
-  what to do with the work (the worker hands it back to the database). There
-  is no in-memory queue that could grow.
+* **Bounded.** A pool of size N runs at most N jobs, and *stages* at most
+  :attr:`Pool.stage_max` more: jobs accepted ahead of a free thread, which a
+  thread that finishes takes next with no I/O in between (the worker fences
+  them RUNNING in batches before threads free up). :meth:`Pool.try_submit`
+  returns False when both are full, and the caller decides what to do with the
+  work (the worker hands it back to the database). Nothing grows past
+  ``size + stage_max``.
 * **Isolated.** Pools share nothing but the GIL: a pool full of slow jobs
   does not delay a job submitted to another pool.
 * **One outcome per job.** Each job's ``done`` callback is called exactly
@@ -14,7 +17,8 @@ Guarantees:
 * **Timeouts never make a job run twice at once.** A Python thread cannot be
   killed. When a job overruns its timeout, the watchdog sets the job's
   cancellation signal (``ctx.cancelled``, reason ``"timeout"``) and counts it
-  *overdue*, but reports nothing yet: the job's outcome — timed out, whatever
+  *overdue*, but reports nothing yet (a staged job's timeout starts when a
+  thread takes it): the job's outcome — timed out, whatever
   it returns — is reported only when its thread really returns, so its task
   cannot be retried while it still runs. Its slot stays occupied meanwhile
   (:attr:`Pool.overdue` in the worker's heartbeat and ``ax status``). A job
@@ -63,12 +67,17 @@ class Cancellable(Protocol):
     def set(self, reason: str) -> None: ...
 
 
+#: a job's timeout in seconds, or a function giving it when a thread takes the job
+Timeout = float | Callable[[], float] | None
+
+
 @dataclass(eq=False, slots=True)
 class _Job:
     fn: Callable[[], Any]
     done: Done
-    started: float
-    deadline: float | None
+    timeout: Timeout
+    started: float = 0.0
+    deadline: float | None = None
     labels: Mapping[str, Any] = field(default_factory=dict)
     cancel: Cancellable | None = None
     reported: bool = False
@@ -101,6 +110,10 @@ class Pool:
         self._cond = threading.Condition(self._lock)
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._running: set[_Job] = set()
+        #: accepted, waiting for a thread (see stage_max)
+        self._staged: set[_Job] = set()
+        #: how many jobs may wait for a thread beyond the slots (the worker sets it)
+        self.stage_max = 0
         self._stuck = 0
         self._overdue = 0
         #: jobs out of _running whose outcome is being reported (still active)
@@ -123,13 +136,25 @@ class Pool:
 
     @property
     def busy(self) -> int:
-        """Occupied slots, including those held by timed-out threads."""
-        return len(self._running)
+        """Jobs taken: running (including timed-out threads that hold a slot) and staged."""
+        return len(self._running) + len(self._staged)
 
     @property
     def free(self) -> int:
-        """Slots a new job can take now."""
-        return 0 if self._closed else self.size - len(self._running)
+        """Threads no running or staged job has taken."""
+        return 0 if self._closed else max(0, self.size - len(self._running) - len(self._staged))
+
+    @property
+    def room(self) -> int:
+        """How many more jobs :meth:`try_submit` accepts now (free slots and stage room)."""
+        if self._closed:
+            return 0
+        return max(0, self.size + self.stage_max - len(self._running) - len(self._staged))
+
+    @property
+    def staged(self) -> int:
+        """Jobs accepted and waiting for a thread."""
+        return len(self._staged)
 
     @property
     def stuck(self) -> int:
@@ -143,40 +168,59 @@ class Pool:
 
     @property
     def active(self) -> int:
-        """Running jobs whose outcome has not been reported yet."""
-        return len(self._running) - self._stuck + self._reporting
+        """Running or staged jobs whose outcome has not been reported yet."""
+        return len(self._running) + len(self._staged) - self._stuck + self._reporting
 
     # -- submitting -----------------------------------------------------------------------
 
-    def try_submit(self, fn: Callable[[], Any], done: Done, *, timeout_s: float | None = None,
+    def try_submit(self, fn: Callable[[], Any], done: Done, *, timeout_s: Timeout = None,
                    labels: Mapping[str, Any] | None = None,
-                   cancel: Cancellable | None = None) -> bool:
-        """Start ``fn`` in a free slot; False (and nothing done) when none is free.
+                   cancel: Cancellable | None = None, reserved: bool = False) -> bool:
+        """Run ``fn`` in a free thread, or stage it for the next one that frees up; False
+        (and nothing done) when the slots and the stage are full.
 
         Args:
             done: called once with the :class:`Outcome`, from a pool thread.
-            timeout_s: after this long the job is overdue: ``cancel`` is set, and
-                its outcome will be "timed out" whenever its thread returns.
+            timeout_s: after this long (from when a thread takes the job; a function is
+                called then) the job is overdue: ``cancel`` is set, and its outcome
+                will be "timed out" whenever its thread returns.
             labels: structured log fields for this job (task_id, trace_id).
             cancel: the job's cancellation signal.
+            reserved: the caller counted the job's room in :attr:`room` before (the
+                stage may have shrunk since): it is staged even beyond ``stage_max``.
         """
-        now = self._clock()
-        job = _Job(fn, done, now, None if timeout_s is None else now + timeout_s, labels or {},
-                   cancel)
+        job = _Job(fn, done, timeout_s, labels=labels or {}, cancel=cancel)
         with self._lock:
-            if self._closed or len(self._running) >= self.size:
+            taken = len(self._running) + len(self._staged)
+            if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
+            self._staged.add(job)
+        self._inbox.put(job)
+        return True
+
+    def _take(self, job: _Job) -> bool:
+        """A thread takes a staged job: its clock and deadline start now. False if it was
+        reported already (abandoned while staged): the thread skips it."""
+        timeout = job.timeout() if callable(job.timeout) else job.timeout
+        now = self._clock()
+        with self._lock:
+            self._staged.discard(job)
+            if job.reported:
+                return False
+            job.started = now
+            job.deadline = None if timeout is None else now + timeout
             self._running.add(job)
             if job.deadline is not None and (self._wake_at is None
                                              or job.deadline < self._wake_at):
                 self._cond.notify_all()  # the watchdog must wake earlier than it planned
-        self._inbox.put(job)
         return True
 
     # -- running --------------------------------------------------------------------------
 
     def _serve(self) -> None:
         while (job := self._inbox.get()) is not None:
+            if not self._take(job):
+                continue
             try:
                 outcome = Outcome(True, value=job.fn(), duration_s=self._clock() - job.started)
             except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
@@ -233,7 +277,8 @@ class Pool:
     def abandon(self, reason: str) -> int:
         """Report every active job as abandoned now; returns how many.
 
-        Their threads keep running (and keep their slots) until they return.
+        Their threads keep running (and keep their slots) until they return; staged
+        jobs are never started.
         """
         with self._cond:
             jobs = [j for j in self._running if not j.reported]
@@ -242,13 +287,18 @@ class Pool:
                 self._stuck += 1
                 if job.overdue:
                     self._overdue -= 1
+            staged = list(self._staged)  # never started: a thread that takes one skips it
+            for job in staged:
+                job.reported = True
+            self._staged.clear()
+            jobs += staged
             if jobs and self._joiners:
                 self._cond.notify_all()  # no longer active: join() may return
         for job in jobs:
             if job.cancel is not None:
                 job.cancel.set("shutdown")
-            _report(self.name, job, Outcome(False, abandoned=reason,
-                                      duration_s=self._clock() - job.started))
+            ran_s = self._clock() - job.started if job.started else 0.0
+            _report(self.name, job, Outcome(False, abandoned=reason, duration_s=ran_s))
         return len(jobs)
 
     def close(self) -> None:

@@ -173,10 +173,7 @@ class ReceiptWriter:
             moved = {row.task_id for row in rows}
             refused = [d for d in batch.start if d.task.task_id not in moved]
             batch.refusals = _explain(conn, refused)
-        started, batch.forged = stored_tasks(batch.start, rows)
-        batch.started = started
-        metrics.observe_many(metrics.start_delay, [  # a staged task's: when its hold ends
-            (now - task.trigger_time) / 1e3 for task in started.values() if task.trigger_time <= now])
+        batch.started, batch.forged = stored_tasks(batch.start, rows)
 
 
 class UnreadablePayload(str):

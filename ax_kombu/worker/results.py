@@ -183,14 +183,16 @@ def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
     if outcome.ok:
         stored, _ = stored_result(outcome.value, settings.max_result_bytes)
         return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms,
-                      result=stored)
+                      result=stored, started_at=task.started_at)
     error = describe(result)
     final = isinstance(outcome.error, ProcessorRefused) or task.retry_count >= task.max_retry
     if final:
-        return Finish(task.task_id, task.attempt, Status.FAILED, result.ended_ms, error)
+        return Finish(task.task_id, task.attempt, Status.FAILED, result.ended_ms, error,
+                      started_at=task.started_at)
     delay = backoff_ms(task.retry_count, settings.retry_backoff_base_ms,
                        settings.retry_backoff_max_ms, rng, settings.retry_backoff_jitter)
-    return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error)
+    return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error,
+                  started_at=task.started_at)
 
 
 @functools.cache

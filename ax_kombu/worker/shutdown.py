@@ -12,8 +12,9 @@ consuming (:meth:`~ax_kombu.worker.consumer.Consumer.stop_consuming`):
 2. :meth:`Shutdown.finish_running` — running tasks may end within
    ``worker_grace_s`` (a cold stop does not wait); the rest are reported as
    abandoned (a failure that may retry; their threads cannot be killed).
-   First, staged runs held before their trigger time are withdrawn (their
-   processor is never called) and go RUNNING → DELAYED at the same attempt,
+   First, staged runs (waiting for a thread, or held before their trigger
+   time) are withdrawn (their processor is never called) and go RUNNING →
+   DELAYED at the same attempt,
    unheld, with their trigger time and retry count unchanged: a scheduler
    claims them again. If that write fails they stay RUNNING on this node and
    the recovery retries them once the node is gone.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
@@ -74,12 +76,17 @@ class Shutdown:
         self._stats.add("handed_back", len(unstarted))
         log.info("unstarted work handed back to READY", extra={"count": len(unstarted)})
 
-    def _hand_back_held(self, held: list[Delivery]) -> None:
-        """RUNNING → DELAYED (unheld, nothing else changed) for withdrawn staged runs."""
+    def hand_back_staged(self, held: list[Delivery], db: Engine | None = None) -> None:
+        """RUNNING → DELAYED (unheld, nothing else changed) for withdrawn staged runs.
+
+        Args:
+            db: where to write from another thread than the consuming one (default the
+                connection held for the stop).
+        """
         if not held:
             return
         try:
-            with self._db.begin() as conn:
+            with (db or self._db).begin() as conn:
                 moved = transitions.hand_back_many(conn, [d.pair for d in held], self._node)
         except SQLAlchemyError:
             log.warning("could not hand staged runs back; the recovery retries them",
@@ -106,9 +113,9 @@ class Shutdown:
             connected: the broker connection is still up: ended runs are settled
                 (and acked) on it. Without it, outcomes are still recorded.
         """
-        held = self._intake.withdraw_held()  # none of them has started, or will
-        self._hand_back_held(held)
-        self._intake.wake(held)
+        staged = self._intake.withdraw_staged()  # none of them has started, or will
+        self.hand_back_staged(staged)
+        self._intake.wake(staged)
         lanes = self._intake.lanes
         stop = time.monotonic() + self._grace_s
         while (not self._flags.cold and time.monotonic() < stop

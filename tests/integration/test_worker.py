@@ -229,7 +229,8 @@ def test_a_cancelled_task_is_not_run(settings: Settings, dispatch: Dispatch) -> 
 def test_a_staged_task_is_fenced_on_receipt_and_started_at_its_trigger_time(
         settings: Settings, dispatch: Dispatch) -> None:
     """Published ahead of its trigger time (as the scheduler stages it): RUNNING at once,
-    started by the processor at its trigger time, never before; started_at is that time."""
+    started by the processor at its trigger time, never before; started_at is when it really
+    started (the result records it), not when it was fenced."""
     ids = [dispatch.enqueue("t.noop", {"i": i}, delay=2.5) for i in range(5)]
     with running(settings):
         messages = dispatch.dispatch(ids)
@@ -240,7 +241,8 @@ def test_a_staged_task_is_fenced_on_receipt_and_started_at_its_trigger_time(
         eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
     for message in messages:
         view = dispatch.view(message.task_id)
-        assert view.started_at == message.trigger_time
+        assert view.started_at is not None and view.finished_at is not None
+        assert message.trigger_time <= view.started_at <= view.finished_at
         assert procs_worker.calls[message.task_id] == 1
         # the processor's wall clock against the database's (same host): never early
         assert procs_worker.started_ms[message.task_id] >= message.trigger_time - 2
@@ -344,7 +346,7 @@ def test_a_saturated_slow_pool_does_not_delay_high_priority_tasks(
 
 def test_a_task_that_cannot_start_goes_back_to_ready(settings: Settings,
                                                      dispatch: Dispatch) -> None:
-    settings = settings.replace(pool_default=2)
+    settings = settings.replace(pool_default=2, worker_stage_horizon_ms=0)  # no stage
     gate = threading.Event()
     ids = [dispatch.enqueue("t.sleep", {"s": 1.0, "i": i}) for i in range(2)]
     try:
@@ -477,8 +479,10 @@ def test_a_non_json_message_is_dropped_and_the_worker_goes_on(settings: Settings
         eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
 
 
-def _worker_command(settings: Settings, pg_url: str) -> tuple[list[str], dict[str, str]]:
+def _worker_command(settings: Settings, pg_url: str,
+                    stage_horizon_ms: int = 0) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "AX_QUEUE_HIGH": settings.queue_high,
+           "AX_WORKER_STAGE_HORIZON_MS": str(stage_horizon_ms),
            "AX_QUEUE_DEFAULT": settings.queue_default, "AX_QUEUE_SLOW": settings.queue_slow,
            "AX_BROKER_KEY_PREFIX": settings.broker_key_prefix, "AX_HEARTBEAT_INTERVAL_S": "0.1",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -524,6 +528,35 @@ def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Di
         assert conn.execute(select(nodes.c.stopped_at)).scalar_one() is not None
 
 
+def test_warm_shutdown_hands_staged_runs_back_without_starting_them(
+        settings: Settings, dispatch: Dispatch, pg_url: str) -> None:
+    ids = [dispatch.enqueue("t.sleep", {"s": 0.8, "i": i}, priority="slow") for i in range(6)]
+    command, env = _worker_command(settings, pg_url, stage_horizon_ms=1000)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        eventually(lambda: bool(_node_info(dispatch)), what="worker heartbeat")
+        attempts = {m.task_id: m.attempt for m in dispatch.dispatch(ids)}
+        # 2 running, 4 fenced RUNNING and staged behind them (the stage is 2 × 1 s / 0.8 s)
+        eventually(lambda: _node_info(dispatch).get("backlog", {}).get("slow") == 4
+                   and _node_info(dispatch).get("running") == 2, what="threads and stage full")
+        assert all(dispatch.status(i) is Status.RUNNING for i in ids)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    statuses = sorted(dispatch.status(i) for i in ids)
+    assert statuses == [Status.DELAYED] * 4 + [Status.SUCCESS] * 2
+    for task_id in ids:
+        view = dispatch.view(task_id)
+        if view.status is Status.DELAYED:  # never started: same attempt, no retry counted
+            assert view.last_run_node is None and view.retry_count == 0
+            assert view.attempt == attempts[task_id]
+    assert "staged runs not started yet handed back" in output
+
+
 class _Hook(BaseHTTPRequestHandler):
     received: ClassVar[list[dict[str, Any]]] = []
 
@@ -566,7 +599,7 @@ def test_the_embedded_default_runs_processors_and_callbacks(tmp_path: Path) -> N
 
 def test_the_worker_takes_from_the_broker_no_more_than_its_free_slots(
         settings: Settings, dispatch: Dispatch) -> None:
-    settings = settings.replace(pool_default=2)
+    settings = settings.replace(pool_default=2, worker_stage_horizon_ms=0)  # no stage
     ids = [dispatch.enqueue("t.hang", {"i": i}) for i in range(5)]
     with running(settings) as worker:
         dispatch.dispatch(ids)
@@ -576,6 +609,25 @@ def test_the_worker_takes_from_the_broker_no_more_than_its_free_slots(
         procs_worker.release.set()
         eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
     assert dispatch.queue_depth("default") == 0
+
+
+def test_the_worker_stages_no_more_than_its_stage_and_a_thread_takes_the_next_at_once(
+        settings: Settings, dispatch: Dispatch) -> None:
+    settings = settings.replace(pool_default=2)
+    with running(settings) as worker:
+        lane = next(lane for lane in worker.lanes if lane.priority == "default")
+        window = lane.window  # 2 threads + what they finish in 1 s at the first guess
+        assert window > 2
+        ids = [dispatch.enqueue("t.hang", {"i": i}) for i in range(window + 5)]
+        dispatch.dispatch(ids)
+        # fenced RUNNING ahead of a free thread, up to the window; the rest wait in the broker
+        eventually(lambda: sum(dispatch.status(i) is Status.RUNNING for i in ids) == window)
+        assert lane.held == window and lane.pool.staged == window - 2
+        assert dispatch.queue_depth("default") == 5
+        assert sum(i in procs_worker.calls for i in ids) == 2  # staged is not started
+        procs_worker.release.set()
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
+    assert all(procs_worker.calls[i] == 1 for i in ids)
 
 
 @pytest.mark.parametrize("pull", [True, False])

@@ -8,7 +8,7 @@ import pytest
 from kombu import Queue
 
 from ax_kombu.broker.messages import TaskMessage
-from ax_kombu.worker.lanes import Delivery, Lane, plan
+from ax_kombu.worker.lanes import STAGE_PER_THREAD, Delivery, Lane, plan
 
 
 def delivery(lane: Lane, task_id: int, attempt: int = 1) -> Delivery:
@@ -51,3 +51,36 @@ def test_only_the_newest_attempt_of_a_task_is_kept(lanes: tuple[Lane, Lane]) -> 
     old, new, again = delivery(high, 7, 1), delivery(high, 7, 2), delivery(high, 7, 2)
     start, release, dupes = plan([high], [old, new, again])
     assert start == [new] and release == [] and set(map(id, dupes)) == {id(old), id(again)}
+
+
+def test_the_stage_is_what_the_threads_finish_within_the_horizon_bounded_per_thread() -> None:
+    lane = Lane("default", Queue("d"), size=4, multiplier=1, on_release=lambda: None,
+                stage_horizon_s=1.0)
+    try:
+        for _ in range(200):
+            lane.timed(0.049)  # 50 ms a run with the overhead: 4 threads finish 80 in 1 s
+        assert 75 <= lane.stage_target() <= 85
+        assert lane.target() == lane.window == 4 + lane.pool.stage_max
+        for _ in range(400):
+            lane.timed(0.0)  # 1 ms a run: 4,000 in 1 s, but at most 200 per thread
+        assert lane.stage_target() == 4 * STAGE_PER_THREAD
+        for _ in range(400):
+            lane.timed(10.0)  # slower than the horizon: the stage is never below the threads
+        assert lane.stage_target() == 4
+    finally:
+        lane.pool.close()
+
+
+def test_a_lane_plans_runs_into_its_stage_beyond_its_threads() -> None:
+    lane = Lane("default", Queue("d"), size=2, multiplier=1, on_release=lambda: None,
+                stage_horizon_s=1.0)
+    try:
+        stage = lane.pool.stage_max
+        fresh = [delivery(lane, i) for i in range(2 + 2 * stage + 1)]
+        start, release, _ = plan([lane], fresh)
+        assert start == fresh[:2 + stage] and lane.reserved == 2 + stage
+        # received beyond the room (the stage shrank while they came) waits, up to the stage
+        assert list(lane.backlog) == fresh[2 + stage:2 + 2 * stage]
+        assert release == fresh[2 + 2 * stage:]
+    finally:
+        lane.pool.close()

@@ -177,6 +177,7 @@ def test_release_hook_runs_when_an_abandoned_job_returns(gate: threading.Event) 
     assert freed == []  # a reported outcome wakes its caller through done, not the hook
     cancel = Cancellation()
     assert pool.try_submit(blocker(gate), seen.done("slow"), cancel=cancel)
+    eventually(lambda: pool.staged == 0)  # a thread took it (a staged job would never start)
     assert pool.abandon("shutdown") == 1
     assert seen.of("slow")[0].abandoned and cancel.reason == "shutdown"
     assert pool.free == 0 and pool.stuck == 1 and freed == []
@@ -195,3 +196,59 @@ def test_a_closed_pool_refuses_work() -> None:
 def test_a_pool_needs_a_slot() -> None:
     with pytest.raises(ValueError):
         Pool("t", 0)
+
+
+def test_staged_jobs_wait_for_a_thread_and_run_in_order_without_the_caller(
+        gate: threading.Event) -> None:
+    pool, seen, order = Pool("t", 1), Outcomes(), []
+    pool.stage_max = 2
+    assert pool.try_submit(blocker(gate, "first"), seen.done("first"))
+    for name in ("a", "b"):
+        assert pool.try_submit(lambda name=name: order.append(name), seen.done(name))
+    assert pool.room == 0 and not pool.try_submit(lambda: None, seen.done("refused"))
+    assert pool.staged >= 2 and pool.active == 3
+    gate.set()  # the thread takes the staged jobs one after the other, nobody hands them over
+    eventually(lambda: order == ["a", "b"] and pool.active == 0 and pool.room == 3)
+    assert seen.of("refused") == [] and all(o.ok for _, o in seen.items)
+    pool.close()
+
+
+def test_a_reserved_job_is_staged_even_after_the_stage_shrank(gate: threading.Event) -> None:
+    pool, seen = Pool("t", 1), Outcomes()
+    assert pool.try_submit(blocker(gate), seen.done("running"))
+    pool.stage_max = 0  # shrank between planning and submitting
+    assert not pool.try_submit(lambda: None, seen.done("unplanned"))
+    assert pool.try_submit(lambda: "late", seen.done("planned"), reserved=True)
+    gate.set()
+    eventually(lambda: [o.value for o in seen.of("planned")] == ["late"])
+    pool.close()
+
+
+def test_a_staged_jobs_timeout_starts_when_a_thread_takes_it(gate: threading.Event) -> None:
+    pool, seen, cancel = Pool("t", 1), Outcomes(), Cancellation()
+    pool.stage_max = 1
+    assert pool.try_submit(blocker(gate), seen.done("first"))
+    assert pool.try_submit(lambda: time.sleep(0.05), seen.done("staged"), timeout_s=0.3,
+                           cancel=cancel)
+    time.sleep(0.5)  # staged for longer than its timeout: that time does not count
+    gate.set()
+    eventually(lambda: len(seen.of("staged")) == 1)
+    outcome = seen.of("staged")[0]
+    assert outcome.ok and not outcome.timed_out and not cancel
+    pool.close()
+
+
+def test_abandoning_a_pool_reports_its_staged_jobs_and_never_starts_them(
+        gate: threading.Event) -> None:
+    pool, seen, ran = Pool("t", 1), Outcomes(), []
+    pool.stage_max = 1
+    assert pool.try_submit(blocker(gate), seen.done("running"))
+    eventually(lambda: pool.staged == 0)
+    assert pool.try_submit(lambda: ran.append(1), seen.done("staged"))
+    assert pool.abandon("shutdown") == 2
+    assert seen.of("staged")[0].abandoned == "shutdown" and pool.staged == 0
+    gate.set()
+    eventually(lambda: pool.free == 1)
+    time.sleep(0.05)  # the thread is free: it would have taken the staged job by now
+    assert ran == [] and len(seen.of("staged")) == 1
+    pool.close()
