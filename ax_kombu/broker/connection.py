@@ -6,11 +6,14 @@ single "put on queue" (no exchange lookup round trip).
 
 :func:`check_broker_url` judges a broker URL at start-up the way Kombu will
 when it connects, without connecting, so a URL that cannot work stops a
-daemon at once instead of in its retry loop.
+daemon at once instead of in its retry loop. :func:`backlogged` tells the
+scheduler's recovery which queues still hold messages (a backlog is not a loss).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from kombu import Connection, Queue
@@ -20,6 +23,8 @@ from kombu.utils.text import fmatch_best
 from ax_kombu.broker.transports import register as register_transports
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 from ax_kombu.exceptions import ConfigurationError
+
+log = logging.getLogger(__name__)
 
 _EXAMPLES = "use e.g. redis://host:6379/0, amqp://user:pass@host// or ax+sqlite:///path"
 #: The Kombu extra that installs what a transport imports, where it has one.
@@ -44,6 +49,23 @@ def task_queues(settings: Settings) -> dict[str, Queue]:
     """The kombu Queue for each priority."""
     return {p: Queue(settings.queue_for(p), routing_key=settings.queue_for(p), durable=True)
             for p in PRIORITIES}
+
+
+def backlogged(settings: Settings, priorities: Sequence[str]) -> set[str] | None:
+    """The priorities among ``priorities`` whose queue holds messages now, or None if the
+    broker could not be asked (one short-lived connection)."""
+    if not priorities:
+        return set()
+    queues = task_queues(settings)
+    try:
+        with connection(settings) as conn:
+            conn.ensure_connection(max_retries=1)
+            channel = conn.default_channel
+            return {p for p in priorities
+                    if int(queues[p](channel).queue_declare().message_count) > 0}
+    except Exception:  # any broker failure means "unknown"
+        log.debug("could not read the queues' depths", exc_info=True)
+        return None
 
 
 def declare_queues(conn: Connection, settings: Settings) -> None:

@@ -20,6 +20,15 @@ Contracts:
   started go out again with a doubling ack timeout, at most
   ``max_dispatches`` times, and only for queues some live worker consumes
   (:func:`ax_kombu.store.recovery.redispatch_unacked`).
+* **A backlog is not a loss.** A queue that still holds messages may still hold
+  the one a DISPATCHING task waits for: its tasks are not dispatched again
+  while the broker says the queue is not empty (nor while the broker cannot be
+  asked). Only once the queue has drained is a task still DISPATCHING past its
+  ack timeout known lost (its worker popped it and died before its RUNNING
+  move, or the broker lost its data; RabbitMQ puts a dead consumer's unacked
+  messages back in the queue by itself), and sent again. Under a backlog that
+  takes minutes to drain, no task is sent twice and none is failed as "never
+  started".
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from ax_kombu.broker.connection import backlogged
 from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, nodes, recovery
@@ -114,10 +124,13 @@ class Liveness:
         if not self.trusted(now):
             return
         silent_since = now - self.silence_ms
-        with self._store.engine.begin() as conn:
+        with self._store.engine.connect() as conn:
             consumed = self._consumed(conn)
+        backlog = backlogged(self._settings, consumed)  # before the transaction: a round trip
+        drained = [] if backlog is None else [p for p in consumed if p not in backlog]
+        with self._store.engine.begin() as conn:
             unacked = recovery.redispatch_unacked(
-                conn, now, self._settings.ack_timeout_ms, consumed,
+                conn, now, self._settings.ack_timeout_ms, drained,
                 self._settings.max_dispatches)
             idle = recovery.waiting_without_consumer(
                 conn, [p for p in PRIORITIES if p not in consumed])

@@ -34,7 +34,9 @@ from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env, worker_queue
 from ax_kombu.core.states import Status
+from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.store import claims, transitions
+from ax_kombu.store.nodes import Heartbeat
 from ax_kombu.store.schema import nodes, tasks
 from ax_kombu.worker.lanes import ACK_AT_START_MS
 from ax_kombu.worker.node import Worker
@@ -628,6 +630,28 @@ def test_the_worker_stages_no_more_than_its_stage_and_a_thread_takes_the_next_at
         procs_worker.release.set()
         eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
     assert all(procs_worker.calls[i] == 1 for i in ids)
+
+
+def test_a_backlog_is_not_taken_for_a_loss(settings: Settings, dispatch: Dispatch) -> None:
+    """Messages still in the broker past the ack timeout are not dispatched again; once
+    the queue has drained, a task still DISPATCHING is known lost and is."""
+    store = dispatch.client.store
+    Heartbeat(store, "w-live", "worker").register({"queues": [settings.queue_default]})
+    scheduler = Heartbeat(store, "s-test", "scheduler")
+    scheduler.register({})
+    liveness = Liveness(settings, store, scheduler, dict, lambda: None, lambda: None)
+    liveness._beating_since = store.now_ms() - settings.silence_ms  # may judge (trusted)
+    ids = [dispatch.enqueue("t.noop", {"i": i}) for i in range(3)]
+    attempts = {m.task_id: m.attempt for m in dispatch.dispatch(ids)}
+    later = store.now_ms() + 10 * settings.ack_timeout_ms  # a backlog of minutes
+    liveness.recover(later)
+    assert all(dispatch.status(i) is Status.DISPATCHING for i in ids)
+    assert {i: dispatch.view(i).attempt for i in ids} == attempts
+    assert dispatch.queue_depth("default") == 3
+    with connection(settings) as conn:  # the broker loses its data
+        task_queues(settings)["default"](conn.default_channel).purge()
+    liveness.recover(later)
+    assert all(dispatch.status(i) is Status.READY for i in ids)
 
 
 @pytest.mark.parametrize("pull", [True, False])
