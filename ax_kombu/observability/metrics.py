@@ -100,8 +100,9 @@ dedup_total = Counter(
     ["kind"])
 oldest_overdue = Gauge(
     "ax_oldest_overdue_seconds",
-    "Database time minus the trigger time of the oldest task that is due and not dispatched "
-    "(CREATED, DELAYED or READY, parked gated tasks excluded); 0 when none is overdue.",
+    "Database time minus the trigger time of the oldest task that is due and not started "
+    "(CREATED, DELAYED, READY or DISPATCHING, parked gated tasks excluded); 0 when none is "
+    "overdue.",
     multiprocess_mode="livemax")
 pool_size = Gauge("ax_pool_size", "Slots (threads) of this worker's pool for a queue.", ["queue"],
                   multiprocess_mode="livesum")

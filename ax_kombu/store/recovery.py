@@ -275,12 +275,16 @@ SELECT min(t) FROM (
   UNION ALL
   SELECT (SELECT trigger_time FROM ax_task WHERE status = 'READY' AND trigger_time <= :now
            AND (last_run_node IS NULL OR last_run_node <> '~parked')
+           ORDER BY trigger_time LIMIT 1)
+  UNION ALL
+  SELECT (SELECT trigger_time FROM ax_task WHERE status = 'DISPATCHING' AND trigger_time <= :now
            ORDER BY trigger_time LIMIT 1)) AS due"""
 
 
 def oldest_overdue_ms(conn: Connection, now_ms: int) -> int:
-    """How long the oldest due task not yet dispatched has waited (0: none); tasks parked
-    for their order key or limit wait by design and are left out. Three index probes on
+    """How long the oldest due task not yet started has waited (0: none): CREATED, DELAYED,
+    READY, or DISPATCHING (published and waiting in the broker); tasks parked for their
+    order key or limit wait by design and are left out. Four index probes on
     ``(status, trigger_time)``."""
     oldest = conn.execute(text(_OLDEST_DUE), {"now": now_ms}).scalar()
     return max(0, now_ms - int(oldest)) if oldest is not None else 0

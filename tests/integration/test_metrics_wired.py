@@ -42,7 +42,10 @@ def test_the_oldest_overdue_task_counts_what_waits_and_not_what_is_parked(
         conn.execute(update(tasks).where(tasks.c.task_id == old).values(status="READY"))
         # 12 s on: 'old' (due at +5 s) waits 7 s; 'parked' waits by design; 'later' is not due
         assert recovery.oldest_overdue_ms(conn, now + 12_000) == 7_000
+        # published and waiting in the broker is still waiting; started is not
         conn.execute(update(tasks).where(tasks.c.task_id == old).values(status="DISPATCHING"))
+        assert recovery.oldest_overdue_ms(conn, now + 12_000) == 7_000
+        conn.execute(update(tasks).where(tasks.c.task_id == old).values(status="RUNNING"))
         assert recovery.oldest_overdue_ms(conn, now + 12_000) == 0
     assert later
 

@@ -129,7 +129,7 @@ def test_the_shipped_rules_are_the_ones_the_spec_asks_for() -> None:
     for name, severity, priority in (("AxScheduleDelayHigh", "warning", "P2"),
                                      ("AxScheduleDelayCritical", "critical", "P1")):
         rule = by_name[name]
-        assert "ax_schedule_delay_seconds_bucket" in rule["expr"] and rule["for"] == "1m"
+        assert "ax_start_delay_seconds_bucket" in rule["expr"] and rule["for"] == "1m"
         assert (rule["severity"], rule["priority"]) == (severity, priority)
     for rule in by_name.values():
         assert rule["expr"] and rule["summary"], rule
