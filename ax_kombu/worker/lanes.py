@@ -57,8 +57,9 @@ ACK_AT_START_MS = 10 * 60 * 1000
 
 #: a lane stages at most this many runs per thread
 STAGE_PER_THREAD = 200
-#: a run's time until one has been measured (sizes the first stage)
-FIRST_RUN_S = 0.05
+#: a run's time until runs have been measured: the horizon's default, so a lane that has
+#: not timed a run yet stages one run per thread and grows its stage as fast runs end
+FIRST_RUN_S = 1.0
 #: what a run costs the worker besides its processor (its share of the RUNNING write,
 #: the hand-offs and the result write), added to the measured run time
 RUN_OVERHEAD_S = 0.001
