@@ -80,11 +80,15 @@ class Lease:
         self._valid_s = valid_s
         self._clock = clock
         self._until = 0.0
+        #: the incarnation the last confirmed beat was for
+        self.incarnation = 0
         self._cond = threading.Condition()
 
-    def confirm(self, sent_at: float) -> None:
-        """A beat (or the registration) sent at ``sent_at`` succeeded."""
+    def confirm(self, sent_at: float, incarnation: int) -> None:
+        """A beat (or the registration) of ``incarnation`` sent at ``sent_at`` succeeded."""
         with self._cond:
+            if incarnation != self.incarnation:
+                self.incarnation, self._until = incarnation, 0.0
             self._until = max(self._until, sent_at + self._valid_s)
             self._cond.notify_all()
 
@@ -96,6 +100,17 @@ class Lease:
     def valid(self) -> bool:
         """True while the last confirmed beat still covers now."""
         return self._clock() < self._until
+
+    def covers(self, incarnation: int) -> bool | None:
+        """May a run fenced under ``incarnation`` start now? True: yes. False: never — a
+        later incarnation holds the lease (the run was fenced before this worker was
+        declared dead; another node may run its task now). None: not yet (the lease has
+        run out, or its incarnation's first beat is not confirmed yet)."""
+        if not self.valid():
+            return None
+        if incarnation < self.incarnation:
+            return False
+        return True if incarnation == self.incarnation else None
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the lease to be valid; True if it is."""

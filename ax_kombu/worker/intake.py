@@ -207,6 +207,7 @@ class Intake:
         running = [d for d in batch.start if d.task.task_id in started]
         for delivery in running:  # from here on the task is the row, not the message
             delivery.task = started[delivery.task.task_id]
+            delivery.fenced_by = batch.incarnation
         self._ack_long(running)
         for delivery in running:
             self._submit(delivery)
@@ -256,8 +257,10 @@ class Intake:
 
     def _start(self, delivery: Delivery) -> Any:
         """A pool thread takes a staged run: hold it until its trigger time, make sure the
-        worker's incarnation is still certainly live (:class:`~ax_kombu.worker.control.Lease`),
-        then run it — unless it was cancelled or withdrawn meanwhile (the processor is then
+        incarnation that fenced it is still certainly live (:class:`~ax_kombu.worker.control.Lease`:
+        a run fenced before the worker was declared dead never starts, even when its batch
+        came back after the stage was withdrawn), then run it — unless it was cancelled or
+        withdrawn meanwhile (the processor is then
         not called, and no outcome is recorded: the row is no longer RUNNING at this
         attempt, or is handed back by whoever withdrew it)."""
         task, cancel = delivery.task, delivery.cancel
@@ -265,10 +268,10 @@ class Intake:
         while (left_ms := task.trigger_time - self._clock()) > 0 and not cancel.wait(
                 left_ms / 1000.0):
             pass
-        while not self._lease.valid() and not cancel:
+        while (covered := self._lease.covers(delivery.fenced_by)) is None and not cancel:
             self._lease.wait(LEASE_WAIT_S)
         with self._staged_lock:
-            withdrawn = delivery not in self._staged
+            withdrawn = delivery not in self._staged or covered is False
             self._staged.discard(delivery)
         if withdrawn or cancel:
             raise Withdrawn(f"{cancel.reason or 'withdrawn'} before it started")

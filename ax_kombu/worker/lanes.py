@@ -81,6 +81,8 @@ class Delivery:
     cancel: Cancellation | None = None
     #: its processor was called (a run withdrawn or abandoned before that records nothing)
     started: bool = False
+    #: the worker incarnation its RUNNING move was fenced under
+    fenced_by: int = 0
 
     @property
     def pair(self) -> tuple[int, int]:

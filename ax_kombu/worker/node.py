@@ -167,7 +167,7 @@ class Worker:
         try:
             sent = time.monotonic()
             took = self.heartbeat.register(self.info())
-            self.lease.confirm(sent)
+            self.lease.confirm(sent, self.heartbeat.incarnation)
         except SQLAlchemyError as exc:
             raise StoreError(f"cannot reach the store {redact_url(self.settings.database_url)}: "
                              f"{getattr(exc, 'orig', exc)}") from None
@@ -202,7 +202,7 @@ class Worker:
             try:
                 sent = time.monotonic()
                 if self.heartbeat.beat(self.info()):
-                    self.lease.confirm(sent)
+                    self.lease.confirm(sent, self.heartbeat.incarnation)
                 else:
                     self._fenced()
                 self._signal_cancelled()
@@ -223,7 +223,8 @@ class Worker:
         SQL), no staged run starts (the lease is revoked, the stage withdrawn: a scheduler
         may have given those tasks another attempt already; rows still ours go back
         RUNNING → DELAYED at their attempt), running tasks go on, and the worker
-        registers anew, keeping what it is running."""
+        registers anew, keeping what it is running. A receipt batch fenced under the old
+        incarnation that comes back after this is refused at start (``Lease.covers``)."""
         self.lease.revoke()
         staged = self.intake.withdraw_staged()
         self.shutdown.hand_back_staged(staged, self.store.engine)  # the heartbeat's thread
@@ -235,7 +236,7 @@ class Worker:
         metrics.fenced_total.inc()
         sent = time.monotonic()
         self.heartbeat.register(self.info(), keep_running=running)
-        self.lease.confirm(sent)
+        self.lease.confirm(sent, self.heartbeat.incarnation)
 
     def _signal_cancelled(self, held_only: bool = False) -> None:
         """Set the cancellation signal of runs whose task was cancelled (``ax cancel``).

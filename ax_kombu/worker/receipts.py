@@ -61,6 +61,8 @@ class Batch:
     forged: list[tuple[Delivery, list[str]]] = field(default_factory=list)
     #: task id → (counter suffix, log text) for each refused start
     refusals: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: the worker incarnation the RUNNING moves were fenced under
+    incarnation: int = 0
 
 
 class ReceiptWriter:
@@ -165,6 +167,7 @@ class ReceiptWriter:
 
     def _write_once(self, db: HeldConnection, batch: Batch, now: int, resume: bool) -> None:
         incarnation = self._incarnation() if self._incarnation is not None else None
+        batch.incarnation = incarnation or 0
         with db.begin() as conn:
             rows = transitions.start_many(
                 conn, [d.pair for d in batch.start], self.node_id, now,

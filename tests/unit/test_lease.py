@@ -19,7 +19,7 @@ def test_a_confirmed_beat_covers_the_lease_from_when_it_was_sent() -> None:
     clock = Clock()
     lease = Lease(10.0, clock)
     assert not lease.valid()  # nothing confirmed yet
-    lease.confirm(sent_at=98.0)
+    lease.confirm(sent_at=98.0, incarnation=1)
     assert lease.valid()
     clock.now = 107.9
     assert lease.valid()
@@ -30,20 +30,20 @@ def test_a_confirmed_beat_covers_the_lease_from_when_it_was_sent() -> None:
 def test_a_paused_process_finds_its_lease_run_out_until_the_next_beat() -> None:
     clock = Clock()
     lease = Lease(10.0, clock)
-    lease.confirm(clock.now)
+    lease.confirm(clock.now, 1)
     clock.now += 25.0  # SIGSTOP for 25 s: the monotonic clock went on
     assert not lease.valid() and not lease.wait(0.01)
-    lease.confirm(clock.now)
+    lease.confirm(clock.now, 1)
     assert lease.valid()
 
 
 def test_revoking_ends_the_lease_until_the_next_confirm() -> None:
     clock = Clock()
     lease = Lease(10.0, clock)
-    lease.confirm(clock.now)
+    lease.confirm(clock.now, 1)
     lease.revoke()
     assert not lease.valid()
-    lease.confirm(clock.now + 1.0)  # the new incarnation's registration
+    lease.confirm(clock.now + 1.0, 1)
     assert lease.valid()
 
 
@@ -58,6 +58,21 @@ def test_a_waiting_start_is_woken_by_the_confirm() -> None:
 
     thread = threading.Thread(target=start)
     thread.start()
-    lease.confirm(clock.now)
+    lease.confirm(clock.now, 1)
     thread.join(5.0)
     assert woke.is_set()
+
+
+def test_a_run_fenced_under_an_earlier_incarnation_never_starts() -> None:
+    clock = Clock()
+    lease = Lease(10.0, clock)
+    lease.confirm(clock.now, incarnation=5)
+    assert lease.covers(5) is True
+    lease.revoke()  # declared dead: nothing starts ...
+    assert lease.covers(5) is None
+    lease.confirm(clock.now, incarnation=9)  # ... and after registering anew, what the old
+    assert lease.covers(5) is False           # incarnation fenced never does
+    assert lease.covers(9) is True
+    assert lease.covers(10) is None  # fenced under a newer one than confirmed: wait for it
+    clock.now += 11.0
+    assert lease.covers(9) is None  # run out: wait for the next beat

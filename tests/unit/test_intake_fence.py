@@ -1,0 +1,82 @@
+"""A run fenced under an incarnation that was then declared dead never starts, even when its
+receipt batch comes back after the worker withdrew its stage (the race a SIGSTOP found)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from kombu import Queue
+
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.worker.control import Lease, StopFlags, Wakeup
+from ax_kombu.worker.intake import Intake
+from ax_kombu.worker.lanes import Delivery, Lane
+from ax_kombu.worker.receipts import Batch
+from ax_kombu.worker.results import Counters
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Message:
+    def ack(self) -> None:
+        pass
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int]] = []
+        self.results: list[int] = []
+
+    def put(self, task: TaskMessage, outcome: Any) -> None:  # the result writer
+        self.results.append(task.task_id)
+
+    def resolve(self, processor: str | None, url: str | None) -> Any:  # the resolver
+        return lambda payload, ctx: self.runs.append((ctx.task_id, ctx.attempt))
+
+
+class Receipts:
+    full = False
+    in_flight = 0
+
+    def take(self) -> None:
+        return None
+
+
+def _intake(calls: Calls, lease: Lease) -> tuple[Intake, Lane]:
+    wakeup = Wakeup()
+    lane = Lane("default", Queue("q"), 2, 1, wakeup.poke, 1.0)
+    intake = Intake([lane], Receipts(), calls, calls, Counters(), wakeup,  # type: ignore[arg-type]
+                    StopFlags(), lambda: time.time() * 1000, lease)
+    return intake, lane
+
+
+def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int) -> Batch:
+    now = int(time.time() * 1000)
+    task = TaskMessage(task_id, 1, "t", {}, "tr", now - 10, 60_000, "default", 0, 3, "p", None,
+                       now, "s0")
+    lane.reserved += 1  # as plan() does
+    return Batch([Delivery(lane, task, Message(), intake.generation)], [], [],
+                 started={task_id: task}, incarnation=incarnation)
+
+
+def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> None:
+    calls, lease = Calls(), Lease(5.0)
+    lease.confirm(time.monotonic(), incarnation=1)
+    intake, lane = _intake(calls, lease)
+    late = _batch(intake, lane, 42, incarnation=1)  # committed before the pause
+    # after SIGCONT, Worker._fenced: revoke, withdraw the stage (empty yet), register anew ...
+    lease.revoke()
+    assert intake.withdraw_staged() == []
+    intake.receipted(late)  # ... while the consuming thread takes the batch that came back
+    lease.confirm(time.monotonic(), incarnation=2)
+    fresh = _batch(intake, lane, 43, incarnation=2)  # fenced under the new incarnation
+    intake.receipted(fresh)
+    deadline = time.monotonic() + 5
+    while (intake.running or lane.pool.active) and time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+    assert calls.runs == [(43, 1)]  # the old incarnation's run never started ...
+    assert calls.results == [43]    # ... and recorded nothing (the row is recovered)
+    lane.pool.close()
