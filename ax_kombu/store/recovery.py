@@ -202,7 +202,9 @@ _RECOVER_RUNNING = """
 UPDATE ax_task
    SET status = CASE WHEN retry_count < max_retry THEN 'DELAYED' ELSE 'FAILED' END,
        retry_count = CASE WHEN retry_count < max_retry THEN retry_count + 1 ELSE retry_count END,
-       trigger_time = CASE WHEN retry_count < max_retry THEN :now ELSE trigger_time END,
+       -- a run staged before its trigger time and recovered before it: never earlier
+       trigger_time = CASE WHEN retry_count < max_retry AND trigger_time < :now THEN :now
+                           ELSE trigger_time END,
        finished_at = CASE WHEN retry_count < max_retry THEN NULL ELSE :now END,
        last_error = :error, last_run_node = NULL
  WHERE status = 'RUNNING' AND {which}

@@ -231,3 +231,19 @@ def test_re_dispatch_backs_off_per_attempt_and_stops_at_the_maximum(client: Clie
     assert "dispatched 3 times" in str(error)
     # the slow queue has no consumer: its task keeps its one message, never re-dispatched
     assert statuses(client, [slow])[slow][0] == "DISPATCHING"
+
+
+def test_a_staged_run_recovered_before_its_trigger_time_is_retried_no_earlier(
+        client: Client) -> None:
+    now = client.store.now_ms()
+    soon, past = (int(client.enqueue("t", {"i": i}, run_at=datetime.fromtimestamp(
+        (now + d) / 1000, UTC))) for i, d in enumerate((60_000, -5_000)))
+    with client.store.engine.begin() as conn:  # both fenced RUNNING by w0, one staged ahead
+        conn.execute(update(tasks).where(tasks.c.task_id.in_([soon, past]))
+                     .values(status="RUNNING", last_run_node="w0", attempt=1))
+        recovered = recovery.recover_running(conn, ["w0"], now)
+        rows = {r.task_id: r for r in conn.execute(
+            select(tasks.c.task_id, tasks.c.status, tasks.c.trigger_time))}
+    assert sorted(t for t, _ in recovered) == sorted([soon, past])
+    assert rows[soon].status == "DELAYED" and rows[soon].trigger_time == now + 60_000
+    assert rows[past].status == "DELAYED" and rows[past].trigger_time == now  # retried now
