@@ -108,11 +108,14 @@ class Intake:
             until it reaches the task's trigger time.
         lease: a staged run starts only while the worker's incarnation is certainly live.
         batch_size: the most RUNNING moves one receipt batch makes.
+        now_ms: the database time a run's start is recorded at (default ``clock``); the
+            result writer records its end on the same clock.
     """
 
     def __init__(self, lanes: list[Lane], receipts: ReceiptWriter, results: ResultWriter,
                  resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags,
-                 clock: Callable[[], float], lease: Lease, batch_size: int = 500) -> None:
+                 clock: Callable[[], float], lease: Lease, batch_size: int = 500,
+                 now_ms: Callable[[], float] | None = None) -> None:
         self.lanes = lanes
         self.receipts = receipts
         self._results = results
@@ -121,6 +124,7 @@ class Intake:
         self._wakeup = wakeup
         self._flags = flags
         self._clock = clock
+        self._now_ms = now_ms or clock
         #: runs handed to a pool and not started yet (staged, or held before their
         #: trigger time); a run starts only if it is still here
         self._staged: set[Delivery] = set()
@@ -279,7 +283,7 @@ class Intake:
         metrics.start_delay.observe(-left_ms / 1000.0)
         # the real start (the RUNNING move wrote when it was fenced): the result records it
         task = delivery.task = task._replace(started_at=max(task.trigger_time,
-                                                            int(self._clock())))
+                                                            int(self._now_ms())))
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
                       cancel, time.monotonic() + task.timeout_ms / 1000.0, task.job,

@@ -116,7 +116,8 @@ class Worker:
         self.lease = Lease(silence_s - min(settings.heartbeat_interval_s, silence_s / 2))
         self.intake = Intake(self.lanes, self.receipts, self.results, self.resolver,
                              self.stats, wakeup, self.flags, self.store.clock.earliest_ms,
-                             self.lease, settings.worker_batch_size)
+                             self.lease, settings.worker_batch_size,
+                             self.store.clock.local_ms)  # the result writer's clock too
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
                                  self.flags)
         self.consumer = Consumer(settings, self.lanes, self.intake, self.shutdown, self.stats,
