@@ -277,15 +277,25 @@ def polling_system(config: Config, key: str, tag: str) -> Iterator[Running]:
 
 
 @contextmanager
+def _peer(config: Config, key: str, tag: str, module: str, args: list[str],
+          install: Callable[[str], None], submit: Callable[[str, list[Task]], None]
+          ) -> Iterator[Running]:
+    """A peer's worker process (``python -m bench.MODULE DSN ARGS``) on a scratch database
+    that ``install`` prepared; ``submit(dsn, tasks)`` hands tasks over."""
+    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
+        install(url)
+        cmd = [sys.executable, "-m", f"bench.{module}", url, *args]
+        env = _plain_env(_ledger_env(config, key))
+        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
+            yield Running(lambda tasks: submit(url, tasks), {"worker": proc})
+
+
+@contextmanager
 def tight_poller_system(config: Config, key: str, tag: str) -> Iterator[Running]:
     """:mod:`bench.poller` ``--tight`` over a plain table in a scratch database."""
-    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
-        poller.create_table(url)
-        cmd = [sys.executable, "-m", "bench.poller", url, "--tight",
-               "--threads", str(config.threads)]
-        env = _plain_env(_ledger_env(config, key))
-        with _process(cmd, env, config.logs / f"{tag}-poller.log") as proc:
-            yield Running(lambda tasks: poller.insert(url, tasks), {"worker": proc})
+    with _peer(config, key, tag, "poller", ["--tight", "--threads", str(config.threads)],
+               poller.create_table, poller.insert) as running:
+        yield running
 
 
 @contextmanager
@@ -293,13 +303,9 @@ def pgqueuer_system(config: Config, key: str, tag: str) -> Iterator[Running]:
     """:mod:`bench.pgqueuer_worker` on a scratch database with PgQueuer's schema."""
     from . import pgqueuer_worker  # PgQueuer is optional: the bench extra
 
-    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
-        pgqueuer_worker.install(url)
-        cmd = [sys.executable, "-m", "bench.pgqueuer_worker", url,
-               "--concurrency", str(config.threads)]
-        env = _plain_env(_ledger_env(config, key))
-        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
-            yield Running(lambda tasks: pgqueuer_worker.enqueue(url, tasks), {"worker": proc})
+    with _peer(config, key, tag, "pgqueuer_worker", ["--concurrency", str(config.threads)],
+               pgqueuer_worker.install, pgqueuer_worker.enqueue) as running:
+        yield running
 
 
 @contextmanager
@@ -307,14 +313,10 @@ def procrastinate_system(config: Config, key: str, tag: str) -> Iterator[Running
     """:mod:`bench.procrastinate_worker` on a scratch database with Procrastinate's schema."""
     from . import procrastinate_app  # Procrastinate is optional: the bench extra
 
-    with scratch_database(f"{config.prefix}{tag}", migrated=False) as url:
-        procrastinate_app.apply_schema(url)
-        cmd = [sys.executable, "-m", "bench.procrastinate_worker", url,
-               "--concurrency", str(config.threads)]
-        env = _plain_env(_ledger_env(config, key))
-        with _process(cmd, env, config.logs / f"{tag}-worker.log") as proc:
-            yield Running(lambda tasks: procrastinate_app.defer(url, tasks),
-                          {"worker": proc})
+    with _peer(config, key, tag, "procrastinate_worker",
+               ["--concurrency", str(config.threads)], procrastinate_app.apply_schema,
+               procrastinate_app.defer) as running:
+        yield running
 
 
 SYSTEMS: dict[str, System] = {"ax": ax_system, "celery": celery_system,

@@ -248,10 +248,13 @@ class Intake:
         with self._staged_lock:
             self._staged.add(delivery)
         self.running.add(delivery)
+        # a run received before its trigger time waits in the stage, not in a thread
+        hold_s = max(0.0, delivery.task.trigger_time - self._clock()) / 1000.0
         if not delivery.lane.pool.try_submit(
                 partial(self._start, delivery), partial(self._done, delivery),
                 timeout_s=partial(self._timeout_s, delivery.task), labels=delivery.labels,
-                cancel=delivery.cancel, reserved=True):  # its room was reserved by plan()
+                cancel=delivery.cancel, reserved=True,  # its room was reserved by plan()
+                start_at=time.monotonic() + hold_s if hold_s else 0.0):
             self._done(delivery, Outcome(False, abandoned="the pool is closed"))  # stopping
 
     def _timeout_s(self, task: TaskMessage) -> float:
@@ -303,11 +306,14 @@ class Intake:
         return staged
 
     @staticmethod
-    def wake(withdrawn: list[Delivery]) -> None:
-        """End the pool threads of withdrawn runs now (their slots free at once)."""
+    def wake(withdrawn: list[Delivery], reason: str = "shutdown") -> None:
+        """Signal runs to end (withdrawn ones end without starting), now: a staged run
+        waiting for its trigger time leaves its pool's stage at once."""
         for delivery in withdrawn:
             if delivery.cancel is not None:
-                delivery.cancel.set("shutdown")
+                delivery.cancel.set(reason)
+        for lane in {d.lane for d in withdrawn}:
+            lane.pool.release_cancelled()
 
     def _execute(self, task: TaskMessage, ctx: Context) -> Any:
         if type(task.payload) is UnreadablePayload:

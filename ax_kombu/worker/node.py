@@ -254,10 +254,7 @@ class Worker:
             return
         with self.store.engine.connect() as conn:
             cancelled = cancelled_among(conn, list(running))
-        for task_id in cancelled:
-            cancel = running[task_id].cancel
-            if cancel is not None:
-                cancel.set("cancelled")
+        self.intake.wake([running[task_id] for task_id in cancelled], "cancelled")
 
     def _watch_held(self) -> None:
         """Every HOLD_WATCH_S while staged runs are held: signal those cancelled meanwhile,

@@ -32,8 +32,9 @@ Guarantees:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -76,6 +77,8 @@ class _Job:
     fn: Callable[[], Any]
     done: Done
     timeout: Timeout
+    #: not taken by a thread before this (the pool's clock)
+    start_at: float = 0.0
     started: float = 0.0
     deadline: float | None = None
     labels: Mapping[str, Any] = field(default_factory=dict)
@@ -108,7 +111,13 @@ class Pool:
         #: guards the accounting; the hot path takes it directly, waits use _cond
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        #: staged jobs by the time they may start (then submission order): a thread takes
+        #: the head once it is due, so a job waiting for its start time holds no thread
+        self._heap: list[tuple[float, int, _Job]] = []
+        self._seq = itertools.count()
+        self._work = threading.Condition(self._lock)
+        #: threads waiting in _next for a job
+        self._idle = 0
         self._running: set[_Job] = set()
         #: accepted, waiting for a thread (see stage_max)
         self._staged: set[_Job] = set()
@@ -175,7 +184,8 @@ class Pool:
 
     def try_submit(self, fn: Callable[[], Any], done: Done, *, timeout_s: Timeout = None,
                    labels: Mapping[str, Any] | None = None,
-                   cancel: Cancellable | None = None, reserved: bool = False) -> bool:
+                   cancel: Cancellable | None = None, reserved: bool = False,
+                   start_at: float = 0.0) -> bool:
         """Run ``fn`` in a free thread, or stage it for the next one that frees up; False
         (and nothing done) when the slots and the stage are full.
 
@@ -188,15 +198,47 @@ class Pool:
             cancel: the job's cancellation signal.
             reserved: the caller counted the job's room in :attr:`room` before (the
                 stage may have shrunk since): it is staged even beyond ``stage_max``.
+            start_at: no thread takes the job before this time (the pool's clock); staged
+                jobs are taken in this order, a job that waits holding no thread.
         """
-        job = _Job(fn, done, timeout_s, labels=labels or {}, cancel=cancel)
+        job = _Job(fn, done, timeout_s, start_at, labels=labels or {}, cancel=cancel)
         with self._lock:
             taken = len(self._running) + len(self._staged)
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
             self._staged.add(job)
-        self._inbox.put(job)
+            heapq.heappush(self._heap, (start_at, next(self._seq), job))
+            if self._idle:
+                self._work.notify()
         return True
+
+    def release_cancelled(self) -> None:
+        """Staged jobs whose cancellation signal is set are taken now, not at their start
+        time (their run ends at once without starting: the caller's ``fn`` sees the
+        signal), so their slots free up."""
+        with self._lock:
+            if not any(job.cancel for _, _, job in self._heap):
+                return
+            self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
+            heapq.heapify(self._heap)
+            self._work.notify_all()
+
+    def _next(self) -> _Job | None:
+        """The next staged job once it may start (a pool thread); None once closed and empty."""
+        with self._work:
+            while True:
+                wait: float | None = None
+                if self._heap:
+                    wait = self._heap[0][0] - self._clock()
+                    if wait <= 0:
+                        return heapq.heappop(self._heap)[2]
+                elif self._closed:
+                    return None
+                self._idle += 1
+                try:
+                    self._work.wait(wait)
+                finally:
+                    self._idle -= 1
 
     def _take(self, job: _Job) -> bool:
         """A thread takes a staged job: its clock and deadline start now. False if it was
@@ -218,7 +260,7 @@ class Pool:
     # -- running --------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        while (job := self._inbox.get()) is not None:
+        while (job := self._next()) is not None:
             if not self._take(job):
                 continue
             try:
@@ -308,8 +350,7 @@ class Pool:
                 return
             self._closed = True
             self._cond.notify_all()
-        for _ in self._threads:
-            self._inbox.put(None)
+            self._work.notify_all()
 
 
 class _Watchdog:

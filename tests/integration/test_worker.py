@@ -501,16 +501,17 @@ def _node_info(dispatch: Dispatch) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Dispatch,
-                                               pg_url: str) -> None:
-    ids = [dispatch.enqueue("t.sleep", {"s": 0.8, "i": i}, priority="slow") for i in range(6)]
-    command, env = _worker_command(settings, pg_url)
+def _warm_stop_when_full(settings: Settings, dispatch: Dispatch, pg_url: str, ids: list[int],
+                         **worker: int) -> tuple[str, dict[int, int]]:
+    """Run an ``ax-worker -Q slow -c slow=2`` process, dispatch ``ids``, wait until it runs 2
+    and holds 2 more (staged or in the backlog), SIGTERM it; returns its output and each
+    task's attempt. It must exit 0."""
+    command, env = _worker_command(settings, pg_url, **worker)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         eventually(lambda: bool(_node_info(dispatch)), what="worker heartbeat")
-        dispatch.dispatch(ids)
-        # 2 running, 2 received into the backlog (multiplier 2), 2 left on the broker
+        attempts = {m.task_id: m.attempt for m in dispatch.dispatch(ids)}
         eventually(lambda: _node_info(dispatch).get("backlog", {}).get("slow") == 2
                    and _node_info(dispatch).get("running") == 2, what="pool and backlog full")
         proc.send_signal(signal.SIGTERM)
@@ -519,6 +520,14 @@ def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Di
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output
+    return output, attempts
+
+
+def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Dispatch,
+                                               pg_url: str) -> None:
+    ids = [dispatch.enqueue("t.sleep", {"s": 0.8, "i": i}, priority="slow") for i in range(6)]
+    # 2 running, 2 received into the backlog (multiplier 2, no stage), 2 left on the broker
+    output, _ = _warm_stop_when_full(settings, dispatch, pg_url, ids)
     statuses = sorted(dispatch.status(i) for i in ids)
     assert statuses == [Status.DISPATCHING] * 2 + [Status.READY] * 2 + [Status.SUCCESS] * 2
     assert dispatch.queue_depth("slow") == 2  # the undelivered two are still on the broker
@@ -533,23 +542,10 @@ def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Di
 def test_warm_shutdown_hands_staged_runs_back_without_starting_them(
         settings: Settings, dispatch: Dispatch, pg_url: str) -> None:
     ids = [dispatch.enqueue("t.sleep", {"s": 3.0, "i": i}, priority="slow") for i in range(6)]
-    command, env = _worker_command(settings, pg_url, stage_horizon_ms=1000, multiplier=1)
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        eventually(lambda: bool(_node_info(dispatch)), what="worker heartbeat")
-        attempts = {m.task_id: m.attempt for m in dispatch.dispatch(ids)}
-        # 2 running, 2 fenced RUNNING and staged behind them (before any run was timed the
-        # stage is one per thread), 2 left on the broker
-        eventually(lambda: _node_info(dispatch).get("backlog", {}).get("slow") == 2
-                   and _node_info(dispatch).get("running") == 2, what="threads and stage full")
-        assert sum(dispatch.status(i) is Status.RUNNING for i in ids) == 4
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output
+    # 2 running, 2 fenced RUNNING and staged behind them (before any run was timed the stage
+    # is one per thread), 2 left on the broker
+    output, attempts = _warm_stop_when_full(settings, dispatch, pg_url, ids,
+                                            stage_horizon_ms=1000, multiplier=1)
     statuses = sorted(dispatch.status(i) for i in ids)
     assert statuses == [Status.DELAYED] * 2 + [Status.DISPATCHING] * 2 + [Status.SUCCESS] * 2, (
         [str(s) for s in statuses], output)

@@ -252,3 +252,28 @@ def test_abandoning_a_pool_reports_its_staged_jobs_and_never_starts_them(
     time.sleep(0.05)  # the thread is free: it would have taken the staged job by now
     assert ran == [] and len(seen.of("staged")) == 1
     pool.close()
+
+
+def test_a_staged_job_waits_for_its_start_time_without_a_thread_and_earlier_ones_go_first(
+        ) -> None:
+    pool, order = Pool("t", 1), []
+    pool.stage_max = 3
+    now = time.monotonic()
+    assert pool.try_submit(lambda: order.append("late"), lambda o: None, start_at=now + 0.3)
+    assert pool.try_submit(lambda: order.append("soon"), lambda o: None, start_at=now + 0.1)
+    assert pool.try_submit(lambda: order.append("due"), lambda o: None)  # the one thread is free
+    eventually(lambda: order == ["due"])
+    eventually(lambda: order == ["due", "soon", "late"])
+    assert time.monotonic() >= now + 0.3
+    pool.close()
+
+
+def test_a_cancelled_staged_job_leaves_the_stage_before_its_start_time() -> None:
+    pool, seen, cancel = Pool("t", 1), Outcomes(), Cancellation()
+    pool.stage_max = 1
+    assert pool.try_submit(lambda: "ran", seen.done("held"), cancel=cancel,
+                           start_at=time.monotonic() + 60)
+    cancel.set("cancelled")
+    pool.release_cancelled()
+    eventually(lambda: len(seen.of("held")) == 1 and pool.active == 0, timeout=2.0)
+    pool.close()
