@@ -51,21 +51,30 @@ def task_queues(settings: Settings) -> dict[str, Queue]:
             for p in PRIORITIES}
 
 
+def queue_depths(settings: Settings) -> dict[str, int]:
+    """Messages waiting in each priority's queue now (one short-lived connection).
+
+    Raises:
+        Exception: whatever Kombu raises when the broker cannot be asked.
+    """
+    with connection(settings) as conn:
+        conn.ensure_connection(max_retries=1)
+        channel = conn.default_channel
+        return {p: int(q(channel).queue_declare().message_count)
+                for p, q in task_queues(settings).items()}
+
+
 def backlogged(settings: Settings, priorities: Sequence[str]) -> set[str] | None:
     """The priorities among ``priorities`` whose queue holds messages now, or None if the
-    broker could not be asked (one short-lived connection)."""
+    broker could not be asked."""
     if not priorities:
         return set()
-    queues = task_queues(settings)
     try:
-        with connection(settings) as conn:
-            conn.ensure_connection(max_retries=1)
-            channel = conn.default_channel
-            return {p for p in priorities
-                    if int(queues[p](channel).queue_declare().message_count) > 0}
+        depths = queue_depths(settings)
     except Exception:  # any broker failure means "unknown"
         log.debug("could not read the queues' depths", exc_info=True)
         return None
+    return {p for p in priorities if depths[p] > 0}
 
 
 def declare_queues(conn: Connection, settings: Settings) -> None:

@@ -16,7 +16,7 @@ import click
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.broker.connection import connection, task_queues
+from ax_kombu.broker.connection import queue_depths
 from ax_kombu.cli.base import broker_option, settings_from
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 from ax_kombu.core.states import Status
@@ -100,11 +100,7 @@ def _consumers(settings: Settings, rows: list[Any]) -> dict[str, int]:
 def _queue_depths(settings: Settings) -> dict[str, Any]:
     """Messages waiting in each queue, or why the broker could not be asked."""
     try:
-        with connection(settings) as conn:
-            conn.ensure_connection(max_retries=1)
-            channel = conn.default_channel
-            return {p: int(q(channel).queue_declare().message_count)
-                    for p, q in task_queues(settings).items()}
+        return dict(queue_depths(settings))
     except Exception as exc:  # noqa: BLE001 - status must still show the rest
         return {"error": f"broker unreachable: {type(exc).__name__}"}
 

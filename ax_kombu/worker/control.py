@@ -64,7 +64,7 @@ class Lease:
     declares a node dead before its last heartbeat is ``silence`` old on the
     database clock. A beat *sent* at monotonic time ``t`` that succeeded
     therefore proves the incarnation live until at least ``t + silence``; the
-    lease ends ``margin_s`` before that. A worker whose beats stop succeeding (cut
+    lease ends a margin before that (``valid_s`` = silence − margin). A worker whose beats stop succeeding (cut
     off from the database, or paused by SIGSTOP, a long GC or a frozen VM)
     starts nothing staged once the lease has run out, until a beat succeeds
     again — or fails the compare-and-set, and the staged runs are withdrawn
@@ -112,7 +112,8 @@ class Lease:
             return False
         return True if incarnation == self.incarnation else None
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the lease to be valid; True if it is."""
+    def wait(self, incarnation: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until :meth:`covers` decides for ``incarnation`` (it
+        is no longer None); True if it has."""
         with self._cond:
-            return self._cond.wait_for(self.valid, timeout_s)
+            return self._cond.wait_for(lambda: self.covers(incarnation) is not None, timeout_s)

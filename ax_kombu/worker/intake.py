@@ -28,7 +28,8 @@ came back:
 
 **Before a run starts** (on its pool thread) it is checked once more, in
 memory: it must still be staged (not cancelled, not withdrawn by a stop) and
-the worker's :class:`~ax_kombu.worker.control.Lease` must be valid — a worker
+the worker's :class:`~ax_kombu.worker.control.Lease` must cover the
+incarnation that fenced it — a worker
 whose heartbeats stopped succeeding (cut off, or paused past its silence
 window) starts nothing it staged until a beat succeeds, and one declared dead
 meanwhile withdraws its stage (another node has those tasks now).
@@ -38,9 +39,9 @@ meanwhile withdraws its stage (another node has those tasks now).
 due time and the start (claim, publish, receive, and above all the RUNNING
 commit, whose disk flush now and then takes a hundred milliseconds or more)
 are done ahead of it. A task received early is fenced (RUNNING) at once and
-held in its pool slot until its trigger time on the database clock: it never
-starts early, and its ``started_at`` is the trigger time. Staging is bounded
-by the lane's stage. While
+waits in its pool's stage, holding no thread, until its trigger time on the
+database clock: it never starts early, and the ``started_at`` its result
+records is when it really started. Staging is bounded by the lane's stage. While
 held it is a running task like any other: ``ax cancel`` stops it before it
 starts; a stopping worker (warm or cold) withdraws the held runs that have not
 started (:meth:`Intake.withdraw_staged`) and hands them back; a worker killed
@@ -249,7 +250,7 @@ class Intake:
             self._staged.add(delivery)
         self.running.add(delivery)
         # a run received before its trigger time waits in the stage, not in a thread
-        hold_s = max(0.0, delivery.task.trigger_time - self._clock()) / 1000.0
+        hold_s = self._hold_s(delivery.task)
         if not delivery.lane.pool.try_submit(
                 partial(self._start, delivery), partial(self._done, delivery),
                 timeout_s=partial(self._timeout_s, delivery.task), labels=delivery.labels,
@@ -257,10 +258,14 @@ class Intake:
                 start_at=time.monotonic() + hold_s if hold_s else 0.0):
             self._done(delivery, Outcome(False, abandoned="the pool is closed"))  # stopping
 
+    def _hold_s(self, task: TaskMessage) -> float:
+        """How long until the task's trigger time (0 once due), on the database clock."""
+        return max(0.0, task.trigger_time - self._clock()) / 1000.0
+
     def _timeout_s(self, task: TaskMessage) -> float:
-        """A run's timeout from when a thread takes it: the hold until its trigger time,
-        then ``timeout_ms``."""
-        return max(0.0, task.trigger_time - self._clock()) / 1000.0 + task.timeout_ms / 1000.0
+        """A run's timeout from when a thread takes it: what is left of the hold until its
+        trigger time, then ``timeout_ms``."""
+        return self._hold_s(task) + task.timeout_ms / 1000.0
 
     def _start(self, delivery: Delivery) -> Any:
         """A pool thread takes a staged run: hold it until its trigger time, make sure the
@@ -276,7 +281,7 @@ class Intake:
                 left_ms / 1000.0):
             pass
         while (covered := self._lease.covers(delivery.fenced_by)) is None and not cancel:
-            self._lease.wait(LEASE_WAIT_S)
+            self._lease.wait(delivery.fenced_by, LEASE_WAIT_S)
         with self._staged_lock:
             withdrawn = delivery not in self._staged or covered is False
             self._staged.discard(delivery)

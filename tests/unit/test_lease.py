@@ -32,7 +32,7 @@ def test_a_paused_process_finds_its_lease_run_out_until_the_next_beat() -> None:
     lease = Lease(10.0, clock)
     lease.confirm(clock.now, 1)
     clock.now += 25.0  # SIGSTOP for 25 s: the monotonic clock went on
-    assert not lease.valid() and not lease.wait(0.01)
+    assert not lease.valid() and not lease.wait(1, 0.01)
     lease.confirm(clock.now, 1)
     assert lease.valid()
 
@@ -53,7 +53,7 @@ def test_a_waiting_start_is_woken_by_the_confirm() -> None:
     woke = threading.Event()
 
     def start() -> None:
-        if lease.wait(5.0):
+        if lease.wait(1, 5.0):
             woke.set()
 
     thread = threading.Thread(target=start)
@@ -74,5 +74,6 @@ def test_a_run_fenced_under_an_earlier_incarnation_never_starts() -> None:
     assert lease.covers(5) is False           # incarnation fenced never does
     assert lease.covers(9) is True
     assert lease.covers(10) is None  # fenced under a newer one than confirmed: wait for it
+    assert not lease.wait(10, 0.01)  # and a wait for it does not return at once
     clock.now += 11.0
     assert lease.covers(9) is None  # run out: wait for the next beat
