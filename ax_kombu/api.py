@@ -4,6 +4,9 @@ Guarantees of :meth:`Client.enqueue` / :meth:`Client.enqueue_many`:
 
 * Bad input raises :class:`ValidationError` and writes nothing; a batch is
   validated whole before anything is written.
+* Where a task runs is stored with it (``runner``: an ax processor or a callback);
+  a processor name shaped like a Celery route (``celery:…``) is refused: only
+  :mod:`ax_kombu.celery` routes a task to Celery (:meth:`Client.enqueue_to`).
 * A call that returns has committed its task(s): a crash after it loses
   nothing.
 * ``biz_key``: the same ``(task_type, biz_key)`` enqueued again returns the
@@ -51,6 +54,7 @@ from ax_kombu.validation import (
     MAX_TASK_TYPE,
     broadcast_row,
     build_row,
+    check_route,
     check_text,
     shard_count,
     shard_rows,
@@ -116,6 +120,9 @@ class TaskView:
     target_node: str | None = None
     #: the processor's return value (SUCCESS; None if it returned None or it was not stored)
     result: Any = None
+    #: where it runs: 'ax' (a processor), 'callback', 'celery' or 'celery_ax' (a Celery
+    #: worker with the AxBootstep); see ax_kombu.store.schema
+    runner: str = "ax"
     #: every ended attempt, oldest first (one still under way is not listed: the row's
     #: ``attempt``, ``last_run_node`` and ``started_at`` describe it)
     attempts: tuple[Attempt, ...] = ()
@@ -157,17 +164,32 @@ class Client:
         """
         return self.enqueue_many([dict(options, task_type=task_type, payload=payload)])[0]
 
+    def enqueue_to(self, runner: str, task_type: str, payload: Any = None,
+                   **options: Any) -> TaskId:
+        """Create one task run by ``runner``, a Celery one (``'celery'``, ``'celery_ax'``:
+        see :mod:`ax_kombu.store.schema`), with ``processor='celery:<queue>'``; else as
+        :meth:`enqueue`. For :mod:`ax_kombu.celery`, the one writer of Celery-bound tasks.
+
+        Raises:
+            ValidationError: bad input; nothing was written.
+        """
+        return self._enqueue([dict(options, task_type=task_type, payload=payload)], runner)[0]
+
     def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
         """Create many tasks in one transaction; each item holds enqueue's arguments.
 
         Raises:
-            ValidationError: any item is invalid; nothing was written.
+            ValidationError: any item is invalid (a processor name shaped like a Celery
+                route too, see the module docstring); nothing was written.
         """
+        return self._enqueue(items, None)
+
+    def _enqueue(self, items: Iterable[Mapping[str, Any]], runner: str | None) -> list[TaskId]:
         if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
             raise ValidationError("enqueue_many takes an iterable of mappings of enqueue "
                                   f"arguments, got {type(items).__name__}")
         now = self.store.now_ms()
-        groups = [self._rows(now, i, item) for i, item in enumerate(items)]
+        groups = [self._rows(now, i, item, runner) for i, item in enumerate(items)]
         rows = [row for group in groups for row in group]
         if not rows:
             return []
@@ -182,7 +204,8 @@ class Client:
                               tuple(t for t, _ in got) if group[0].get("shard_total") else ()))
         return out
 
-    def _rows(self, now: int, index: int, item: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def _rows(self, now: int, index: int, item: Mapping[str, Any],
+              runner: str | None) -> list[dict[str, Any]]:
         """The row(s) of one item: one, or one per shard."""
         if not isinstance(item, Mapping):
             raise ValidationError(f"item {index} is not a mapping of enqueue arguments")
@@ -195,7 +218,8 @@ class Client:
         args = dict(item)
         shards = shard_count(args.pop("shards", None))
         row = build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
-                        **args)
+                        runner=runner, **args)
+        check_route(row)
         if shards == "workers":
             return [broadcast_row(row)]
         return [row] if shards is None else shard_rows(row, int(shards))

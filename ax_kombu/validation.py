@@ -26,6 +26,7 @@ from ax_kombu.config import PRIORITIES, Settings, redact_url
 from ax_kombu.core.ids import EPOCH_MS
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
+from ax_kombu.store.schema import CELERY_RUNNERS
 
 #: Bounds of each enqueue field. Lengths match the columns in :mod:`ax_kombu.store.schema`.
 MAX_TASK_TYPE = 128
@@ -213,6 +214,45 @@ def _callback(url: Any) -> str:
     return url
 
 
+def is_celery_name(processor: object) -> bool:
+    """True when ``processor`` has the form of a Celery route (``celery:…``, ``celery+…``,
+    in any case), which only :mod:`ax_kombu.celery` may write (:func:`check_route`)."""
+    return isinstance(processor, str) and processor[:7].lower() in ("celery:", "celery+")
+
+
+def _runner(processor_name: str | None, callback: str | None, runner: str | None) -> str:
+    """The row's ``runner`` (:data:`ax_kombu.store.schema.RUNNERS`): ``runner`` if given
+    (a Celery one needs a ``celery:<queue>`` processor), else by the target."""
+    if runner is None:
+        return "callback" if callback is not None else "ax"
+    if runner not in CELERY_RUNNERS:
+        raise ValidationError(f"runner must be one of {', '.join(CELERY_RUNNERS)}, "
+                              f"got {show(runner)}")
+    if processor_name is None or not is_celery_name(processor_name) \
+            or not processor_name.partition(":")[2]:
+        raise ValidationError(f"a Celery-bound task needs processor 'celery:<queue>', got "
+                              f"{show(processor_name)}")
+    return runner
+
+
+def check_route(row: Mapping[str, Any]) -> None:
+    """Refuse a row of :func:`ax_kombu.enqueue` whose processor name (``processor=``, or the
+    task type by default) has the form of a Celery route: where a task runs is its stored
+    ``runner``, never a name, and only :mod:`ax_kombu.celery` routes to Celery.
+
+    Raises:
+        ValidationError: such a name on a row that is not Celery-bound.
+    """
+    name = row.get("processor_name")
+    if row.get("runner") in CELERY_RUNNERS or not is_celery_name(name):
+        return
+    raise ValidationError(
+        f"processor {show(name)} looks like a Celery route ('celery:' or 'celery+' prefix); "
+        "ax.enqueue runs a task on an ax processor or callback only. Send a Celery task "
+        "with ax_kombu.celery (ax.celery.enqueue(app, name, ...) or the installed "
+        "apply_async), or choose a processor name without that prefix")
+
+
 def _target(task_type: str, processor: Any, callback_url: Any) -> tuple[str | None, str | None]:
     if processor is not None and callback_url is not None:
         raise ValidationError("give processor or callback_url, not both")
@@ -323,13 +363,16 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
               biz_key: str | None = None, max_retry: int | None = None,
               timeout_ms: int | None = None, processor: str | None = None,
               callback_url: str | None = None, trace_id: str | None = None,
-              order_key: str | None = None, order_policy: str = "hold_failed"
-              ) -> dict[str, Any]:
+              order_key: str | None = None, order_policy: str = "hold_failed",
+              runner: str | None = None) -> dict[str, Any]:
     """Validate one task and return its row (without ``task_id``).
 
     Every field is bounded (see the ``MAX_*`` constants above): text fields by
     type, length and valid Unicode, numbers by type and range, the trigger time
     by how far ahead it is, the payload by JSON, size and depth.
+
+    ``runner``: a Celery runner, from :mod:`ax_kombu.celery` only (None: ``'callback'``
+    with a ``callback_url``, else ``'ax'``; see :func:`check_route`).
 
     Raises:
         ValidationError: any argument is invalid.
@@ -355,6 +398,7 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
                               else timeout_ms, 1, MAX_TIMEOUT_MS),
         "processor_name": processor_name,
         "callback_url": callback,
+        "runner": _runner(processor_name, callback, runner),
         "payload": payload_json,
         "biz_key": biz_key,
         "fingerprint": fingerprint(task_type, payload_json),

@@ -1,11 +1,19 @@
 """Celery's wire format: a due Celery-bound task as a standard Celery protocol-2 message.
 
-A task row is *Celery-bound* when its ``processor_name`` is ``celery:<queue>``
-(:func:`processor_for`); its ``task_type`` is the Celery task name and its payload
-``{"args": [...], "kwargs": {...}}`` with, optionally, ``"expires"`` (ISO 8601) and
-``"timelimit"`` (``[hard, soft]`` seconds). :mod:`ax_kombu.celery` writes such rows;
-the scheduler's publisher sends them with :func:`celery_message` instead of ax's own
-format, so an unmodified ``celery worker`` consuming ``<queue>`` runs them.
+A task row is *Celery-bound* when its stored ``runner`` is ``'celery'`` or ``'celery_ax'``
+(:mod:`ax_kombu.store.schema`; never read from a name); only :mod:`ax_kombu.celery` writes
+such rows, with ``processor_name`` ``celery:<queue>`` (:func:`processor_for`) naming the
+Celery queue. Its ``task_type`` is the Celery task name and its payload
+``{"args": [...], "kwargs": {...}}`` with, optionally, ``"expires"`` (ISO 8601),
+``"timelimit"`` (``[hard, soft]`` seconds) and ``"ignore_result"``. The dispatcher makes
+its claimed row a :class:`CeleryBound` message; the scheduler's publisher sends that with
+:func:`celery_message` instead of ax's own format, so an unmodified ``celery worker``
+consuming ``<queue>`` runs it.
+
+* A payload this format cannot carry (not such an object, args not a list, …) makes
+  :func:`celery_message` raise :class:`Unbuildable` with the reason: the publisher leaves
+  that message out of its batch, and its task ends FAILED with the reason
+  (:func:`ax_kombu.store.claims.fail_unbuildable`); the rest of the batch is sent.
 
 The message is what Celery's own ``app.send_task`` builds
 (``celery.app.amqp.AMQP.as_task_v2``): the headers, a JSON body
@@ -30,7 +38,7 @@ every transport delivers straight to that queue.
 from __future__ import annotations
 
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
@@ -48,6 +56,31 @@ _REPR_MAX = 1024
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
+class CeleryBound(TaskMessage):
+    """A claimed attempt whose stored runner is ``'celery'``: sent as a Celery message, its
+    hand-off recorded by the scheduler (:mod:`ax_kombu.scheduler.handoff`)."""
+
+    __slots__ = ()
+    #: the run is fenced and recorded by a Celery worker's AxBootstep
+    fenced: ClassVar[bool] = False
+
+
+class CeleryFenced(CeleryBound):
+    """A claimed attempt whose stored runner is ``'celery_ax'`` (the bootstep records it)."""
+
+    __slots__ = ()
+    fenced: ClassVar[bool] = True
+
+
+#: the message class of each Celery runner (ax_kombu.store.schema.CELERY_RUNNERS)
+CELERY_MESSAGES: dict[str, type[CeleryBound]] = {"celery": CeleryBound,
+                                                  "celery_ax": CeleryFenced}
+
+
+class Unbuildable(ValueError):
+    """A Celery-bound task's stored payload cannot be sent as a Celery message."""
+
+
 def processor_for(queue: str, fenced: bool = False) -> str:
     """The ``processor_name`` that marks a task as Celery-bound, for ``queue``; ``fenced``:
     its workers run the bootstep."""
@@ -55,7 +88,8 @@ def processor_for(queue: str, fenced: bool = False) -> str:
 
 
 def is_celery(processor: str | None) -> bool:
-    """True when ``processor`` (a row's ``processor_name``) marks a Celery-bound task."""
+    """True when ``processor`` (a row's ``processor_name``) is one :mod:`ax_kombu.celery`
+    wrote for a Celery-bound task (the row's ``runner`` says so; this reads the name)."""
     return processor is not None and processor.startswith((CELERY_PREFIX, FENCED_PREFIX))
 
 
@@ -84,13 +118,21 @@ class CeleryMessage(NamedTuple):
 
 
 def celery_message(m: TaskMessage) -> CeleryMessage:
-    """The Celery protocol-2 message for one attempt of a Celery-bound task (due: no ``eta``)."""
-    payload = orjson.loads(str(m.payload)) if isinstance(m.payload, str) else m.payload
-    args = payload.get("args") or []
-    kwargs = payload.get("kwargs") or {}
-    task_id = celery_task_id(m.task_id, m.attempt)
+    """The Celery protocol-2 message for one attempt of a Celery-bound task (due: no ``eta``).
+
+    Raises:
+        Unbuildable: the payload is not what :mod:`ax_kombu.celery` writes (the reason says
+            which part), or the processor names no queue.
+    """
+    payload = _payload(m.payload)
+    args, kwargs = payload.get("args") or [], payload.get("kwargs") or {}
     timelimit = payload.get("timelimit") or [None, None]
-    headers = {
+    _check_shapes(args, kwargs, timelimit, payload.get("expires"))
+    queue = celery_queue(m.processor or "")
+    if not queue:
+        raise Unbuildable(f"processor {m.processor!r} names no Celery queue")
+    task_id = celery_task_id(m.task_id, m.attempt)
+    headers: dict[str, Any] = {
         "lang": "py", "task": m.task_type, "id": task_id, "shadow": None,
         "eta": None,
         "expires": payload.get("expires"), "group": None, "group_index": None,
@@ -102,8 +144,33 @@ def celery_message(m: TaskMessage) -> CeleryMessage:
         "ax_task_id": m.task_id, "ax_attempt": m.attempt, "trace_id": m.trace_id,
     }
     body = orjson.dumps([args, kwargs, _EMBED]).decode()
-    return CeleryMessage(celery_queue(m.processor or ""), body, headers,
-                         {"correlation_id": task_id, "reply_to": ""})
+    return CeleryMessage(queue, body, headers, {"correlation_id": task_id, "reply_to": ""})
+
+
+def _payload(raw: Any) -> dict[str, Any]:
+    """The stored payload as the object :mod:`ax_kombu.celery` writes, or Unbuildable."""
+    try:
+        payload = orjson.loads(str(raw)) if isinstance(raw, str) else raw
+    except orjson.JSONDecodeError as exc:
+        raise Unbuildable(f"the payload is not JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise Unbuildable("a Celery task's payload must be an object "
+                          f'{{"args": [...], "kwargs": {{...}}}}, got {type(payload).__name__}')
+    return payload
+
+
+def _check_shapes(args: Any, kwargs: Any, timelimit: Any, expires: Any) -> None:
+    if not isinstance(args, list):
+        raise Unbuildable(f"payload args must be a list, got {type(args).__name__}")
+    if not isinstance(kwargs, dict):
+        raise Unbuildable(f"payload kwargs must be an object, got {type(kwargs).__name__}")
+    if not (isinstance(timelimit, list) and len(timelimit) == 2 and all(
+            t is None or (isinstance(t, (int, float)) and not isinstance(t, bool))
+            for t in timelimit)):
+        raise Unbuildable("payload timelimit must be [hard, soft] seconds (numbers or null)")
+    if expires is not None and not isinstance(expires, str):
+        raise Unbuildable(f"payload expires must be an ISO 8601 string, got "
+                          f"{type(expires).__name__}")
 
 
 def celery_redis_envelope(c: CeleryMessage) -> str:

@@ -7,11 +7,17 @@
   broker has confirmed it; on any other transport, one ``publish`` each.
   :meth:`Publisher.publish` reports which messages did *not* certainly reach
   the broker, so the caller can return their tasks to READY.
-* A Celery-bound task (``processor_name`` ``celery:<queue>``) goes out as a standard
-  Celery protocol-2 message to that Celery queue, in the same batch and with the
+* A Celery-bound task (a :class:`~ax_kombu.broker.celery_wire.CeleryBound` message: its
+  row's stored runner is a Celery one) goes out as a standard Celery protocol-2 message
+  to the Celery queue its ``processor_name`` names, in the same batch and with the
   same confirms (:mod:`ax_kombu.broker.celery_wire`); the first publish to a Celery
   queue on a connection declares it as Celery declares its queues (durable), unless
   it exists already (then it is left as it is).
+* Every message is built before anything is sent. One that cannot be built (a
+  Celery-bound task whose payload that format cannot carry) is *refused*: it is left
+  out, reported with its reason (:attr:`Sent.refused`), and the rest of the batch is
+  published. It is never reported as unpublished (it would go back to READY and be
+  claimed again for ever).
 * Nothing is held here: every message is published when handed over. The scheduler
   hands a Celery-bound task over only once it is due (:mod:`ax_kombu.store.claims`).
 """
@@ -21,15 +27,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kombu import Connection, Producer, Queue
 
 from ax_kombu.broker.celery_wire import (
+    CeleryBound,
+    CeleryMessage,
     celery_message,
-    celery_queue,
     celery_redis_envelope,
-    is_celery,
 )
 from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.broker.messages import TaskMessage, redis_envelope
@@ -64,6 +70,19 @@ class _Confirms:
 
     def _nack(self, tag: int, multiple: bool) -> None:
         self.nacked |= self._settle(tag, multiple)
+
+
+class Sent(NamedTuple):
+    """What became of a batch: the messages that did not certainly reach the broker (their
+    tasks go back to READY), and those refused unsent, each with the reason it could not be
+    built (their tasks end FAILED)."""
+
+    failed: list[TaskMessage]
+    refused: list[tuple[TaskMessage, str]]
+
+
+#: one message ready to send: the ax message, and its Celery form when it is Celery-bound
+_Built = tuple[TaskMessage, CeleryMessage | None]
 
 
 class Publisher:
@@ -112,30 +131,38 @@ class Publisher:
         self._celery_queues = set()
 
     def publish(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
-        """Publish ``messages`` at once; returns those that did not certainly reach the broker.
+        """Publish ``messages`` at once; returns those that did not certainly reach the
+        broker, refused ones (:meth:`send`) included."""
+        sent = self.send(messages)
+        return sent.failed + [m for m, _ in sent.refused]
 
-        Never raises for a broker problem: the connection is dropped (and made
-        again on the next call) and the affected messages are returned.
+    def send(self, messages: Sequence[TaskMessage]) -> Sent:
+        """Build every message, then publish those built at once (see the module docstring).
+
+        Never raises for a broker problem, nor for a message that cannot be built: the
+        connection is dropped (and made again on the next call) and the affected messages
+        are in :attr:`Sent.failed`; an unbuildable one is in :attr:`Sent.refused`.
         """
-        if not messages:
-            return []
+        built, refused = _build(messages)
+        if not built:
+            return Sent([], refused)
         try:
             self.connect()
             if self._confirms is not None:
-                return self._publish_confirmed(messages)
-            self._publish_plain(messages)
-            return []
+                return Sent(self._publish_confirmed(built), refused)
+            self._publish_plain(built)
+            return Sent([], refused)
         except Exception as exc:
             log.debug("publish error", exc_info=True)
             log.warning("publish failed; tasks go back to READY",
-                        extra={"count": len(messages), "error": repr(exc)})
+                        extra={"count": len(built), "error": repr(exc)})
             self.close()
-            return list(messages)
+            return Sent([m for m, _ in built], refused)
 
-    def _send(self, message: TaskMessage) -> None:
+    def _send(self, message: TaskMessage, wire: CeleryMessage | None) -> None:
         assert self._producer is not None
-        if is_celery(message.processor):
-            self._send_celery(message)
+        if wire is not None:
+            self._send_celery(wire)
             return
         self._producer.publish(message.to_json(),
                                routing_key=message.route or self._queues[message.priority],
@@ -143,9 +170,8 @@ class Publisher:
                                delivery_mode=2, content_type="application/json",
                                content_encoding="utf-8")
 
-    def _send_celery(self, message: TaskMessage) -> None:
+    def _send_celery(self, c: CeleryMessage) -> None:
         assert self._producer is not None and self._conn is not None
-        c = celery_message(message)
         self._declare_celery_queue(c.queue)
         self._producer.publish(c.body, routing_key=c.queue, exchange="", headers=c.headers,
                                delivery_mode=2, content_type="application/json",
@@ -177,16 +203,16 @@ class Publisher:
                     log.debug("declare channel already closed", exc_info=True)
         self._celery_queues.add(name)
 
-    def _publish_plain(self, messages: Sequence[TaskMessage]) -> None:
+    def _publish_plain(self, built: Sequence[_Built]) -> None:
         assert self._producer is not None
         if self._conn is not None and self._conn.transport.driver_type == "redis":
-            self._publish_redis(messages)
+            self._publish_redis(built)
             return
-        with self._producer.batch(max_size=max(len(messages), 1)):
-            for message in messages:
-                self._send(message)
+        with self._producer.batch(max_size=max(len(built), 1)):
+            for message, wire in built:
+                self._send(message, wire)
 
-    def _publish_redis(self, messages: Sequence[TaskMessage]) -> None:
+    def _publish_redis(self, built: Sequence[_Built]) -> None:
         """One round trip: per queue, one multi-value LPUSH in Kombu's Redis message format.
 
         Equivalent to ``Producer.publish`` to the default exchange at priority 0
@@ -199,10 +225,9 @@ class Publisher:
         assert self._producer is not None
         channel: Any = self._producer.channel
         by_queue: dict[str, list[str]] = {}
-        for m in messages:
-            if is_celery(m.processor):
-                queue = celery_queue(m.processor or "")
-                by_queue.setdefault(queue, []).append(celery_redis_envelope(celery_message(m)))
+        for m, wire in built:
+            if wire is not None:
+                by_queue.setdefault(wire.queue, []).append(celery_redis_envelope(wire))
                 continue
             queue = m.route or self._queues[m.priority]
             by_queue.setdefault(queue, []).append(redis_envelope(m, queue))
@@ -213,12 +238,12 @@ class Publisher:
             pipe.lpush(channel._q_for_pri(queue, 0), *values)
         pipe.execute()
 
-    def _publish_confirmed(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
+    def _publish_confirmed(self, built: Sequence[_Built]) -> list[TaskMessage]:
         confirms, conn = self._confirms, self._conn
         assert confirms is not None and conn is not None
         tags = []
-        for message in messages:
-            self._send(message)
+        for message, wire in built:
+            self._send(message, wire)
             tags.append(confirms.sent_one())
         stop = time.monotonic() + self.confirm_timeout_s
         while confirms.pending:
@@ -226,6 +251,26 @@ class Publisher:
             if left <= 0:
                 raise TimeoutError(f"{len(confirms.pending)} publishes not confirmed in time")
             conn.drain_events(timeout=left)
-        failed = [m for tag, m in zip(tags, messages, strict=True) if tag in confirms.nacked]
+        failed = [m for tag, (m, _) in zip(tags, built, strict=True) if tag in confirms.nacked]
         confirms.nacked.clear()
         return failed
+
+
+def _build(messages: Sequence[TaskMessage]) -> tuple[list[_Built], list[tuple[TaskMessage, str]]]:
+    """Each message with its Celery form (None for an ax message), and those that could not
+    be built, each with the reason."""
+    built: list[_Built] = []
+    refused: list[tuple[TaskMessage, str]] = []
+    for m in messages:
+        if not isinstance(m, CeleryBound):
+            built.append((m, None))
+            continue
+        try:
+            built.append((m, celery_message(m)))
+        except Exception as exc:  # noqa: BLE001 - any failure to build refuses this one alone
+            refused.append((m, f"cannot build the Celery message: {exc}"))
+    if refused:
+        log.error("messages that cannot be built are refused; their tasks fail",
+                  extra={"count": len(refused), "task_ids": [m.task_id for m, _ in refused][:20],
+                         "error": refused[0][1]})
+    return built, refused

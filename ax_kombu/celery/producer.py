@@ -4,9 +4,12 @@ A call becomes one ordinary ax task row (no schema of its own), written by
 :meth:`ax_kombu.api.Client.enqueue` and so validated and deduplicated the same way:
 
 * ``task_type`` = the Celery task name (≤ 128 characters);
+* ``runner`` = ``'celery'`` (``'celery_ax'`` when the Celery workers run the
+  AxBootstep): where the task runs, stored with it — what the scheduler's claim and
+  publisher read (:mod:`ax_kombu.broker.celery_wire`); this module is the only writer
+  of a Celery runner (:func:`ax_kombu.enqueue` refuses a ``celery:`` processor name);
 * ``processor_name`` = ``celery:<queue>``, the queue Celery's router picks for the
-  call (``queue=`` to choose another) — the marker the scheduler's publisher reads
-  (:mod:`ax_kombu.broker.celery_wire`);
+  call (``queue=`` to choose another);
 * ``payload`` = ``{"args": [...], "kwargs": {...}}``, plus ``"expires"`` (ISO 8601),
   ``"timelimit"`` (``[hard, soft]`` s) and ``"ignore_result"`` when given: JSON values
   only (ax stores the payload as JSON; Celery's JSON extensions for datetime, UUID
@@ -152,9 +155,10 @@ def enqueue(app: Any, name: str, args: Sequence[Any] = (),
     payload = call_payload(args, kwargs, expires=expires, time_limit=time_limit,
                            soft_time_limit=soft_time_limit, ignore_result=ignore_result)
     target = queue or queue_of(app, name, payload["args"], payload["kwargs"])
-    return (client or ax_kombu.client()).enqueue(
-        name, payload, **when(app, eta, countdown), priority=priority, biz_key=biz_key,
-        processor=processor_for(target, uses_bootstep(app) if fenced is None else fenced),
+    fenced = uses_bootstep(app) if fenced is None else fenced
+    return (client or ax_kombu.client()).enqueue_to(
+        "celery_ax" if fenced else "celery", name, payload, **when(app, eta, countdown),
+        priority=priority, biz_key=biz_key, processor=processor_for(target, fenced),
         trace_id=trace_id)
 
 

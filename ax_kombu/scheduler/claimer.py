@@ -16,8 +16,16 @@ Contracts:
   transaction (see :mod:`ax_kombu.store.engine`).
 * **Skipped ids are not lost**: ids the claim did not move that this node
   still holds (row locked by a racing claim) fire again shortly; those no
-  longer ours (cancelled, claimed elsewhere, released) are dropped. A failed
-  claim puts the whole batch back.
+  longer ours (cancelled, claimed elsewhere, released) are dropped.
+* **A lost reply is resumed, not dropped**: a claim that fails may have committed
+  (the connection dropped after the commit, before the answer). Its batch is tried
+  again, before anything else, as a *resume* with the same ``now``
+  (:func:`ax_kombu.store.claims.claim`): rows still DELAYED/READY are claimed, and
+  rows the lost statement moved — DISPATCHING, held by this node, ``dispatched_at`` =
+  that ``now`` — come back at the attempt it gave them and are published, not left
+  DISPATCHING until the ack timeout. Every claim of this claimer writes a
+  ``dispatched_at`` later than the one before (:meth:`Claimer._claim_now`), so that
+  pair names one claim statement of one process: no other claim's rows match.
 * **Celery-bound tasks are not staged**: the claim statement takes them only once
   due on the claimer's database clock (:mod:`ax_kombu.store.claims`); they reach
   the wheel ``claim_lead_ms`` late, so they fire when due.
@@ -35,8 +43,9 @@ Contracts:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -50,6 +59,22 @@ from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.claims import claim, still_held
 from ax_kombu.store.gates import Broadcast, claim_gated
+
+log = logging.getLogger(__name__)
+
+
+#: after a claim fails the first time, the pause before it is resumed (then DB_BACKOFF_S)
+_RESUME_PAUSE_S = 0.05
+
+
+class _Claim(NamedTuple):
+    """One claim: its ids, its ``now`` and ``due_before``, and whether it repeats one whose
+    outcome is unknown (:func:`ax_kombu.store.claims.claim`'s ``resume``)."""
+
+    ids: list[int]
+    now: int
+    due_before: int
+    resume: bool
 
 
 class Claimer(Stage):
@@ -79,6 +104,10 @@ class Claimer(Stage):
         self._pg = store.engine.dialect.name == "postgresql"
         self._conn: Connection | None = None  # PostgreSQL: this stage's own, in autocommit
         self._ids = ids
+        #: the claim time of this claimer's last claim (each is later: see _claim_now)
+        self._last_now = 0
+        #: a claim whose outcome is unknown, to be resumed before anything else
+        self._unsure: _Claim | None = None
         self._broadcast = Broadcast(
             lambda conn, priority: nodes.workers_consuming(
                 conn, settings.queue_for(priority), settings.silence_ms),
@@ -97,48 +126,69 @@ class Claimer(Stage):
             self._drop_connection()
 
     def _step(self) -> None:
-        """Claim the next batch; or hold the fired ids while the broker is down; or sleep."""
+        """Resume a claim whose reply was lost, or claim the next batch; or hold the fired
+        ids while the broker is down; or sleep."""
         fired = self._fired.items
-        if not fired:
+        if not fired and self._unsure is None:
             self._fired.wait(MAX_SLEEP_S)
             return
         broker = self._dispatcher
         if not broker.broker_ok.is_set() and not broker.probe():
             self._hold_fired()
             return
-        self._claim([fired.popleft() for _ in range(min(len(fired), self._batch))])
+        if self._unsure is not None:
+            self._claim(self._unsure)
+            return
+        now = self._claim_now()
+        self._claim(_Claim([fired.popleft() for _ in range(min(len(fired), self._batch))],
+                           now, now + self._lead_ms, resume=False))
 
-    def _claim(self, batch: list[int]) -> None:
-        """Claim ``batch`` and hand what was claimed to the dispatcher."""
+    def _claim(self, batch: _Claim) -> None:
+        """Claim ``batch`` (ids due up to ``claim_lead_ms`` from its ``now``: they fire that
+        far ahead, see :mod:`ax_kombu.scheduler.timing`) and hand what was claimed to the
+        dispatcher. On a database error the claim may have committed: it is kept, to be
+        resumed (see the module docstring)."""
         try:
             rows = self._claim_rows(batch)
         except SQLAlchemyError as exc:
-            self._fired.items.extendleft(reversed(batch))  # nothing was claimed: try again
-            self.db_failed("claim", exc)
+            first = self._unsure is None
+            self._unsure = batch._replace(resume=True)
+            if first:  # most often one dropped connection: try again at once, on a new one
+                log.warning("claim failed, its outcome unknown; resuming it",
+                            extra={"count": len(batch.ids), "error": repr(exc)})
+                self.pause(_RESUME_PAUSE_S)
+            else:
+                self.db_failed("claim", exc)
             return
+        self._unsure = None
         metrics.schedule_batch_size.observe(len(rows))
         if rows:
             rows.sort(key=lambda r: r.trigger_time)  # RETURNING has no order
             self._dispatcher.inbox.put(rows)
-        if len(rows) < len(batch):
-            self._keep_unclaimed(batch, rows)
+        if len(rows) < len(batch.ids):
+            self._keep_unclaimed(batch.ids, rows)
 
-    def _claim_rows(self, batch: list[int]) -> list[Any]:
-        """One claim statement, for ids due up to ``claim_lead_ms`` from now (they fire that
-        far ahead, see :mod:`ax_kombu.scheduler.timing`)."""
-        now = self._local_ms()
-        due_before = now + self._lead_ms
+    def _claim_rows(self, batch: _Claim) -> list[Any]:
+        """One claim statement: autocommit on the claimer's own connection (PostgreSQL)."""
+        args = (batch.ids, self._node_id, batch.now, batch.due_before)
         if not self._pg:
             with self._store.engine.begin() as conn:
-                return claim(conn, batch, self._node_id, now, due_before)
+                return claim(conn, *args, resume=batch.resume)
         if self._conn is None:
             conn = self._store.engine.connect()
             self._conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         try:
-            return claim(self._conn, batch, self._node_id, now, due_before)
+            return claim(self._conn, *args, resume=batch.resume)
         except SQLAlchemyError:
             self._drop_connection()  # a new one next time
             raise
+
+    def _claim_now(self) -> int:
+        """The time a claim is made at (its ``dispatched_at``): the local reading of the
+        database clock, but always later than this claimer's previous claim, so that
+        ``(node, dispatched_at)`` names one claim statement (a resume looks for it)."""
+        self._last_now = max(self._local_ms(), self._last_now + 1)
+        return self._last_now
 
     def _drop_connection(self) -> None:
         """Discard (never pool) the claimer's connection: it may be broken, and it is in
@@ -180,7 +230,7 @@ class Claimer(Stage):
     def _claim_gated(self, task_ids: list[int]) -> None:
         """One gated claim: claim what may start, park what must wait (one transaction).
         What it leaves held (a broadcast with no live worker yet) is tried again later."""
-        now = self._local_ms()
+        now = self._claim_now()
         try:
             self._ids.next_ids(0)  # renew the id lease now, not inside the transaction
             with self._store.engine.begin() as conn:

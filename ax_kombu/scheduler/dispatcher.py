@@ -8,7 +8,10 @@ it fences it (RUNNING) at once and starts it at that time, never before (see
 :mod:`ax_kombu.worker.intake`). The round trips between due and start are then
 behind it by its due time. A batch that does not certainly reach the broker
 goes back to READY (compare-and-set from DISPATCHING), and the ids are handed
-back to the timing loop to be fired again.
+back to the timing loop to be fired again. A message that cannot be built (a
+Celery-bound task's payload: :mod:`ax_kombu.broker.celery_wire`) fails its own task,
+FAILED with the reason (fenced by its attempt), and nothing else: the rest of its
+batch is published.
 """
 
 from __future__ import annotations
@@ -22,21 +25,26 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from ax_kombu.broker.celery_wire import CELERY_MESSAGES
 from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, worker_queue
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
+from ax_kombu.store.claims import Unbuildable, fail_unbuildable
 from ax_kombu.store.transitions import transition
 
 log = logging.getLogger(__name__)
 
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
-    """The message for one claimed row (columns in TaskMessage order, see claims.claim)."""
-    message = TaskMessage(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6],
-                          row[7], row[8], row[9], row[10], row[11], now_ms, node)
+    """The message for one claimed row (columns in TaskMessage order, then the target node
+    and the runner: see claims.claim). A row whose stored runner is a Celery one becomes
+    that runner's :class:`~ax_kombu.broker.celery_wire.CeleryBound` message."""
+    kind = CELERY_MESSAGES.get(row[13], TaskMessage) if len(row) > 13 else TaskMessage
+    message = kind(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6],
+                   row[7], row[8], row[9], row[10], row[11], now_ms, node)
     if row[12] is not None:  # a shard for one worker: to that worker's own queue
         message = message._replace(route=worker_queue(row[12]))
     return message
@@ -106,10 +114,12 @@ class Dispatcher(threading.Thread):
         now = self._now()
         messages = [to_message(r, self.node, now) for r in rows]
         with self._publisher_lock:
-            failed = self.publisher.publish(messages)
+            failed, refused = self.publisher.send(messages)
         done = self._now()
-        failed_ids = {m.task_id for m in failed}
-        sent = [m for m in messages if m.task_id not in failed_ids]
+        if refused:
+            self._fail_refused(refused, done)
+        unsent = {m.task_id for m in failed} | {m.task_id for m, _ in refused}
+        sent = [m for m in messages if m.task_id not in unsent]
         delays: dict[str, list[float]] = {}
         for m in sent:  # staged ahead: 0
             delays.setdefault(m.priority, []).append(max(0, done - m.trigger_time) / 1000.0)
@@ -117,13 +127,25 @@ class Dispatcher(threading.Thread):
             metrics.observe_many(metrics.schedule_delay.labels(queue=priority), values)
         if self._on_published is not None:
             self._on_published(sent, done)
-        self.published += len(messages) - len(failed)
-        metrics.dispatch_total.labels("ok").inc(len(messages) - len(failed))
+        self.published += len(sent)
+        metrics.dispatch_total.labels("ok").inc(len(sent))
         metrics.dispatch_latency.observe(time.monotonic() - started)
         if failed:
             self.broker_ok.clear()
             metrics.dispatch_total.labels("failed").inc(len(failed))
-            self._give_back(sorted(failed_ids))
+            self._give_back(sorted(m.task_id for m in failed))
+
+    def _fail_refused(self, refused: list[tuple[TaskMessage, str]], now_ms: int) -> None:
+        """Messages that cannot be built: their tasks end FAILED with the reason. A database
+        error leaves them DISPATCHING: the ack timeout sends them again (and they fail then)."""
+        metrics.dispatch_total.labels("refused").inc(len(refused))
+        failures = [Unbuildable(m.task_id, m.attempt, reason) for m, reason in refused]
+        try:
+            with self.store.engine.begin() as conn:
+                fail_unbuildable(conn, failures, self.node, now_ms)
+        except SQLAlchemyError:
+            log.exception("could not fail tasks whose message cannot be built; the ack "
+                          "timeout will", extra={"count": len(failures)})
 
     def _give_back(self, ids: list[int]) -> None:
         try:

@@ -5,43 +5,57 @@ exactly one claimer, and every claim carries a new attempt number (the fencing
 token workers check).
 
 Staging and Celery: an ax task may be claimed up to ``claim_lead_ms`` before it is
-due (its worker holds it until its trigger time). A Celery-bound task
-(``processor_name`` ``celery:<queue>`` or ``celery+ax:<queue>``, see
-:mod:`ax_kombu.broker.celery_wire`) is never staged, since a stock Celery worker cannot
-hold a message cheaply: the same statement claims it only once its trigger time is at
-or before the claimer's ``now`` (its reading of the database clock). So it is published
-no earlier than its trigger time on the scheduler's database clock (the publish follows
-the claim), and until then it is DELAYED/READY: ``cancel`` still wins, and a scheduler
-that dies holding it leaves it to the recovery scan, not to the ack timeout.
+due (its worker holds it until its trigger time). A Celery-bound task (its stored
+``runner`` is ``'celery'`` or ``'celery_ax'``, set by :mod:`ax_kombu.celery` alone; see
+:mod:`ax_kombu.store.schema`) is never staged, since a stock Celery worker cannot hold a
+message cheaply: the same statement claims it only once its trigger time is at or before
+the claimer's ``now`` (its reading of the database clock). So it is published no earlier
+than its trigger time on the scheduler's database clock (the publish follows the claim),
+and until then it is DELAYED/READY: ``cancel`` still wins, and a scheduler that dies
+holding it leaves it to the recovery scan, not to the ack timeout.
+
+A lost reply: a claim whose statement committed but whose answer never arrived (the
+connection dropped) is repeated as a *resume*, with the same ``node`` and ``now``: the
+rows the lost statement moved (DISPATCHING, ``last_run_node = node``, ``dispatched_at =
+now``: no other claim writes that pair, see :class:`ax_kombu.scheduler.claimer.Claimer`)
+are returned again, at the attempt it gave them, as if claimed now, so the claimer
+publishes them instead of leaving them to the ack timeout.
+
+A message that cannot be built (:mod:`ax_kombu.broker.celery_wire`) ends its task alone:
+:func:`fail_unbuildable` moves it DISPATCHING → FAILED with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, bindparam, text
 
-
-def celery_bound(column: str) -> str:
-    """SQL, true when ``column`` (a ``processor_name``) marks a Celery-bound task (the
-    prefixes of :func:`ax_kombu.broker.celery_wire.processor_for`); NULL, not true, when
-    ``column`` is NULL."""
-    return f"({column} LIKE 'celery:%' OR {column} LIKE 'celery+ax:%')"
+from ax_kombu.store.schema import CELERY_RUNNERS
+from ax_kombu.store.transitions import _execute_batch
 
 
-def fire_time(column: str = "trigger_time", processor: str = "processor_name") -> str:
+def celery_bound(runner: str = "runner") -> str:
+    """SQL, true when ``runner`` (an ``ax_task.runner`` column) names a Celery runner
+    (:data:`ax_kombu.store.schema.CELERY_RUNNERS`)."""
+    return f"{runner} IN ({', '.join(repr(r) for r in CELERY_RUNNERS)})"
+
+
+def fire_time(column: str = "trigger_time", runner: str = "runner") -> str:
     """SQL: the time the scheduler's timing loop is handed for a task, ``:celery_lag`` after
     its trigger time when it is Celery-bound (:func:`celery_bound`), else the trigger time.
     The loop fires every id ``claim_lead_ms`` before the time it was handed; with
     ``:celery_lag`` = ``claim_lead_ms`` a Celery-bound task fires at its trigger time,
     when the claim takes it (see the module docstring)."""
-    return f"{column} + CASE WHEN {celery_bound(processor)} THEN :celery_lag ELSE 0 END"
+    return f"{column} + CASE WHEN {celery_bound(runner)} THEN :celery_lag ELSE 0 END"
 
 
-#: in the order of :class:`ax_kombu.broker.messages.TaskMessage`'s first fields (see dispatch.to_message)
+#: in the order of :class:`ax_kombu.broker.messages.TaskMessage`'s first fields, then the
+#: target node and the runner (see dispatcher.to_message)
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
-                  "priority, retry_count, max_retry, processor_name, callback_url, target_node")
+                  "priority, retry_count, max_retry, processor_name, callback_url, target_node, "
+                  "runner")
 
 # One conditional UPDATE, as on SQLite. Racing claimers: a row locked by another claim is
 # waited for (that claim commits within its one round trip), then its status is tested again,
@@ -52,28 +66,38 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 # batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
 #
 # A Celery-bound row is due by :now, every other one by :due_before (see the module docstring).
+# A resume also returns the rows the lost statement moved, unchanged (SET reads the old row:
+# a row already DISPATCHING keeps its attempt).
 _CLAIM = """
     UPDATE ax_task
-       SET status = 'DISPATCHING', attempt = attempt + 1,
+       SET status = 'DISPATCHING', attempt = attempt{bump},
            last_run_node = :node, dispatched_at = :now{set}
-     WHERE task_id {ids} AND status IN ('DELAYED', 'READY')
-       AND trigger_time <= CASE WHEN """ + celery_bound("processor_name") + """
+     WHERE task_id {ids} AND {moves}
+       AND trigger_time <= CASE WHEN """ + celery_bound() + """
                                 THEN :now ELSE :due_before END{gate}
  RETURNING """ + _CLAIM_COLUMNS
+_CLAIMABLE = "status IN ('DELAYED', 'READY')"
+_RESUME = {"moves": "(status IN ('DELAYED', 'READY') OR (status = 'DISPATCHING' "
+                    "AND last_run_node = :node AND dispatched_at = :now))",
+           "bump": " + CASE WHEN status = 'DISPATCHING' THEN 0 ELSE 1 END"}
+_FRESH = {"moves": _CLAIMABLE, "bump": " + 1"}
 # The ordinary claim leaves gated tasks to the gated claim (ax_kombu.store.gates): those with
 # a gate, or of a type with a limit (one primary-key probe of the small ax_limit table).
 _UNGATED = (" AND gate IS NULL AND NOT EXISTS "
             "(SELECT 1 FROM ax_limit AS l WHERE l.task_type = ax_task.task_type)")
-_FORMS = {False: {"set": "", "gate": _UNGATED}, True: {"set": ", gated = true", "gate": ""}}
+_FORMS = {(g, r): {"set": ", gated = true" if g else "", "gate": "" if g else _UNGATED,
+                   **(_RESUME if r else _FRESH)}
+          for g in (False, True) for r in (False, True)}
 
 #: PostgreSQL takes the ids as one array; elsewhere they expand into IN (…)
-_CLAIM_PG = {g: text(_CLAIM.format(ids="= ANY(:ids)", **f)) for g, f in _FORMS.items()}
-_CLAIM_GENERIC = {g: text(_CLAIM.format(ids="IN :ids", **f)).bindparams(
-    bindparam("ids", expanding=True)) for g, f in _FORMS.items()}
+_CLAIM_PG = {k: text(_CLAIM.format(ids="= ANY(:ids)", **f)) for k, f in _FORMS.items()}
+_CLAIM_GENERIC = {k: text(_CLAIM.format(ids="IN :ids", **f)).bindparams(
+    bindparam("ids", expanding=True)) for k, f in _FORMS.items()}
 
 
 def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
-          due_before: int | None = None, *, gated: bool = False) -> list[Row[Any]]:
+          due_before: int | None = None, *, gated: bool = False,
+          resume: bool = False) -> list[Row[Any]]:
     """Claim due tasks for dispatch by ``node``: DELAYED/READY → DISPATCHING, attempt + 1.
 
     One conditional statement for the whole batch: a row moves only if it is
@@ -88,15 +112,57 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
     Gated tasks (:mod:`ax_kombu.store.gates`) are left alone unless ``gated``: the gated
     claim passes it for the tasks it decided may start, and marks them.
 
+    Args:
+        resume: this repeats, with the same ``node``, ``now_ms`` and ``due_before``, a call
+            whose outcome is unknown (its reply was lost): the rows that call moved are
+            returned too, at the attempt it gave them. ``node`` must not have claimed at
+            ``now_ms`` in any other call.
     Returns:
-        The claimed rows, with the columns a dispatch message needs.
+        The claimed rows, with the columns a dispatch message needs (:data:`_CLAIM_COLUMNS`).
     """
     if not task_ids:
         return []
     params = {"ids": list(task_ids), "node": node, "now": now_ms,
               "due_before": now_ms if due_before is None else due_before}
-    stmt = (_CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC)[gated]
+    stmt = (_CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC)[gated, resume]
     return list(conn.execute(stmt, params))
+
+
+#: a message that cannot be built: its task ends FAILED, fenced by attempt and by the node
+#: that claimed it (its end wakes what waits on its order key or limit, as any end does)
+_FAIL_UNBUILDABLE = """
+    UPDATE ax_task AS t SET status = 'FAILED', finished_at = :now, last_error = v.err
+      FROM {source}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
+       AND t.last_run_node = :node
+ RETURNING task_id, task_type, gated, order_key"""
+
+
+class Unbuildable(NamedTuple):
+    """One claimed attempt whose message could not be built, and why."""
+
+    task_id: int
+    attempt: int
+    reason: str
+
+
+def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str,
+                     now_ms: int) -> list[int]:
+    """DISPATCHING → FAILED for each attempt in ``refused`` that ``node`` still holds at
+    that attempt, ``last_error`` = its reason, ``finished_at = now_ms``; one statement.
+
+    Returns:
+        The ids that moved.
+    """
+    from ax_kombu.store import gates  # gates builds on claim(): imported when first used
+
+    if not refused:
+        return []
+    rows = list(_execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
+                               [(u.task_id, u.attempt, u.reason) for u in refused],
+                               now=now_ms, node=node))
+    gates.wake_next(conn, [(r[1], r[3]) for r in rows if r[2]])
+    return [r[0] for r in rows]
 
 
 _STILL_HELD = """

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, text
 
-from ax_kombu.store.claims import fire_time
+from ax_kombu.store.claims import celery_bound, fire_time
 
 # PostgreSQL: the candidates are locked in a MATERIALIZED CTE, evaluated once, and joined
 # back by primary key only (rows it locked cannot change state meanwhile, so no recheck).
@@ -35,7 +35,7 @@ UPDATE ax_task AS t
    SET status = CASE WHEN t.trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
        last_run_node = :node
   FROM c WHERE t.task_id = c.task_id
-RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.processor_name"),
+RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.runner"),
     "sqlite": """
 UPDATE ax_task
    SET status = CASE WHEN trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
@@ -55,7 +55,7 @@ WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
                          ORDER BY trigger_time LIMIT :n FOR UPDATE SKIP LOCKED)
 UPDATE ax_task AS t SET last_run_node = :node
   FROM c WHERE t.task_id = c.task_id
-RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.processor_name"),
+RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.runner"),
     "sqlite": """
 UPDATE ax_task SET last_run_node = :node
  WHERE task_id IN (SELECT task_id FROM ax_task
@@ -116,13 +116,13 @@ MAX_BACKOFF_STEPS = 5
 
 _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACKOFF_STEPS} "
                 f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
-# Celery-bound tasks (processor_name ``celery:<queue>``, see ax_kombu.broker.celery_wire) are
+# Celery-bound tasks (runner 'celery' or 'celery_ax', see ax_kombu.store.schema) are
 # consumed by Celery workers, which no ax heartbeat lists: they are looked at whatever the
 # priorities. Each leaves DISPATCHING as soon as its publish is confirmed (store.handoff), or
-# (``celery+ax:``) when the AxBootstep of a Celery worker starts it, so one still DISPATCHING
+# ('celery_ax') when the AxBootstep of a Celery worker starts it, so one still DISPATCHING
 # after the ack timeout was never certainly published, or never started.
 _UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :priorities "
-                  "OR processor_name LIKE 'celery:%' OR processor_name LIKE 'celery+ax:%')")
+                  f"OR {celery_bound()})")
 # The attempt a recovery ends goes to the history first, from the row as it still is; on
 # PostgreSQL the rows are locked as they are read, so a worker's late result waits and then
 # finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).
@@ -192,8 +192,7 @@ def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dic
     if not priorities:
         return {}
     stmt = text("SELECT priority, count(*) FROM ax_task WHERE status IN ('DISPATCHING', 'READY') "
-                "AND priority IN :priorities AND COALESCE(processor_name, '') NOT LIKE 'celery:%' "
-                "AND COALESCE(processor_name, '') NOT LIKE 'celery+ax:%' GROUP BY priority"
+                f"AND priority IN :priorities AND NOT {celery_bound()} GROUP BY priority"
                 ).bindparams(bindparam("priorities", expanding=True))
     return {r[0]: int(r[1]) for r in conn.execute(stmt, {"priorities": list(priorities)})}
 

@@ -29,6 +29,8 @@ Indexes, each with its reason:
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -49,6 +51,29 @@ _UNHELD = "last_run_node IS NULL AND status IN ('DELAYED', 'READY')"
 _OCCURRENCE = "job IS NOT NULL"
 _ORDERED = "order_key IS NOT NULL"
 _ACTIVE_JOB = "NOT paused AND next_fire_at IS NOT NULL"
+
+#: ``ax_task.runner``: an ax worker runs the processor ('ax') or calls the URL ('callback');
+#: a stock Celery worker runs it ('celery'), or one with the AxBootstep ('celery_ax')
+RUNNERS = ("ax", "callback", "celery", "celery_ax")
+#: the runners whose tasks go to a Celery queue (ax_kombu.broker.celery_wire)
+CELERY_RUNNERS = ("celery", "celery_ax")
+
+
+def _default_runner(context: Any) -> str:
+    """The runner of an inserted row that names none: 'callback' when it has a
+    callback_url, else 'ax'. Celery runners are named by :mod:`ax_kombu.celery`, with one
+    exception: an occurrence of a recurring job (``job`` set). ``ax_job`` stores no runner
+    yet, so its occurrences take the one the job's processor name was written for
+    (``celery:<queue>``: :mod:`ax_kombu.celery.beat`; ``celery+ax:<queue>``: with the
+    AxBootstep)."""
+    row = context.get_current_parameters()
+    if row.get("callback_url"):
+        return "callback"
+    name = row.get("processor_name") or ""
+    if row.get("job") is not None and name[:7] in ("celery:", "celery+"):
+        return "celery_ax" if name.startswith("celery+ax:") else "celery"
+    return "ax"
+
 
 tasks = Table(
     "ax_task", metadata,
@@ -96,6 +121,11 @@ tasks = Table(
     Column("target_node", String(128)),
     #: the processor's return value as JSON (SUCCESS only; at most AX_MAX_RESULT_BYTES)
     Column("result", Text),
+    #: where the task runs (:data:`RUNNERS`): set at enqueue, never derived from a name; only
+    #: :mod:`ax_kombu.celery` writes a Celery runner. Not given: 'callback' for a row with a
+    #: callback_url, else 'ax' (:func:`_default_runner`)
+    Column("runner", String(12), nullable=False, default=_default_runner,
+           server_default="ax"),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -196,6 +226,9 @@ jobs = Table(
     Column("spec", String(32), nullable=False),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
+    #: why no scheduler can plan the job (its row cannot be parsed); None: it is planned.
+    #: Set by the materialiser (ax_kombu.scheduler.recurrence), cleared by schedule()
+    Column("broken", Text),
     CheckConstraint("(cron IS NULL) <> (every_ms IS NULL)", name="ck_ax_job_one_schedule"),
     CheckConstraint("(processor_name IS NULL) <> (callback_url IS NULL)",
                     name="ck_ax_job_one_target"),

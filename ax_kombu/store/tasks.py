@@ -31,7 +31,7 @@ from ax_kombu.store.schema import attempts, tasks
 COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_count",
            "max_retry", "timeout_ms", "processor_name", "callback_url", "payload", "biz_key",
            "fingerprint", "trace_id", "attempt", "created_at", "order_key", "order_seq", "gate",
-           "shard_index", "shard_total")
+           "shard_index", "shard_total", "runner")
 
 _LOCK_KEYS = text("SELECT count(pg_advisory_xact_lock(k)) FROM "
                   "(SELECT k FROM unnest(CAST(:keys AS BIGINT[])) AS k ORDER BY k) AS s")
@@ -257,6 +257,12 @@ def cancelled_among(conn: Connection, task_ids: Sequence[int]) -> list[int]:
     """Which of ``task_ids`` are CANCELLED (a worker signals their running processors)."""
     if not task_ids:
         return []
+    if conn.dialect.name == "postgresql":  # one array parameter: a third of IN's cost
+        return [r[0] for r in conn.execute(_CANCELLED_AMONG_PG, {"ids": list(task_ids)})]
     stmt = select(tasks.c.task_id).where(tasks.c.task_id.in_(list(task_ids)),
                                          tasks.c.status == "CANCELLED")
     return [r[0] for r in conn.execute(stmt)]
+
+
+_CANCELLED_AMONG_PG = text("SELECT task_id FROM ax_task WHERE task_id = ANY(:ids) "
+                           "AND status = 'CANCELLED'")

@@ -186,8 +186,8 @@ def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> No
     """Claimed with a lead, an ax task due within it moves, a Celery-bound one does not; it
     fires ``claim_lead_ms`` late in the wheel's terms (preload, still_held), so when due."""
     plain = int(client.enqueue("plain", {"i": 1}, delay=0.1))
-    bound = int(client.enqueue("app.tasks.x", {"args": [], "kwargs": {}}, delay=0.1,
-                               processor=processor_for("q")))
+    bound = int(client.enqueue_to("celery", "app.tasks.x", {"args": [], "kwargs": {}},
+                                  delay=0.1, processor=processor_for("q")))
     trigger = {i: client.get(i).trigger_time for i in (plain, bound)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
@@ -218,9 +218,9 @@ def test_a_celery_bound_task_is_never_published_before_due_an_ax_task_still_is_s
     clock, which SQLite shares with this process), ends SUCCESS at its hand-off, and its
     message has no eta; each ax task is claimed ahead of its trigger time, at most the lead."""
     n = 30
-    bound = [int(i) for i in client.enqueue_many(
-        [{"task_type": "app.tasks.x", "payload": {"args": [i], "kwargs": {}},
-          "delay": 0.5 + i / 50, "processor": processor_for("celery")} for i in range(n)])]
+    bound = [int(client.enqueue_to("celery", "app.tasks.x", {"args": [i], "kwargs": {}},
+                                   delay=0.5 + i / 50, processor=processor_for("celery")))
+             for i in range(n)]
     plain = [int(i) for i in client.enqueue_many(
         [{"task_type": "plain", "payload": {"i": i}, "delay": 0.5 + i / 50} for i in range(n)])]
     published: list[tuple[TaskMessage, int]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ax_kombu.broker.celery_wire import CeleryBound, CeleryFenced
 from ax_kombu.broker.messages import RawJson, TaskMessage, redis_envelope
 from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.store.claims import _CLAIM_COLUMNS
@@ -14,7 +15,7 @@ def test_claim_columns_are_in_message_order() -> None:
     fields = list(TaskMessage._fields[:12])
     renamed = {"processor_name": "processor"}
     assert [renamed.get(c, c) for c in columns[:12]] == fields
-    assert columns[12:] == ["target_node"]  # routing only, not in the message
+    assert columns[12:] == ["target_node", "runner"]  # routing only, not in the message
 
 
 def test_to_message_and_json_round_trip() -> None:
@@ -23,6 +24,10 @@ def test_to_message_and_json_round_trip() -> None:
     message = to_message(row, "node-1", 123)
     assert message.route is None
     assert to_message(row[:12] + ("w7",), "node-1", 123).route == "ax.worker.w7"
+    assert type(to_message(row + ("callback",), "node-1", 123)) is TaskMessage
+    assert type(to_message(row + ("celery",), "node-1", 123)) is CeleryBound
+    fenced = to_message(row[:12] + ("w7", "celery_ax"), "node-1", 123)
+    assert type(fenced) is CeleryFenced and fenced.fenced and fenced.route == "ax.worker.w7"
     assert isinstance(message.payload, RawJson)
     body = json.loads(message.to_json())
     assert body["payload"] == {"a": [1, "x"]} and body["callback_url"] == "http://127.0.0.1/x"
