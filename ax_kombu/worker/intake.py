@@ -138,6 +138,10 @@ class Intake:
         self._batch_size = batch_size
         #: submitted to a pool and not settled yet
         self.running: set[Delivery] = set()
+        #: runs whose timeout passed while they were held (the lease stayed uncertain, say)
+        #: and so never started: their rows are still RUNNING here at their attempt, and
+        #: the node hands them back (:meth:`take_expired_holds`), or the recovery does
+        self.expired_holds: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         #: the current broker connection (acks for an earlier one are void)
         self.generation = 0
@@ -332,8 +336,20 @@ class Intake:
         records nothing."""
         if delivery.started:
             self._results.put(delivery.task, outcome)
+        elif delivery.cancel is not None and delivery.cancel.reason == "timeout":
+            self.expired_holds.put(delivery)  # nobody else writes its row back
         self._completed.put(delivery)
         self._wakeup.poke()
+
+    def take_expired_holds(self) -> list[Delivery]:
+        """Remove and return the runs whose timeout passed while held (see
+        :attr:`expired_holds`), for the node to hand back."""
+        taken: list[Delivery] = []
+        while True:
+            try:
+                taken.append(self.expired_holds.get_nowait())
+            except queue.Empty:
+                return taken
 
     # -- settling ------------------------------------------------------------------------------
 

@@ -76,24 +76,26 @@ class Shutdown:
         self._stats.add("handed_back", len(unstarted))
         log.info("unstarted work handed back to READY", extra={"count": len(unstarted)})
 
-    def hand_back_staged(self, held: list[Delivery], db: Engine | None = None) -> None:
-        """RUNNING → DELAYED (unheld, nothing else changed) for withdrawn staged runs.
+    def hand_back_staged(self, held: list[Delivery], db: Engine | None = None) -> bool:
+        """RUNNING → DELAYED (unheld, nothing else changed) for withdrawn staged runs;
+        False if the database failed (the rows stay RUNNING here).
 
         Args:
             db: where to write from another thread than the consuming one (default the
                 connection held for the stop).
         """
         if not held:
-            return
+            return True
         try:
             with (db or self._db).begin() as conn:
                 moved = transitions.hand_back_many(conn, [d.pair for d in held], self._node)
         except SQLAlchemyError:
-            log.warning("could not hand staged runs back; the recovery retries them",
-                        exc_info=True, extra={"count": len(held)})
-            return
+            log.warning("could not hand staged runs back", exc_info=True,
+                        extra={"count": len(held)})
+            return False
         self._stats.add("handed_back", moved)
         log.info("staged runs not started yet handed back", extra={"count": moved})
+        return True
 
     def _release(self, unstarted: list[Delivery]) -> bool:
         """DISPATCHING → READY for ``unstarted``; False if the database failed."""

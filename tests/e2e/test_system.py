@@ -313,8 +313,11 @@ def test_sigterm_stops_a_worker_warm_and_loses_nothing(system: System, tmp_path:
     system.wait_ready()
     ids = system.enqueue_many([{**_task(log, i, sleep=0.6), "delay": 0.3 + i / 40}
                                for i in range(60)])
+    # (with the claim lead, tasks are RUNNING — fenced, staged — before they start: wait for
+    # one the victim has really started)
     system.wait_for(lambda: len(system.running_on(victim.name)) >= 3
-                    and system.node_info(victim.name)["backlog"]["default"] > 0, 30,
+                    and system.node_info(victim.name)["backlog"]["default"] > 0
+                    and any(r.pid == victim.proc.pid for r in log.runs()), 30,
                     "worker-0 running tasks with more waiting", detail=system.statuses)
     started = {r.task_id for r in log.runs() if r.pid == victim.proc.pid}  # before the next
     running_at_term = system.running_on(victim.name)

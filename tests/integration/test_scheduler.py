@@ -64,8 +64,9 @@ def test_a_short_delay_fires_through_the_wake_up_not_the_next_preload(cfg: Setti
 
 
 def test_cancelled_task_is_never_published(cfg: Settings, client: Client) -> None:
-    keep = client.enqueue("t", {"keep": True}, delay=1.5)
-    drop = client.enqueue("t", {"keep": False}, delay=1.0)
+    lead_s = cfg.claim_lead_ms / 1000  # due later than the claim lead: still held in memory
+    keep = client.enqueue("t", {"keep": True}, delay=lead_s + 1.5)
+    drop = client.enqueue("t", {"keep": False}, delay=lead_s + 1.0)
     with collecting(cfg) as got, scheduler_running(cfg):
         assert got.wait_for(lambda: client.get(drop).status is Status.DELAYED)  # held in memory
         client.cancel(drop)

@@ -80,3 +80,24 @@ def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> 
     assert calls.runs == [(43, 1)]  # the old incarnation's run never started ...
     assert calls.results == [43]    # ... and recorded nothing (the row is recovered)
     lane.pool.close()
+
+
+def test_a_run_whose_timeout_passes_while_held_is_kept_for_hand_back() -> None:
+    """The lease stays uncertain (heartbeats failing) past the run's timeout: the run never
+    starts and records no outcome, and it is not dropped either: the node hands its row
+    back (before, it stayed RUNNING on a live node for good)."""
+    calls, lease = Calls(), Lease(5.0)  # never confirmed: covers() stays undecided
+    intake, lane = _intake(calls, lease)
+    batch = _batch(intake, lane, 44, incarnation=1)
+    held = batch.start[0]
+    assert batch.started is not None  # the row's settings are what runs
+    batch.started[44] = batch.started[44]._replace(timeout_ms=200)
+    intake.receipted(batch)
+    deadline = time.monotonic() + 10
+    while intake.running and time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+    assert not intake.running
+    assert calls.runs == [] and calls.results == []  # never started, nothing recorded
+    assert intake.take_expired_holds() == [held]
+    assert intake.take_expired_holds() == []
