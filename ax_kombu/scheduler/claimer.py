@@ -136,6 +136,8 @@ class Claimer(Stage):
         if not broker.broker_ok.is_set() and not broker.probe():
             self._hold_fired()
             return
+        if self._unsure is not None and self._timing.dropping:
+            self._unsure = None  # declared dead: what the lost claim moved is recovery's
         if self._unsure is not None:
             self._claim(self._unsure)
             return

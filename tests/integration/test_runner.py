@@ -19,6 +19,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.dispatcher import Dispatcher
+from ax_kombu.store import jobs as job_store
 from ax_kombu.store import recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.engine import make_engine, migrate
@@ -114,6 +115,23 @@ def test_the_claim_reads_the_stored_runner_not_the_name(client: Client) -> None:
         assert waiting == {"default": 1}  # the ax task; never the Celery-bound one
         (row,) = claim(conn, [bound], "s1", trigger[bound], trigger[bound] + LEAD_MS)
         assert (row.task_id, row.runner) == (bound, "celery")
+
+
+def test_an_occurrence_takes_the_runner_its_job_was_written_for(client: Client) -> None:
+    """ax_job stores no runner: an occurrence of a job that ax_kombu.celery's beat import
+    wrote (processor celery:<queue>) is Celery-bound, any other one runs on ax."""
+    base = {"task_type": "t", "trigger_time": 1, "status": "CREATED", "priority": "default",
+            "retry_count": 0, "max_retry": 0, "timeout_ms": 1000, "payload": "{}",
+            "biz_key": None, "fingerprint": "f", "trace_id": "x", "attempt": 0,
+            "created_at": 1, "callback_url": None, "job": "j"}
+    rows = [dict(base, task_id=1, processor_name="celery:q", scheduled_at=1),
+            dict(base, task_id=2, processor_name="celery+ax:q", scheduled_at=2),
+            dict(base, task_id=3, processor_name="p", scheduled_at=3),
+            dict(base, task_id=4, processor_name=None, callback_url="http://h/x", scheduled_at=4)]
+    with client.store.engine.begin() as conn:
+        assert job_store.insert_occurrences(conn, rows) == [1, 2, 3, 4]
+    assert [runner_of(client, i) for i in (1, 2, 3, 4)] == ["celery", "celery_ax", "ax",
+                                                            "callback"]
 
 
 # -- a message that cannot be built ----------------------------------------------------------
