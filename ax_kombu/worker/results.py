@@ -1,7 +1,7 @@
 """The batched result writer: run outcomes become SUCCESS, FAILED or DELAYED rows.
 
-Pool threads hand every outcome to :meth:`ResultWriter.put` (a lock-free
-queue append). One writer thread turns them into state changes and writes
+Pool threads hand every outcome to :meth:`ResultWriter.put` (a queue append
+that waits only when the bound below is reached). One writer thread turns them into state changes and writes
 them with :func:`ax_kombu.store.transitions.finish_many` — one statement per batch of at
 most ``worker_batch_size`` results, at least every ``worker_batch_ms`` —
 instead of one transaction per task.
@@ -25,47 +25,68 @@ that did not end their task: a retried failure (RETRY), a run whose end moved
 nothing (CANCELLED; a recovery that declared it lost wrote first and keeps its
 record), a success whose value was refused (with the note). A plain final end
 is the task row itself: a task that succeeds at once costs no history write.
+What goes into a text column is made storable first (:mod:`ax_kombu.worker.outcomes`:
+no NUL, no lone surrogate, error text capped).
 
-Guarantees: :meth:`ResultWriter.stop` writes everything put before it
-returns, so a clean stop loses no state change. A database outage is
-retried (results wait in memory; there is at most one per running task).
-If the process dies before a result is written, the task stays RUNNING
-with this worker as ``last_run_node``, and the scheduler's recovery of a
-dead worker's tasks retries it: execution is at-least-once.
+Guarantees:
+
+* **A clean stop loses nothing.** :meth:`ResultWriter.stop` writes everything put
+  before it returns.
+* **No outcome stops the writer.** A write that fails because the store cannot be
+  reached or cannot run the statement (:func:`lost_connection`) is retried as it is,
+  with backoff. A batch the store refuses for its data is split in halves until the
+  refused outcome is alone; that run is recorded FAILED with the refusal as its
+  ``last_error`` (its retries are not used: the same outcome would be refused again),
+  and every other outcome of the batch is written as it is.
+* **Bounded memory.** At most :attr:`ResultWriter.bound` (``2 × worker_batch_size``)
+  outcomes wait to be durable; a pool thread whose outcome would pass that waits in
+  :meth:`ResultWriter.put`, keeping its slot busy, until a batch is written.
+* **Durable before done.** ``put(…, on_durable=…)`` is called back only once the
+  outcome is committed (or found to move nothing). The worker's intake acks a run's
+  message, and its pool frees the slot, when the outcome is *put*, not when it is
+  durable; no state change is lost by that, because:
+* **At-least-once.** If the process dies before an outcome is written, the task
+  stays RUNNING with this worker as ``last_run_node``, and the scheduler's recovery
+  of a dead worker's tasks retries it. A stop that times out (:meth:`ResultWriter.stop`)
+  gives up the same way.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import (
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    ProgrammingError,
+    SQLAlchemyError,
+)
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ax_kombu.broker.messages import TaskMessage
-from ax_kombu.config import Settings, redact_url
-from ax_kombu.core import states
-from ax_kombu.core.backoff import Uniform, backoff_ms, default_rng
+from ax_kombu.config import Settings
+from ax_kombu.core.backoff import Uniform, default_rng
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.store.transitions import Finish
+from ax_kombu.worker.outcomes import RunResult, decide, refused, stored_result
 from ax_kombu.worker.pools import Outcome
 
 log = logging.getLogger(__name__)
-
-#: longest last_error stored
-MAX_ERROR = 2000
 
 
 class HeldConnection:
@@ -132,67 +153,24 @@ class Counters:
 
 def _result_not_stored(result: RunResult, finish: Finish) -> bool:
     """A success whose return value was refused (the history row carries the note)."""
-    return result.outcome.ok and result.outcome.value is not None and finish.result is None
+    return (finish.status is Status.SUCCESS and result.outcome.value is not None
+            and finish.result is None)
 
 
 #: the attempt history's word for each way a run ends
 _OUTCOMES = {Status.SUCCESS: "SUCCESS", Status.FAILED: "FAILED", Status.DELAYED: "RETRY"}
 
 
-class RunResult(NamedTuple):
-    """One outcome, with the task it belongs to and when it ended (DB clock)."""
-
-    task: TaskMessage
-    outcome: Outcome
-    ended_ms: int
-
-
-def describe(result: RunResult) -> str:
-    """The text stored in ``last_error`` for a run that did not succeed."""
-    outcome, task = result.outcome, result.task
-    if outcome.timed_out:
-        text = f"timed out after {task.timeout_ms} ms"
-    elif outcome.abandoned is not None:
-        text = f"abandoned: {outcome.abandoned}"
-    elif outcome.error is not None:
-        text = f"{type(outcome.error).__name__}: {outcome.error}"
-    else:
-        text = "failed"
-    return redact_url(text)[:MAX_ERROR]  # a callback's URL may carry a token
-
-
-def stored_result(value: Any, limit: int) -> tuple[str | None, str | None]:
-    """A processor's return value as stored: ``(json_text, note)``. None is stored as
-    nothing; a value that is not JSON, or over ``limit`` bytes, is not stored and the note
-    says why (the run is still a success)."""
-    if value is None:
-        return None, None
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError) as exc:
-        return None, f"result not stored: not JSON ({type(exc).__name__}: {exc})"[:MAX_ERROR]
-    size = len(text.encode())
-    if size > limit:
-        return None, f"result not stored: {size} bytes, over AX_MAX_RESULT_BYTES ({limit})"
-    return text, None
-
-
-def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
-    """The state change a run's outcome leads to (see the module docstring)."""
-    task, outcome = result.task, result.outcome
-    if outcome.ok:
-        stored, _ = stored_result(outcome.value, settings.max_result_bytes)
-        return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms,
-                      result=stored, started_at=task.started_at)
-    error = describe(result)
-    final = isinstance(outcome.error, ProcessorRefused) or task.retry_count >= task.max_retry
-    if final:
-        return Finish(task.task_id, task.attempt, Status.FAILED, result.ended_ms, error,
-                      started_at=task.started_at)
-    delay = backoff_ms(task.retry_count, settings.retry_backoff_base_ms,
-                       settings.retry_backoff_max_ms, rng, settings.retry_backoff_jitter)
-    return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error,
-                  started_at=task.started_at)
+def lost_connection(error: BaseException) -> bool:
+    """Whether a failed write is worth retrying as it is: the store could not be reached
+    or could not run the statement (a lost connection, a lock or statement timeout, a
+    missing table or privilege), none of which a smaller batch would change. Anything
+    else (a DataError or IntegrityError, a value the driver cannot send) is a refusal of
+    the batch's data."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, (OperationalError, InterfaceError, ProgrammingError, InternalError,
+                              DisconnectionError, PoolTimeout, OSError))
 
 
 @functools.cache
@@ -224,6 +202,16 @@ def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
         if finish.status is not Status.DELAYED])
 
 
+class _Queued(NamedTuple):
+    """An outcome waiting in the writer's inbox."""
+
+    result: RunResult
+    #: called on the writer's thread once the outcome is durable (or moved nothing)
+    on_durable: Callable[[], None] | None
+    #: it took one of the inbox's places (an abandoned run's outcome does not wait for one)
+    holds_room: bool
+
+
 class ResultWriter:
     """Collects outcomes from any thread; one thread writes them in batches."""
 
@@ -234,7 +222,10 @@ class ResultWriter:
         self.settings = settings
         self.stats = stats
         self.rng = rng or default_rng()
-        self._inbox: queue.SimpleQueue[RunResult] = queue.SimpleQueue()
+        #: most outcomes put and not durable yet (see :meth:`put`)
+        self.bound = 2 * settings.worker_batch_size
+        self._room = threading.Semaphore(self.bound)
+        self._inbox: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._abort = threading.Event()
         self._db = HeldConnection(store.engine)
@@ -243,9 +234,34 @@ class ResultWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, task: TaskMessage, outcome: Outcome) -> None:
-        """Queue the outcome of one run for writing (thread-safe, never blocks)."""
-        self._inbox.put(RunResult(task, outcome, int(self.store.clock.local_ms())))
+    def put(self, task: TaskMessage, outcome: Outcome,
+            on_durable: Callable[[], None] | None = None) -> None:
+        """Queue the outcome of one run for writing (thread-safe).
+
+        At most :attr:`bound` (``2 × worker_batch_size``) outcomes wait, in memory, for
+        their batch to be durable: a thread whose outcome would exceed that waits here
+        until a batch is written (a pool thread: its slot stays busy meanwhile, and so
+        its lane takes no more work than it can record). It never waits for a writer
+        that is not running, has been given up on, or for an abandoned run's outcome
+        (those are reported by the thread stopping the worker, at shutdown).
+
+        Args:
+            on_durable: called (on the writer's thread) once the outcome is committed,
+                or found to move nothing; never if the writer is given up on first.
+        """
+        result = RunResult(task, outcome, int(self.store.clock.local_ms()))  # before a wait
+        holds_room = outcome.abandoned is None and self._wait_for_room()
+        self._inbox.put(_Queued(result, on_durable, holds_room))
+
+    def _wait_for_room(self) -> bool:
+        """Take a place in the inbox, waiting while all are taken; False: taken none."""
+        if self._room.acquire(blocking=False):
+            return True
+        self.stats.add("outcome_waits")
+        while not self._room.acquire(timeout=0.1):
+            if self._abort.is_set() or not self._thread.is_alive():
+                return False
+        return True
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Write everything put so far, then stop; False if that took over ``timeout_s``."""
@@ -266,7 +282,7 @@ class ResultWriter:
                 self._db.close()
                 return
 
-    def _collect(self) -> list[RunResult]:
+    def _collect(self) -> list[_Queued]:
         """The next batch: what arrives within ``worker_batch_ms`` of its first result.
 
         The window is slept through rather than waited on result by result: a
@@ -285,35 +301,104 @@ class ResultWriter:
                 break
         return batch
 
-    def _write(self, batch: list[RunResult]) -> None:
-        finishes = [decide(r, self.settings, self.rng) for r in batch]
+    def _write(self, batch: list[_Queued]) -> None:
+        finishes = [decide(q.result, self.settings, self.rng) for q in batch]
+        self._write_split(batch, finishes)
+
+    def _write_split(self, batch: list[_Queued], finishes: list[Finish]) -> None:
+        """Write ``batch``. One the store refuses for its data is halved until the refused
+        outcome is alone (about 2 log2(n) statements for one among n), which is then
+        recorded FAILED with the reason; the others are written as they are."""
+        error = self._commit(batch, finishes)
+        if error is None:
+            return
+        if len(batch) == 1:
+            self._commit_refused(batch[0], finishes[0], error)
+            return
+        half = len(batch) // 2
+        self._write_split(batch[:half], finishes[:half])
+        self._write_split(batch[half:], finishes[half:])
+
+    def _commit(self, batch: list[_Queued], finishes: list[Finish]) -> Exception | None:
+        """Write one batch in one transaction, retrying while the store cannot be reached.
+
+        Returns:
+            None once it is written (or given up on at a stop that timed out), else the
+            error with which the store refused the batch's data.
+        """
         pause = 0.05
         while True:
             try:
                 with self._db.begin() as conn:
-                    moved = set(transitions.finish_many(conn, finishes))
-                    transitions.record_attempts(conn, [  # a plain final end: the task row
-                        self._attempt(r, f, f.task_id in moved)
-                        for r, f in zip(batch, finishes, strict=True)
-                        if f.status is Status.DELAYED or f.task_id not in moved
-                        or _result_not_stored(r, f)])
-                    retries = [f.at_ms for f in finishes
-                               if f.status is states.Status.DELAYED and f.task_id in moved]
-                    if retries:  # due soon: schedulers load it now, not at the next preload
-                        wake_schedulers(conn, min(retries))
-                    gates.wake_next(conn, [(r.task.task_type, r.task.order_key)
-                                           for r in batch if r.task.gated])
+                    moved = self._store(conn, [q.result for q in batch], finishes)
                 break
-            except Exception:  # a database outage: keep the results, retry
+            except Exception as exc:  # classified below: retried, or the batch is split
+                if not lost_connection(exc):
+                    log.warning("the store refused a batch of results",
+                                exc_info=True, extra={"count": len(batch)})
+                    return exc
                 if self._abort.is_set():
                     log.error("results not written; the scheduler recovers these tasks",
                               extra={"count": len(batch)})
-                    return
+                    self._settled(batch, durable=False)
+                    return None
                 log.warning("could not write results; retrying", exc_info=True,
                             extra={"count": len(batch)})
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
-        self._account(batch, finishes, moved)
+        self._account([q.result for q in batch], finishes, moved)
+        self._settled(batch, durable=True)
+        return None
+
+    def _commit_refused(self, queued: _Queued, finish: Finish, error: Exception) -> None:
+        """Record a run whose outcome the store refused as FAILED, with the reason. If the
+        store refuses even that, the cause is not this outcome's text: it is retried
+        like an outage."""
+        failed = refused(queued.result, finish, error)
+        log.error("a run's outcome was refused by the store; recording the task FAILED",
+                  extra={"task_id": finish.task_id, "trace_id": queued.result.task.trace_id,
+                         "attempt": finish.attempt, "error": failed.error})
+        self.stats.add("refused_results")
+        pause = 0.05
+        while self._commit([queued], [failed]) is not None:
+            if self._abort.is_set():
+                self._settled([queued], durable=False)
+                return
+            log.error("the store refused a run's FAILED record too; retrying",
+                      extra={"task_id": finish.task_id})
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+    def _store(self, conn: Connection, batch: list[RunResult],
+               finishes: list[Finish]) -> set[int]:
+        """The batch's state changes, history rows and wake-ups; returns the ids moved."""
+        moved = set(transitions.finish_many(conn, finishes))
+        transitions.record_attempts(conn, [  # a plain final end: the task row
+            self._attempt(r, f, f.task_id in moved)
+            for r, f in zip(batch, finishes, strict=True)
+            if f.status is Status.DELAYED or f.task_id not in moved
+            or _result_not_stored(r, f)])
+        retries = [f.at_ms for f in finishes if f.status is Status.DELAYED and f.task_id in moved]
+        if retries:  # due soon: schedulers load it now, not at the next preload
+            wake_schedulers(conn, min(retries))
+        gates.wake_next(conn, [(r.task.task_type, r.task.order_key)
+                               for r in batch if r.task.gated])
+        return moved
+
+    def _settled(self, batch: list[_Queued], *, durable: bool) -> None:
+        """A batch is done with: free its inbox places, tell who asked (if durable)."""
+        held = sum(q.holds_room for q in batch)
+        if held:
+            self._room.release(held)
+        if not durable:
+            return
+        for q in batch:
+            if q.on_durable is not None:
+                try:
+                    q.on_durable()
+                except Exception:
+                    log.exception("an on_durable callback failed",
+                                   extra={"task_id": q.result.task.task_id})
 
     def _attempt(self, result: RunResult, finish: Finish, moved: bool) -> transitions.Attempt:
         """The history row of a run: how it ended here. A run whose end did not move its
@@ -321,7 +406,7 @@ class ResultWriter:
         recorded it first."""
         task, outcome = result.task, result.outcome
         error = finish.error
-        if outcome.ok and outcome.value is not None and finish.result is None:
+        if _result_not_stored(result, finish):
             error = stored_result(outcome.value, self.settings.max_result_bytes)[1]
         return transitions.Attempt(
             task.task_id, task.attempt, task.task_type, self.node, task.trigger_time,

@@ -1,0 +1,146 @@
+"""What a run's outcome is stored as: the state change it leads to, and texts the store takes.
+
+Pure (no I/O): :func:`decide` turns one :class:`RunResult` into a
+:class:`~ax_kombu.store.transitions.Finish`, and everything it puts into a text
+column has passed through here first:
+
+* an error's text (``last_error``, the attempt history) is redacted
+  (:func:`~ax_kombu.config.redact_url`: a callback's URL may carry a token), made
+  storable and capped at :data:`MAX_ERROR` characters; a longer text ends with a note
+  of its full length;
+* a return value is stored as JSON up to ``max_result_bytes``; one that is not JSON
+  or is larger is not stored (the run is still a success, the attempt history has
+  the reason).
+
+*Storable* means both stores accept it: PostgreSQL refuses a NUL in a TEXT value,
+and both drivers refuse a lone surrogate (a str decoded with ``surrogateescape``)
+when they encode UTF-8. Nothing a processor raises or returns reaches the store as
+anything else, so no outcome can make the result writer's batch fail for its text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.config import Settings, redact_url
+from ax_kombu.core.backoff import Uniform, backoff_ms
+from ax_kombu.core.states import Status
+from ax_kombu.exceptions import ProcessorRefused
+from ax_kombu.store.transitions import Finish
+from ax_kombu.worker.pools import Outcome
+
+#: longest error text stored (``last_error``, an attempt's ``error``), in characters
+MAX_ERROR = 2000
+#: how much of an error's text is searched for URLs to redact. The search is not linear
+#: in the text's length: a few MB of letters would hold the result writer for an hour.
+_REDACT_WINDOW = MAX_ERROR + 1000
+
+
+class RunResult(NamedTuple):
+    """One outcome, with the task it belongs to and when it ended (DB clock)."""
+
+    task: TaskMessage
+    outcome: Outcome
+    ended_ms: int
+
+
+def storable(text: str) -> str:
+    """``text`` as both stores accept it: a NUL written as the four characters ``\\x00``,
+    a lone surrogate as its escape (``\\udc80``), as Python's ``repr`` shows them."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def error_text(text: str, limit: int = MAX_ERROR) -> str:
+    """An error's text as stored: redacted, storable, at most ``limit`` characters.
+
+    A text cut to fit ends with ``… [truncated; N characters in all]``, N being the
+    length of the text given.
+    """
+    size = len(text)
+    stored = storable(redact_url(text[:_REDACT_WINDOW]))
+    if size <= limit and len(stored) <= limit:
+        return stored
+    note = f" … [truncated; {size} characters in all]"
+    return stored[:limit - len(note)] + note
+
+
+def _exception_text(error: BaseException) -> str:
+    """``Type: message``; an exception whose ``str()`` itself raises is named only."""
+    try:
+        message = str(error)
+    except Exception:  # noqa: BLE001 - a processor's exception may be anything
+        message = "(its message could not be read)"
+    return f"{type(error).__name__}: {message}"
+
+
+def describe(result: RunResult) -> str:
+    """The text stored in ``last_error`` for a run that did not succeed."""
+    outcome, task = result.outcome, result.task
+    if outcome.timed_out:
+        text = f"timed out after {task.timeout_ms} ms"
+    elif outcome.abandoned is not None:
+        text = f"abandoned: {outcome.abandoned}"
+    elif outcome.error is not None:
+        text = _exception_text(outcome.error)
+    else:
+        text = "failed"
+    return error_text(text)
+
+
+def stored_result(value: Any, limit: int) -> tuple[str | None, str | None]:
+    """A processor's return value as stored: ``(json_text, note)``. None is stored as
+    nothing; a value that is not JSON, or over ``limit`` bytes, is not stored and the note
+    says why (the run is still a success). A NUL in the value is stored as JSON's
+    ``\\u0000`` and a lone surrogate as its ``\\u`` escape: the same value is read back."""
+    if value is None:
+        return None, None
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            data = text.encode()
+        except UnicodeEncodeError:  # a lone surrogate: ASCII JSON escapes it
+            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+            data = text.encode()
+    except Exception as exc:  # noqa: BLE001 - a return value may be anything
+        return None, error_text(f"result not stored: not JSON ({_exception_text(exc)})")
+    if len(data) > limit:
+        return None, f"result not stored: {len(data)} bytes, over AX_MAX_RESULT_BYTES ({limit})"
+    return text, None
+
+
+def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
+    """The state change a run's outcome leads to (see :mod:`ax_kombu.worker.results`)."""
+    task, outcome = result.task, result.outcome
+    if outcome.ok:
+        stored, _ = stored_result(outcome.value, settings.max_result_bytes)
+        return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms,
+                      result=stored, started_at=task.started_at)
+    error = describe(result)
+    final = isinstance(outcome.error, ProcessorRefused) or task.retry_count >= task.max_retry
+    if final:
+        return Finish(task.task_id, task.attempt, Status.FAILED, result.ended_ms, error,
+                      started_at=task.started_at)
+    delay = backoff_ms(task.retry_count, settings.retry_backoff_base_ms,
+                       settings.retry_backoff_max_ms, rng, settings.retry_backoff_jitter)
+    return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error,
+                  started_at=task.started_at)
+
+
+def refused(result: RunResult, finish: Finish, error: BaseException) -> Finish:
+    """The end recorded for a run whose outcome the store refused (for its data, not for a
+    lost connection): FAILED when the run ended, ``last_error`` naming the refusal and the
+    end it replaces, in plain ASCII; no result."""
+    text = f"outcome refused by the store ({_exception_text(error)}); the run ended {finish.status}"
+    if finish.error:
+        text += f": {finish.error}"
+    reason = error_text(text).encode("ascii", "backslashreplace").decode()[:MAX_ERROR]
+    return Finish(finish.task_id, finish.attempt, Status.FAILED, result.ended_ms, reason,
+                  started_at=finish.started_at)
