@@ -124,6 +124,9 @@ class Settings:
     heartbeat_interval_s: float = 5.0
     #: a node is dead after this many missed heartbeats.
     heartbeat_misses: int = 3
+    #: scheduler: the ``ax_node`` rows of nodes stopped (or declared dead) longer ago than
+    #: this are deleted (``ax status`` shows the recent ones); 0: never.
+    node_retention_s: float = 86_400.0
     #: a clock offset to the database above this is reported.
     clock_skew_warn_ms: int = 50
     #: worker: threads (slots) of the pool serving each queue.
@@ -198,6 +201,9 @@ class Settings:
     def _validate_retention(self) -> None:
         if self.retention < 0:
             raise ConfigurationError(f"retention must not be negative, got {self.retention} ms")
+        if self.node_retention_s != 0 and not 60 <= self.node_retention_s <= 366 * 86_400:
+            raise ConfigurationError("node_retention_s must be 0 (keep node rows) or between "
+                                     f"60 and 31622400 (366 days), got {self.node_retention_s}")
         if self.retention_interval_s <= 0:
             raise ConfigurationError("retention_interval_s must be positive, got "
                                      f"{self.retention_interval_s}")

@@ -10,7 +10,10 @@ Contract:
   arguments (every deploy, every process) it writes nothing; with other arguments it
   updates the job and re-plans it: occurrences not yet dispatched and not yet due are
   removed and written again from the new definition; a new ``cron``/``every``/``tz``
-  restarts the schedule from now. A paused job stays paused.
+  restarts the schedule from now. A paused job stays paused. A job a scheduler marked
+  broken (its row could not be planned, :mod:`ax_kombu.scheduler.recurrence`) is written
+  again from the arguments and planned anew by any call, the same arguments included
+  (the zone may have been installed since).
 * :func:`pause_job` removes the undispatched occurrences; nothing more is created until
   :func:`resume_job`, after which the occurrences missed meanwhile go by the job's misfire
   policy. :func:`unschedule_job` removes the job and its undispatched occurrences.
@@ -64,10 +67,13 @@ class JobView:
     processor_name: str | None
     callback_url: str | None
     paused: bool
-    #: when the job fires next (aware, in ``tz``); None while paused or when it never will
+    #: when the job fires next (aware, in ``tz``); None while paused, broken, or when it
+    #: never will
     next_fire_at: datetime | None
     created_at: int
     updated_at: int
+    #: why no scheduler plans the job (its stored row cannot be parsed); None: it is planned
+    broken: str | None = None
 
     @property
     def schedule(self) -> str:
@@ -84,10 +90,16 @@ def job_schedule(row: Mapping[str, Any]) -> cron.Schedule:
 
 
 def view(row: Mapping[str, Any], now_ms: int) -> JobView:
-    """The job ``row`` as a :class:`JobView`, its next fire time seen from ``now_ms``."""
+    """The job ``row`` as a :class:`JobView`, its next fire time seen from ``now_ms``
+    (None for a broken job, or one this process cannot plan)."""
     upcoming = None
-    if not row["paused"]:
-        at = job_schedule(row).next_after(now_ms)
+    broken = row.get("broken")
+    if not row["paused"] and broken is None:
+        try:
+            at = job_schedule(row).next_after(now_ms)
+        except ValidationError as exc:  # e.g. a zone this machine's tzdata lacks
+            broken = f"cannot be planned here: {exc}"
+            at = None
         upcoming = cron.to_datetime(at, row["tz"]) if at is not None else None
     grace = row["misfire_grace_ms"]
     return JobView(
@@ -99,7 +111,7 @@ def view(row: Mapping[str, Any], now_ms: int) -> JobView:
         strategy=row["strategy"], priority=row["priority"], max_retry=row["max_retry"], timeout_ms=row["timeout_ms"],
         processor_name=row["processor_name"], callback_url=row["callback_url"],
         paused=bool(row["paused"]), next_fire_at=upcoming, created_at=row["created_at"],
-        updated_at=row["updated_at"])
+        updated_at=row["updated_at"], broken=broken)
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -181,10 +193,10 @@ def schedule_job(engine: Engine, values: Mapping[str, Any], now_ms: int) -> str:
                 return "created"
             current = job_store.get_job(conn, name, lock=True)  # a racing call created it
             assert current is not None
-        if current.spec == values["spec"]:
+        if current.spec == values["spec"] and current.broken is None:
             return "unchanged"
         dropped = job_store.drop_undispatched(conn, name, from_ms=now_ms)
-        changes = {**values, "updated_at": now_ms}
+        changes = {**values, "updated_at": now_ms, "broken": None}
         if any(getattr(current, k) != values[k] for k in _TIMING):
             changes["anchor_ms"] = now_ms
             changes["next_fire_at"] = cron.make_schedule(

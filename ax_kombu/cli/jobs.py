@@ -4,6 +4,10 @@ Times are shown in ISO 8601 with their offset, in the job's own zone. Every erro
 line on stderr (``ax: error: …``): bad input — a bad cron expression, an unknown zone,
 both or neither of ``--cron``/``--every``, a malformed option — exits 2 and writes
 nothing; an unknown job name exits 3.
+
+A job no scheduler can plan (its stored row cannot be parsed) is shown as ``broken`` in
+``ax jobs list``, its reason on a line below the table (a ``"broken"`` key in ``--json``,
+present only then).
 """
 
 from __future__ import annotations
@@ -30,16 +34,29 @@ def _iso(at: datetime | None) -> str | None:
 
 
 def _as_json(job: JobView) -> dict[str, Any]:
-    return {"name": job.name, "task_type": job.task_type, "cron": job.cron,
-            "every_s": job.every.total_seconds() if job.every is not None else None,
-            "tz": job.tz, "misfire": job.misfire, "misfire_grace_s": job.misfire_grace_s,
-            "strategy": job.strategy, "priority": job.priority, "paused": job.paused,
-            "next_fire_at": _iso(job.next_fire_at), "payload": job.payload}
+    out = {"name": job.name, "task_type": job.task_type, "cron": job.cron,
+           "every_s": job.every.total_seconds() if job.every is not None else None,
+           "tz": job.tz, "misfire": job.misfire, "misfire_grace_s": job.misfire_grace_s,
+           "strategy": job.strategy, "priority": job.priority, "paused": job.paused,
+           "next_fire_at": _iso(job.next_fire_at), "payload": job.payload}
+    if job.broken is not None:
+        out["broken"] = job.broken
+    return out
+
+
+def _next(job: JobView) -> str:
+    """The "next fire" cell: the time, or why there is none."""
+    if job.broken is not None:
+        return "broken"
+    return _iso(job.next_fire_at) or "-"
 
 
 def _summary(job: JobView) -> str:
     """``report.daily: cron '0 8 * * *' Asia/Shanghai, next 2026-12-04T08:00:00+08:00``"""
-    when = "paused" if job.paused else f"next {_iso(job.next_fire_at) or 'never'}"
+    if job.broken is not None:
+        when = f"broken: {job.broken}"
+    else:
+        when = "paused" if job.paused else f"next {_iso(job.next_fire_at) or 'never'}"
     return f"{job.name}: {job.schedule}, {when}"
 
 
@@ -62,11 +79,15 @@ def list_jobs(ctx: click.Context, as_json: bool) -> None:
         click.echo("(no recurring jobs)")
         return
     rows = [_COLUMNS] + [(j.name, j.schedule, j.task_type, j.misfire, j.strategy,
-                          "yes" if j.paused else "no", _iso(j.next_fire_at) or "-")
+                          "yes" if j.paused else "no", _next(j))
                          for j in found]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for job in found:
+        if job.broken is not None:
+            click.echo(f"{job.name} is broken: {job.broken}; set it again (ax jobs add, "
+                       "ax.schedule) to have it planned")
 
 
 @jobs.command()

@@ -56,6 +56,11 @@ clock_skew = Gauge("ax_clock_skew_seconds", "This node's clock offset to the dat
                    multiprocess_mode="liveall")
 clock_steps_total = Counter("ax_clock_steps_total",
                             "Steps of the wall clock noticed (database time is unaffected).")
+housekeeping_errors_total = Counter(
+    "ax_housekeeping_errors_total",
+    "Failed steps of the scheduler's housekeeping, by step (jobs, preload, judge, recovery, "
+    "overdue, prune; beat: the heartbeat's own thread): each is logged with its reason and "
+    "backed off; none stops the heartbeat or the process.", ["step"])
 fenced_total = Counter("ax_node_fenced_total",
                        "Times this process learned it had been declared dead and re-registered.")
 redispatch_failed_total = Counter("ax_redispatch_failed_total",

@@ -1,8 +1,10 @@
-"""The housekeeper: preload, heartbeat with dead-node recovery, periodic recovery, clock skew.
+"""The housekeeper: preload, recurring jobs, dead-node recovery, periodic recovery, clock
+skew, node-row pruning.
 
-Each task below runs when due, on the housekeeper's own thread, on the
+Each step below runs when due, on the housekeeper's own thread, on the
 database clock (every pass re-measures it when due, see
-:class:`ax_kombu.store.clock.DbClock`):
+:class:`ax_kombu.store.clock.DbClock`). The heartbeat is not one of them: it
+has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
 
 * **Preload** — every ``preload_interval_ms`` (50 ms at most on a store
   without wake-ups, SQLite), at once on a producer's wake-up (PostgreSQL
@@ -13,38 +15,48 @@ database clock (every pass re-measures it when due, see
   a Celery-bound one ``claim_lead_ms`` after its trigger time, so that it fires
   when due and is never staged (:mod:`ax_kombu.store.claims`).
   Memory is bounded by the window and ``max_held``, never by how many future
-  tasks exist; no preload starts before the last one is in the wheel.
-  A preload that failed may have committed without its reply reaching us:
-  the next one also takes back every row the database says this node holds
-  (:func:`ax_kombu.store.recovery.held_by`), so none is stranded.
+  tasks exist; no preload starts before the last one is in the wheel, nor
+  while the wheel is being dropped (the node was declared dead).
+  A preload that failed may have committed without its reply reaching us, and
+  one that was in flight when the node was fenced may have handed rows to a
+  wheel being dropped: the next one also takes back every row the database
+  says this node holds (:func:`ax_kombu.store.recovery.held_by`), so none is
+  stranded.
 * **Recurring jobs** — every ``job_interval_ms``, before the preload: the
   occurrences due within ``job_lookahead_ms`` are written as tasks
   (:mod:`ax_kombu.scheduler.recurrence`), and the preload that follows takes
   them at once. The first pass of a starting node comes before its first
   preload, so a misfire is settled before anything overdue is fired.
-* **Heartbeat** — every ``heartbeat_interval_s``: the node's row is refreshed
-  (fenced by incarnation), the clock skew is checked (a skew above
-  ``clock_skew_warn_ms`` is logged once per excursion; the gauge always shows
-  it), and nodes silent for ``heartbeat_misses`` intervals are claimed dead
-  exactly once — but only by a node whose own beats have been landing for a
-  whole window (:mod:`ax_kombu.scheduler.liveness`).
+* **Judging** — every ``heartbeat_interval_s``: the clock skew is checked (a
+  skew above ``clock_skew_warn_ms`` is logged once per excursion; the gauge
+  always shows it), and nodes silent for ``heartbeat_misses`` intervals are
+  claimed dead exactly once — but only by a node whose own beats have been
+  landing for a whole window (:mod:`ax_kombu.scheduler.liveness`).
 * **Recovery** — every ``recovery_interval_s``: unstarted DISPATCHING tasks
   are re-dispatched with a doubling ack timeout (bounded, never to a queue
   without consumer), due tasks held by nobody alive are released, and RUNNING
   tasks of workers not alive are retried or failed. Whatever recovery frees
   triggers a preload at once.
+* **Pruning** — every ``PRUNE_INTERVAL_MS``: the ``ax_node`` rows of nodes
+  stopped longer than ``node_retention_s`` ago are deleted
+  (:func:`ax_kombu.store.nodes.prune_stopped`).
 
-A database error backs the housekeeper off and it tries again; it never ends the node.
+**A failing step stops nothing.** Each step is isolated: one that raises —
+a lock or statement timeout, a lost connection, a bug — is logged with its
+reason, counted in ``ax_housekeeping_errors_total{step}``, and backed off on
+its own (``STEP_BACKOFF_MS``, doubling per failure in a row up to
+``STEP_BACKOFF_MAX_MS``); the other steps, the heartbeat and the process go
+on. A recurring job whose row cannot be parsed is not a failing step: the
+materialiser marks it broken and writes the others.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
-
-from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
@@ -59,10 +71,21 @@ log = logging.getLogger(__name__)
 
 #: how often a store without wake-ups (SQLite) is polled for new tasks
 POLL_WITHOUT_WAKEUPS_MS = 50
+#: a failed step waits this long before its next try, doubling per failure in a row ...
+STEP_BACKOFF_MS = 1000
+#: ... up to this
+STEP_BACKOFF_MAX_MS = 30_000
+#: how often the node rows are pruned
+PRUNE_INTERVAL_MS = 600_000
+#: longest the heartbeat's thread waits for the timing loop to drop the wheel when fenced
+DROP_WAIT_S = 2.0
+#: the steps, in the order a pass takes them
+STEPS = ("jobs", "preload", "judge", "overdue", "recovery", "prune")
 
 
 class Housekeeper(Stage):
-    """Preloads, heartbeats and recovers, each when due, until :meth:`stop`.
+    """Preloads, writes recurring occurrences, judges and recovers, each when due, until
+    :meth:`stop`.
 
     Args:
         settings: the node's settings.
@@ -80,20 +103,23 @@ class Housekeeper(Stage):
         super().__init__("ax-housekeeper", threading.Event())
         self._settings = settings
         self._store = store
-        self._heartbeat = heartbeat
         self._node_id = heartbeat.node_id
         self._timing = timing
         self._jobs = jobs
-        self.liveness = Liveness(settings, store, heartbeat, info, on_fenced, self.wake)
+        self._on_fenced = on_fenced
+        self.liveness = Liveness(settings, store, heartbeat, info, self._fenced, self.wake)
         self._wake_pending = True
-        self._reconcile = False  # a preload failed: its rows may be held without our knowing
+        #: a preload failed, or the node was fenced: rows may be held without our knowing
+        self._reconcile = threading.Event()
         self._poll_ms = settings.preload_interval_ms
         self._listener: WakeListener | None = None
         if store.engine.dialect.name == "postgresql":
             self._listener = WakeListener(store.engine, self.wake)
         else:
             self._poll_ms = min(self._poll_ms, POLL_WITHOUT_WAKEUPS_MS)
-        self._next = {"jobs": 0, "preload": 0, "beat": 0, "recovery": 0}
+        self._next = dict.fromkeys(STEPS, 0)
+        #: failures in a row of each step that failed last time
+        self._failures: dict[str, int] = {}
         self._skew_warned = False
         self._clock_steps = 0
 
@@ -117,42 +143,83 @@ class Housekeeper(Stage):
             self._listener.stop()
         super().stop()
 
+    def _fenced(self) -> None:
+        """The node was declared dead (on the heartbeat's thread, before it registers
+        anew): drop what it holds, wait for the drop, reconcile at the next preload."""
+        self._on_fenced()
+        deadline = time.monotonic() + DROP_WAIT_S
+        while self._timing.dropping and time.monotonic() < deadline and not self.stopping:
+            time.sleep(0.005)
+        self._reconcile.set()
+
     # -- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:
         while not self.stopping:
-            try:
-                timeout = self._housekeeping(self._store.now_ms())  # re-measures the clock
-            except SQLAlchemyError as exc:
-                self.liveness.database_failed()
-                self.db_failed("housekeeping", exc)
-                continue
+            timeout = self._housekeeping(self._now())
             if timeout > 0 and self._wake.wait(timeout):
                 self._wake.clear()
 
+    def _now(self) -> int:
+        """Database time, re-measured when due; read locally if the database cannot be."""
+        try:
+            return self._store.now_ms()
+        except Exception:  # the steps meet the same failure and count it
+            log.debug("could not re-measure the database clock", exc_info=True)
+            return int(self._store.clock.local_ms())
+
     def _housekeeping(self, now: int) -> float:
-        """Do what is due; returns how long to sleep (seconds)."""
+        """Do what is due, each step isolated; returns how long to sleep (seconds)."""
         timer = self._timing.timer
         metrics.wheel_queue_depth.labels("wheel").set(timer.wheel_depth)
         metrics.wheel_queue_depth.labels("delay").set(timer.delayed_depth)
         if now >= self._next["jobs"]:
-            self._materialise(now)
-        handing = bool(self._timing.incoming.items)
-        preload_due = self._wake_pending or now >= self._next["preload"]
-        if preload_due and not handing:  # the last preload is in the wheel: max_held holds
-            self._preload(now)
-        if now >= self._next["beat"]:
-            self._next["beat"] = now + int(self._settings.heartbeat_interval_s * 1000)
-            self.liveness.beat(now)
+            self._step("jobs", self._materialise, now)
+        if self._preload_due(now):
+            self._step("preload", self._preload, now)
+        if now >= self._next["judge"]:
             self._check_skew()
-            self._measure_overdue(now)
+            self._step("judge", self._judge, now)
+        if now >= self._next["overdue"]:
+            self._step("overdue", self._measure_overdue, now)
         if now >= self._next["recovery"]:
-            self._next["recovery"] = now + int(self._settings.recovery_interval_s * 1000)
-            self.liveness.recover(now)
-        if self._wake_pending or self._next["preload"] <= now:
-            return 0.001 if self._timing.incoming.items else 0.0
+            self._step("recovery", self._recover, now)
+        if now >= self._next["prune"]:
+            self._step("prune", self._prune, now)
+        if self._preload_due(now) or self._next["preload"] <= now:
+            return 0.001 if self._timing.incoming.items or self._timing.dropping else 0.0
         wake_at = min(self._next.values())
         return max(0.0, min((wake_at - now) / 1000.0, MAX_SLEEP_S))
+
+    def _step(self, step: str, run: Callable[[int], None], now: int) -> None:
+        """Run one step; a failure is logged, counted and backed off, never raised."""
+        try:
+            run(now)
+        except Exception as exc:  # noqa: BLE001 - no step may stop the others (see above)
+            self._failed(step, exc, now)
+        else:
+            self._failures.pop(step, None)
+
+    def _failed(self, step: str, exc: BaseException, now: int) -> None:
+        failures = self._failures[step] = self._failures.get(step, 0) + 1
+        backoff = min(STEP_BACKOFF_MS << min(failures - 1, 10), STEP_BACKOFF_MAX_MS)
+        if step in self._next:
+            self._next[step] = max(self._next[step], now + backoff)
+        metrics.housekeeping_errors_total.labels(step).inc()
+        log.warning("housekeeping step failed; backing off", exc_info=exc, extra={
+            "step": step, "error": str(getattr(exc, "orig", None) or exc)[:500],
+            "failures_in_a_row": failures, "retry_in_ms": backoff, "node": self._node_id})
+
+    def _preload_due(self, now: int) -> bool:
+        """The preload is due, and the last one's ids are in the wheel (``max_held``
+        holds), and no drop of the wheel is pending."""
+        if self._timing.incoming.items or self._timing.dropping:
+            return False
+        if self._failures.get("preload"):
+            return now >= self._next["preload"]
+        return self._wake_pending or now >= self._next["preload"]
+
+    # -- the steps -----------------------------------------------------------------------
 
     def _materialise(self, now: int) -> None:
         """Write the recurring jobs' next occurrences as tasks; preload them at once."""
@@ -173,24 +240,47 @@ class Housekeeper(Stage):
             return
         horizon = now + settings.preload_window_ms
         lag = settings.claim_lead_ms  # a Celery-bound task fires when due, not staged
+        reconcile = self._reconcile.is_set()
+        self._reconcile.clear()  # set again by a fence while this preload runs
         try:
             with self._store.engine.begin() as conn:
                 rows = recovery.preload(conn, self._node_id, now, horizon, room, lag)
-                if self._reconcile:  # re-adding an id the wheel has only reschedules it
+                if reconcile:  # re-adding an id the wheel has only reschedules it
                     rows += recovery.held_by(conn, self._node_id, horizon, room,
                                              celery_lag_ms=lag)
-        except SQLAlchemyError:
+        except BaseException:
             self._wake_pending = True  # try again after the back-off
-            self._reconcile = True
+            self._reconcile.set()
             raise
-        self._reconcile = False
         self._timing.hand(rows)
         metrics.preload_total.inc(len(rows))
         self._next["preload"] = now if len(rows) == room else now + self._poll_ms
 
+    def _judge(self, now: int) -> None:
+        """Declare silent nodes dead and recover their tasks (if this node is trusted)."""
+        self._next["judge"] = now + int(self._settings.heartbeat_interval_s * 1000)
+        self.liveness.judge(now)
+
+    def _recover(self, now: int) -> None:
+        self._next["recovery"] = now + int(self._settings.recovery_interval_s * 1000)
+        self.liveness.recover(now)
+
+    def _prune(self, now: int) -> None:
+        """Delete the rows of nodes stopped longer than ``node_retention_s`` ago."""
+        self._next["prune"] = now + PRUNE_INTERVAL_MS
+        retention_ms = int(self._settings.node_retention_s * 1000)
+        if retention_ms <= 0:
+            return
+        with self._store.engine.begin() as conn:
+            pruned = nodes.prune_stopped(conn, now - retention_ms)
+        if pruned:
+            log.info("pruned the rows of long-stopped nodes",
+                     extra={"nodes": len(pruned), "retention_s": retention_ms // 1000})
+
     def _measure_overdue(self, now: int) -> None:
         """``ax_oldest_overdue_seconds`` from the store: it rises even when nothing is
         published (the delay histogram then has no samples)."""
+        self._next["overdue"] = now + int(self._settings.heartbeat_interval_s * 1000)
         with self._store.engine.connect() as conn:
             metrics.oldest_overdue.set(recovery.oldest_overdue_ms(conn, now) / 1000.0)
 

@@ -81,11 +81,15 @@ class Liveness:
         return self._beating_since is not None and now - self._beating_since >= self.silence_ms
 
     def beat(self, now: int) -> None:
-        """Heartbeat (re-registering if fenced); then, if trusted, recover dead nodes' tasks."""
+        """Heartbeat, re-registering if fenced (on the heartbeat's own thread,
+        :mod:`ax_kombu.scheduler.heart`; a failed beat calls :meth:`database_failed`)."""
         if not self._heartbeat.beat(self._info()):
             self._fenced(now)
         if self._beating_since is None:
             self._beating_since = now
+
+    def judge(self, now: int) -> None:
+        """If trusted, declare silent nodes dead and recover their tasks (housekeeper)."""
         if self.trusted(now):
             self._judge(now)
 

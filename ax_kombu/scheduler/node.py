@@ -1,6 +1,6 @@
 """ax-scheduler: preload → timing wheel → batched claim → Kombu publish, plus recovery.
 
-One node runs four stages, each on its own thread, so that no stage waits on
+One node runs its stages each on its own thread, so that no stage waits on
 another's I/O. This module is the node's lifecycle: it builds the stages,
 registers the node, starts them, and stops them in order. The stages, on the
 database clock:
@@ -27,6 +27,9 @@ database clock:
    the tasks of dead nodes are released and a dead worker's RUNNING tasks
    retried or failed; every ``recovery_interval_s``, unacknowledged
    dispatches go back to READY and due tasks held by nobody alive are released.
+   A housekeeping step that fails is logged, counted and backed off alone.
+6. **Heartbeat** (:mod:`~ax_kombu.scheduler.heart`): on a thread and a database
+   connection of its own, so no housekeeping step, failing or slow, delays a beat.
 
 The stages meet only at hand-offs (:class:`~ax_kombu.scheduler.stage.HandOff`,
 a deque plus an event, each read by one stage): ids for the wheel (read by
@@ -82,12 +85,14 @@ from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.scheduler.handoff import CeleryHandOff
+from ax_kombu.scheduler.heart import Heart
 from ax_kombu.scheduler.housekeeper import Housekeeper
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.retention import Retention
 from ax_kombu.scheduler.stage import HandOff
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 
@@ -116,8 +121,11 @@ class Scheduler:
         self.settings = settings
         self.store = Store(settings)
         self.node_id = node_id or nodes.default_node_id("scheduler")
+        # the heartbeat writes through an engine of its own: no other stage can hold it up
+        self._beat_engine = make_engine(settings.database_url, pool_size=1)
         self.heartbeat = nodes.Heartbeat(self.store, self.node_id, "scheduler",
-                                         silence_ms=settings.silence_ms)
+                                         silence_ms=settings.silence_ms,
+                                         engine=self._beat_engine)
         self.crash = CrashFlag()
         fired: HandOff[int] = HandOff()
         self.timing = TimingLoop(settings, self.store.clock, fired)
@@ -130,7 +138,10 @@ class Scheduler:
                                self.dispatcher, self.ids)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
                                        self._info, self.timing.drop_all,
-                                       Materialiser(settings, self.store, self.ids))
+                                       Materialiser(settings, self.store, self.ids,
+                                                    self.node_id))
+        self.heart = Heart(self.housekeeper.liveness, settings.heartbeat_interval_s,
+                           self.store.clock.local_ms)
         self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
         self._stop: str | None = None
 
@@ -171,6 +182,7 @@ class Scheduler:
         try:
             if not self.start():
                 self.store.close()
+                self._beat_engine.dispose()
                 return 0
             try:
                 self.timing.run()
@@ -196,7 +208,8 @@ class Scheduler:
         if not self._register():
             return False
         self.dispatcher.probe()
-        for stage in (self.dispatcher, self.claimer, self.housekeeper, self.retention):
+        for stage in (self.heart, self.dispatcher, self.claimer, self.housekeeper,
+                      self.retention):
             stage.start()
         log.info("scheduler started", extra={"node": self.node_id})
         return True
@@ -239,8 +252,12 @@ class Scheduler:
         if self._stop != "cold" and self.dispatcher.is_alive():
             self.dispatcher.inbox.put(None)
             self._join(self.dispatcher)
+        self.heart.stop()  # it beat until now: the node is alive while it finishes
+        if self.heart.is_alive():
+            self.heart.join(timeout=5.0)
         self._release()
         self.store.close()
+        self._beat_engine.dispose()
 
     def _release(self) -> None:
         """Hand what this node still holds back to the others and deregister."""

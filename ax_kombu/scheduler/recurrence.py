@@ -18,6 +18,12 @@ Why an occurrence cannot run twice, or be lost:
 * **None lost**: ``next_fire_at`` moves in the same transaction that writes the
   occurrences before it; a crash before the commit leaves both as they were.
 
+**Broken jobs.** A job row this scheduler cannot plan — a zone its tzdata lacks, an
+expression, interval or policy written past :func:`ax.schedule`'s checks — is marked
+broken with the reason (``ax_job.broken``, shown by ``ax jobs list``) in the pass that
+found it, and skipped; it is due again only once ``schedule()`` sets it anew. The other
+jobs of the pass are written as usual.
+
 **Misfires.** A job found behind — its ``next_fire_at`` more than
 ``ON_TIME_MS`` in the past: every scheduler was down (longer than the
 lookahead), or the job was paused — goes by its misfire policy
@@ -44,6 +50,7 @@ from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability import metrics
+from ax_kombu.recurring import STRATEGIES
 from ax_kombu.store import Store
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.tasks import wake_schedulers
@@ -69,12 +76,13 @@ class Materialiser:
         ids: where task ids come from.
     """
 
-    def __init__(self, settings: Settings, store: Store, ids: LeasedIds) -> None:
+    def __init__(self, settings: Settings, store: Store, ids: LeasedIds,
+                 node_id: str = "") -> None:
         self._settings = settings
         self._store = store
         self._ids = ids
+        self._node_id = node_id
         self._schedules: dict[tuple[Any, ...], cron.Schedule] = {}
-        self._broken: set[str] = set()
 
     def run(self, now_ms: int) -> tuple[int, bool]:
         """One pass at database time ``now_ms``.
@@ -101,19 +109,25 @@ class Materialiser:
     def _job(self, conn: Connection, job: Row[Any], now_ms: int,
              horizon: int) -> list[dict[str, Any]]:
         """Plan one job, cancel what its misfire policy drops, move ``next_fire_at``;
-        returns the task rows to write."""
-        schedule = self._schedule(job)
-        if schedule is None:
+        returns the task rows to write (none for a job marked broken here)."""
+        try:
+            schedule = self._schedule(job)
+        except Exception as exc:  # noqa: BLE001 - pure code on the row: the row is at fault
+            self._mark_broken(conn, job, exc)
             return []
-        settings = self._settings
         pending: list[tuple[int, int]] = []
         if job.next_fire_at < now_ms - ON_TIME_MS:  # behind: what was written and not sent?
             pending = job_store.pending_occurrences(
                 conn, job.name, self._written_since(schedule, job.next_fire_at),
                 now_ms - ON_TIME_MS)
-        plan = cron.plan(schedule, job.next_fire_at, now_ms, horizon, misfire=job.misfire,
-                         grace_ms=job.misfire_grace_ms, misfire_max=settings.misfire_max,
-                         on_time_ms=ON_TIME_MS, pending=[p[1] for p in pending], limit=PER_JOB)
+        try:
+            plan = cron.plan(schedule, job.next_fire_at, now_ms, horizon, misfire=job.misfire,
+                             grace_ms=job.misfire_grace_ms,
+                             misfire_max=self._settings.misfire_max, on_time_ms=ON_TIME_MS,
+                             pending=[p[1] for p in pending], limit=PER_JOB)
+        except Exception as exc:  # noqa: BLE001 - as above
+            self._mark_broken(conn, job, exc)
+            return []
         if plan.missed:
             self._misfired(conn, job, plan, {at: task_id for task_id, at in pending},
                            now_ms)
@@ -147,23 +161,32 @@ class Materialiser:
                            "catch_up_runs": caught_up, "cancelled": len(cancelled),
                            "behind_ms": now_ms - job.next_fire_at})
 
-    def _schedule(self, job: Row[Any]) -> cron.Schedule | None:
-        key = (job.cron, job.every_ms, job.tz, job.anchor_ms)
+    def _schedule(self, job: Row[Any]) -> cron.Schedule:
+        """The job's schedule, its row checked as :func:`ax.schedule` checks its input.
+
+        Raises:
+            ValidationError: the row cannot be planned (e.g. a zone this machine's tzdata
+                lacks, an interval out of range, an unknown misfire policy or strategy).
+        """
+        key = (job.cron, job.every_ms, job.tz, job.anchor_ms, job.misfire, job.strategy)
         found = self._schedules.get(key)
         if found is not None:
             return found
-        try:
-            found = cron.make_schedule(job.cron, job.every_ms, job.tz, job.anchor_ms)
-        except ValidationError as exc:  # e.g. a zone this machine's tzdata lacks
-            if job.name not in self._broken:
-                log.error("recurring job cannot be planned here; set it again with schedule()",
-                          extra={"job": job.name, "error": str(exc)})
-                self._broken.add(job.name)
-            return None
+        check_row(job)
+        found = cron.make_schedule(job.cron, job.every_ms, job.tz, job.anchor_ms)
         if len(self._schedules) > 10_000:
             self._schedules.clear()
         self._schedules[key] = found
         return found
+
+    def _mark_broken(self, conn: Connection, job: Row[Any], error: Exception) -> None:
+        """Mark ``job`` broken with the reason, in this pass's transaction."""
+        detail = str(error) if isinstance(error, ValidationError) else repr(error)
+        where = f" (scheduler {self._node_id})" if self._node_id else ""
+        reason = f"cannot be planned{where}: {detail}"
+        job_store.mark_broken(conn, job.name, reason)
+        log.error("recurring job cannot be planned; marked broken until schedule() sets "
+                  "it again", extra={"job": job.name, "error": detail})
 
     @staticmethod
     def _row(job: Row[Any], task_id: int, scheduled_at: int, trigger: int, now_ms: int
@@ -178,6 +201,22 @@ class Materialiser:
             "trace_id": uuid.uuid4().hex, "attempt": 0, "created_at": now_ms,
             "job": job.name, "scheduled_at": scheduled_at, **_strategy(job, scheduled_at),
         }
+
+
+def check_row(job: Row[Any]) -> None:
+    """What :func:`ax_kombu.recurring.build_job` checks and the zone/expression check of
+    :func:`ax_kombu.core.cron.make_schedule` cannot see in a stored row.
+
+    Raises:
+        ValidationError: the first thing wrong with the row.
+    """
+    if job.every_ms is not None and not cron.MIN_EVERY_MS <= job.every_ms <= cron.MAX_EVERY_MS:
+        raise ValidationError(f"every must be between 1 second and 3650 days, got "
+                              f"{job.every_ms} ms")
+    if job.misfire not in cron.MISFIRE_POLICIES:
+        raise ValidationError(f"unknown misfire policy {job.misfire!r}")
+    if job.strategy not in STRATEGIES:
+        raise ValidationError(f"unknown strategy {job.strategy!r}")
 
 
 def _strategy(job: Row[Any], scheduled_at: int) -> dict[str, Any]:

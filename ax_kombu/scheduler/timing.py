@@ -83,6 +83,11 @@ class TimingLoop:
         self._drop = True
         self.incoming.ready.set()
 
+    @property
+    def dropping(self) -> bool:
+        """A :meth:`drop_all` not yet done: what is handed over now would be dropped too."""
+        return self._drop
+
     def idle(self, seconds: float) -> None:
         """Before :meth:`run`: sleep ``seconds``, less if :meth:`stop` is called meanwhile."""
         self.incoming.ready.wait(seconds)

@@ -6,10 +6,16 @@ inserted with ``ON CONFLICT (job, scheduled_at) DO NOTHING`` against the partial
 index ``uq_ax_task_occurrence`` (:mod:`ax_kombu.store.schema`). Two schedulers that plan
 the same occurrence write one row; the other insert does nothing.
 
-Schedulers also lock the job rows they work on (``FOR UPDATE``, in name order, so two
-never deadlock), which keeps them from doing the same work twice and makes a misfire
-decision (which missed occurrences to run, which to cancel) one scheduler's, whole. On
-SQLite every write transaction already holds the database's one write lock.
+Schedulers also lock the job rows they work on (``FOR UPDATE SKIP LOCKED``, in name
+order), which keeps them from doing the same work twice and makes a misfire decision
+(which missed occurrences to run, which to cancel) one scheduler's, whole. A job row
+another transaction holds (the other scheduler's pass, a ``schedule()`` call) is left to
+the next pass instead of waited for, so no lock on one job ever holds up a scheduler's
+housekeeping. On SQLite every write transaction already holds the database's one write
+lock.
+
+A job whose row cannot be planned (:func:`mark_broken`) carries the reason in ``broken``
+and is no longer due until ``schedule()`` sets it again.
 
 Undispatched occurrences are CREATED, DELAYED or READY; once claimed (DISPATCHING) an
 occurrence is no longer the job's to remove: pausing, changing or removing a job deletes
@@ -31,6 +37,8 @@ from ax_kombu.store import transitions
 from ax_kombu.store.schema import jobs, tasks
 
 UNDISPATCHED = (Status.CREATED.value, Status.DELAYED.value, Status.READY.value)
+#: longest reason stored in ``ax_job.broken``
+MAX_REASON = 1000
 _OCCURRENCE_WHERE = text("job IS NOT NULL")
 
 
@@ -75,13 +83,20 @@ def delete_job(conn: Connection, name: str) -> bool:
 
 
 def due_jobs(conn: Connection, horizon_ms: int, limit: int) -> list[Row[Any]]:
-    """Active jobs whose next occurrence is at or before ``horizon_ms``, locked for this
-    transaction, in name order (two schedulers lock in the same order: no deadlock)."""
+    """Active jobs, not broken, whose next occurrence is at or before ``horizon_ms``,
+    locked for this transaction, in name order; rows locked by another transaction are
+    skipped (the next pass takes them)."""
     stmt = (select(jobs)
             .where(jobs.c.paused.is_(False), jobs.c.next_fire_at.is_not(None),
-                   jobs.c.next_fire_at <= horizon_ms)
-            .order_by(jobs.c.name).limit(limit).with_for_update())
+                   jobs.c.next_fire_at <= horizon_ms, jobs.c.broken.is_(None))
+            .order_by(jobs.c.name).limit(limit).with_for_update(skip_locked=True))
     return list(conn.execute(stmt))
+
+
+def mark_broken(conn: Connection, name: str, reason: str) -> bool:
+    """Record why the job ``name`` cannot be planned; it is no longer due (see
+    :func:`due_jobs`) until ``schedule()`` clears the mark. True if the job exists."""
+    return update_job(conn, name, {"broken": reason[:MAX_REASON]})
 
 
 # -- occurrences ---------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ incarnation is live. Contracts:
   (``heartbeat_misses × heartbeat_interval_s``) and did not stop cleanly.
   Whoever notices first marks it stopped with a compare-and-set
   (:func:`claim_dead`), so its tasks are recovered exactly once.
+* **Rows of stopped nodes are pruned** (:func:`prune_stopped`) once they have been
+  stopped (cleanly, or declared dead) for ``node_retention_s``: default node names are
+  new in every process, so without it the table, which every beat and recovery scans,
+  only grows. A row is deleted only after the stop that recovered its tasks; a
+  process whose row was pruned (paused for longer than the retention) finds its beat
+  refused and registers anew, as any fenced node does.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Row, insert, select, text, update
+from sqlalchemy import Connection, Engine, Row, delete, insert, select, text, update
 
 from ax_kombu.config import worker_queue
 from ax_kombu.exceptions import NodeNameInUse
@@ -81,10 +87,15 @@ class Heartbeat:
         kind: ``scheduler`` or ``worker``.
         silence_ms: how long a live incarnation may go without a heartbeat before
             another process may take its name over (the dead-node window).
+        engine: where the heartbeat writes (default ``store.engine``): a scheduler gives
+            its beats an engine of their own, so that no other stage's work (a lock wait,
+            a long preload, a full pool) ever holds a beat up.
     """
 
-    def __init__(self, store: Store, node_id: str, kind: str, silence_ms: int = 15_000) -> None:
+    def __init__(self, store: Store, node_id: str, kind: str, silence_ms: int = 15_000,
+                 engine: Engine | None = None) -> None:
         self.store = store
+        self.engine = engine if engine is not None else store.engine
         self.node_id = node_id
         self.kind = kind
         self.silence_ms = silence_ms
@@ -103,7 +114,7 @@ class Heartbeat:
         Raises:
             NodeNameInUse: another live process has the name; nothing changed.
         """
-        with self.store.engine.begin() as conn:
+        with self.engine.begin() as conn:
             now = db_now_ms(conn)
             self._check_free(conn, now)
             incarnation = max(now, self.incarnation + 1)
@@ -138,7 +149,7 @@ class Heartbeat:
 
     def beat(self, info: Mapping[str, Any]) -> bool:
         """Refresh the heartbeat; False if this incarnation is no longer the live one."""
-        with self.store.engine.begin() as conn:
+        with self.engine.begin() as conn:
             moved = conn.execute(
                 update(nodes).where(nodes.c.node_id == self.node_id,
                                     nodes.c.incarnation == self.incarnation,
@@ -148,7 +159,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Mark this incarnation stopped (a clean exit)."""
-        with self.store.engine.begin() as conn:
+        with self.engine.begin() as conn:
             conn.execute(update(nodes).where(nodes.c.node_id == self.node_id,
                                              nodes.c.incarnation == self.incarnation)
                          .values(stopped_at=db_now_ms(conn)))
@@ -178,6 +189,20 @@ def claim_dead(conn: Connection, max_silence_ms: int, kind: str | None = None) -
             .values(stopped_at=now).returning(nodes.c.node_id))
     if kind is not None:
         stmt = stmt.where(nodes.c.kind == kind)
+    return [r[0] for r in conn.execute(stmt)]
+
+
+def prune_stopped(conn: Connection, stopped_before_ms: int, limit: int = 1000) -> list[str]:
+    """Delete the rows of nodes stopped (cleanly or declared dead) before
+    ``stopped_before_ms``, at most ``limit``; returns their names. A live row, or one
+    silent but not yet declared dead (its tasks not yet recovered), is never deleted."""
+    old = (select(nodes.c.node_id)
+           .where(nodes.c.stopped_at.is_not(None), nodes.c.stopped_at < stopped_before_ms)
+           .limit(limit))
+    stmt = (delete(nodes)
+            .where(nodes.c.node_id.in_(old), nodes.c.stopped_at.is_not(None),
+                   nodes.c.stopped_at < stopped_before_ms)
+            .returning(nodes.c.node_id))
     return [r[0] for r in conn.execute(stmt)]
 
 
@@ -215,4 +240,5 @@ def workers_consuming(conn: Connection, queue: str, max_silence_ms: int) -> list
 
 
 __all__ = ["Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
-           "default_node_id", "live_nodes", "pid_running", "workers_consuming"]
+           "default_node_id", "live_nodes", "pid_running", "prune_stopped",
+           "workers_consuming"]
