@@ -246,6 +246,24 @@ class Finish(NamedTuple):
 _FINISH_TARGETS = frozenset({S.SUCCESS, S.FAILED, S.DELAYED})
 
 
+def storable(text: str) -> str:
+    """``text`` as both stores accept it in a TEXT column: a NUL (PostgreSQL refuses it)
+    written as the four characters ``\\x00``, a lone surrogate (no driver encodes it to
+    UTF-8) as its escape (``\\udc80``), as Python's ``repr`` shows them. That escape is
+    also JSON's, so JSON text (which never holds a raw NUL) reads back the same value."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def _storable(text: str | None) -> str | None:
+    return None if text is None else storable(text)
+
+
 def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     """RUNNING → SUCCESS | FAILED | DELAYED for each result whose row is at its attempt.
 
@@ -253,6 +271,9 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1``,
     ``last_error`` and ``last_run_node = NULL`` (a scheduler adopts it); and
     ``started_at`` where the result gives the run's real start.
+
+    ``last_error`` and ``result`` are written :func:`storable` (callers pass them
+    capped and as JSON text; this is the store's own guard, for every caller).
 
     Returns:
         The ids that moved; a task cancelled or recovered meanwhile does not.
@@ -262,8 +283,8 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     for result in results:
         if result.status not in _FINISH_TARGETS:
             raise IllegalTransition(f"a run cannot end in {result.status}")
-    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, r.error, r.result, r.started_at)
-            for r in results]
+    rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, _storable(r.error),
+             _storable(r.result), r.started_at) for r in results]
     return _run_batch(conn, ("id", "att", "st", "at", "err", "res", "start"), _FINISH, rows)
 
 
@@ -298,6 +319,8 @@ _RECORD_COLUMNS = ("id", "att", "type", "node", "trig", "disp", "start", "fin", 
 
 def record_attempts(conn: Connection, attempts: Sequence[Attempt]) -> None:
     """Add ended attempts to the history, in one statement. An attempt already recorded
-    (by the recovery that declared it lost, say) keeps its first record."""
+    (by the recovery that declared it lost, say) keeps its first record; its ``error``
+    is written :func:`storable`."""
     if attempts:
-        _execute_batch(conn, _RECORD_COLUMNS, _RECORD, attempts)
+        _execute_batch(conn, _RECORD_COLUMNS, _RECORD,
+                       [a._replace(error=_storable(a.error)) for a in attempts])

@@ -12,10 +12,12 @@ column has passed through here first:
   or is larger is not stored (the run is still a success, the attempt history has
   the reason).
 
-*Storable* means both stores accept it: PostgreSQL refuses a NUL in a TEXT value,
-and both drivers refuse a lone surrogate (a str decoded with ``surrogateescape``)
-when they encode UTF-8. Nothing a processor raises or returns reaches the store as
-anything else, so no outcome can make the result writer's batch fail for its text.
+*Storable* (:func:`~ax_kombu.store.transitions.storable`) means both stores accept
+it: PostgreSQL refuses a NUL in a TEXT value, and both drivers refuse a lone surrogate
+(a str decoded with ``surrogateescape``) when they encode UTF-8. Nothing a processor
+raises or returns reaches the store as anything else, so no outcome can make the result
+writer's batch fail for its text (and ``finish_many`` guards the same way, for every
+caller).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ax_kombu.config import Settings, redact_url
 from ax_kombu.core.backoff import Uniform, backoff_ms
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ProcessorRefused
-from ax_kombu.store.transitions import Finish
+from ax_kombu.store.transitions import Finish, storable
 from ax_kombu.worker.pools import Outcome
 
 #: longest error text stored (``last_error``, an attempt's ``error``), in characters
@@ -44,18 +46,6 @@ class RunResult(NamedTuple):
     task: TaskMessage
     outcome: Outcome
     ended_ms: int
-
-
-def storable(text: str) -> str:
-    """``text`` as both stores accept it: a NUL written as the four characters ``\\x00``,
-    a lone surrogate as its escape (``\\udc80``), as Python's ``repr`` shows them."""
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode()
-    return text
 
 
 def error_text(text: str, limit: int = MAX_ERROR) -> str:

@@ -170,11 +170,10 @@ def test_outcomes_waiting_in_memory_are_bounded_and_told_when_durable(
 
 
 @pytest.mark.integration
-def test_a_nul_that_reaches_postgresql_is_isolated(
+def test_a_value_postgresql_refuses_is_isolated(
         pg_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The last line of defence on a real driver error: psycopg2 raises ValueError for a
-    NUL in a string (before the statement is sent); a Finish built without the sanitiser
-    carries one."""
+    """A real refusal by PostgreSQL (a DataError: a time past BIGINT), not one the
+    sanitiser prevents: that run alone is FAILED with the reason, the rest are written."""
     settings: Settings = from_env({}, database_url=pg_url, auto_migrate=True,
                                   broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")
     dispatch = Dispatch(settings)
@@ -184,13 +183,11 @@ def test_a_nul_that_reaches_postgresql_is_isolated(
         poison = messages[3].task_id
         real_decide = results.decide
 
-        def unsanitised(result: outcomes.RunResult, *args: Any) -> Finish:
+        def out_of_range(result: outcomes.RunResult, *args: Any) -> Finish:
             finish = real_decide(result, *args)
-            if result.task.task_id == poison:
-                return finish._replace(status=Status.FAILED, error="raw\x00nul")
-            return finish
+            return finish._replace(at_ms=2**63) if result.task.task_id == poison else finish
 
-        monkeypatch.setattr(results, "decide", unsanitised)
+        monkeypatch.setattr(results, "decide", out_of_range)
         writer.start()
         for m in messages:
             writer.put(m, Outcome(True, value=m.task_id))
@@ -199,7 +196,20 @@ def test_a_nul_that_reaches_postgresql_is_isolated(
         writer.stop(10)
         dispatch.close()
     assert views[poison].status is Status.FAILED
-    assert (views[poison].last_error or "").startswith("outcome refused by the store (")
-    assert "raw\\x00nul" in (views[poison].last_error or "")
+    assert (views[poison].last_error or "").startswith(
+        "outcome refused by the store (DataError: ")
+    assert "out of range" in (views[poison].last_error or "")
     assert all(v.status is Status.SUCCESS and v.result == i
                for i, v in views.items() if i != poison)
+
+
+def test_finish_many_writes_only_storable_text(dispatch: Dispatch) -> None:
+    """The store's own guard, for every caller (the Celery bootstep writes its own ends)."""
+    nul, odd = running(dispatch, 2)
+    with dispatch.client.store.engine.begin() as conn:
+        moved = transitions.finish_many(conn, [
+            Finish(nul.task_id, nul.attempt, Status.FAILED, 1, "bad\x00byte \udc80"),
+            Finish(odd.task_id, odd.attempt, Status.SUCCESS, 1, result='"file \udc80"')])
+    assert sorted(moved) == sorted([nul.task_id, odd.task_id])
+    assert dispatch.view(nul.task_id).last_error == "bad\\x00byte \\udc80"
+    assert dispatch.view(odd.task_id).result == "file \udc80"

@@ -13,13 +13,13 @@ from sqlalchemy.exc import DataError
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import from_env
 from ax_kombu.core.states import Status
+from ax_kombu.store.transitions import storable
 from ax_kombu.worker.outcomes import (
     MAX_ERROR,
     RunResult,
     decide,
     error_text,
     refused,
-    storable,
     stored_result,
 )
 from ax_kombu.worker.pools import Outcome
