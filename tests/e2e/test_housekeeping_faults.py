@@ -144,8 +144,11 @@ def test_a_failing_housekeeping_step_stops_neither_beats_nor_tasks(system: Syste
     assert all(d.alive for d in schedulers), system.tails()
     statuses = {r.status for r in system.tasks().values() if r.task_id in ids}
     assert statuses == {"SUCCESS"}, statuses
-    late = [r.start - r.trigger for r in log.runs()]
-    assert len(late) == len(ids) and max(late) < SILENCE_MS, f"late by {sorted(late)} ms"
+    late = sorted(r.start - r.trigger for r in log.runs())
+    assert len(late) == len(ids) and late[-1] < SILENCE_MS, f"late by {late} ms"
+    print(f"\nax_job locked {LOCK_MS / 1000:g} s: beats went on (incarnations unchanged), "
+          f"jobs-step errors {errors_before} -> {errors_during}, 20 tasks due meanwhile "
+          f"started {late[len(late) // 2]} ms (p50) / {late[-1]} ms (max) after their trigger")
 
     # the lock gone, the recurring job runs again
     released_at = int(time.time() * 1000)
