@@ -331,13 +331,19 @@ class Intake:
         return func(task.payload, ctx)
 
     def _done(self, delivery: Delivery, outcome: Outcome) -> None:
-        """A run's outcome (pool thread): to the result writer, and back to us for the ack.
-        A run that never started (withdrawn, cancelled, or abandoned while staged)
-        records nothing."""
+        """A run's outcome (pool thread): to the result writer; its message is acked (and
+        its room in the lane's prefetch freed) once the outcome is durable. A run that
+        never started (withdrawn, cancelled, or abandoned while staged) records nothing
+        and is settled at once."""
         if delivery.started:
-            self._results.put(delivery.task, outcome)
-        elif delivery.cancel is not None and delivery.cancel.reason == "timeout":
+            self._results.put(delivery.task, outcome, on_durable=partial(self._ended, delivery))
+            return
+        if delivery.cancel is not None and delivery.cancel.reason == "timeout":
             self.expired_holds.put(delivery)  # nobody else writes its row back
+        self._ended(delivery)
+
+    def _ended(self, delivery: Delivery) -> None:
+        """The run is over and its outcome, if any, durable: settle it (any thread)."""
         self._completed.put(delivery)
         self._wakeup.poke()
 

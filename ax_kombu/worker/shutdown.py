@@ -36,6 +36,9 @@ from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Delivery
 from ax_kombu.worker.results import Counters, HeldConnection
 
+#: at a stop, how long ended runs wait for their outcomes to be durable (and so acked)
+DURABLE_WAIT_S = 5.0
+
 log = logging.getLogger(__name__)
 
 
@@ -130,6 +133,14 @@ class Shutdown:
                         for lane in lanes)
         if abandoned:
             log.warning("running tasks abandoned at shutdown", extra={"count": abandoned})
+        # a message is acked once its outcome is durable: settle until the last outcomes
+        # are written (the writer is still running); what is left unacked goes back to
+        # the broker, and a redelivery is refused (its task is no longer DISPATCHING)
+        stop = time.monotonic() + DURABLE_WAIT_S
+        while connected and self._intake.running and time.monotonic() < stop:
+            self._wakeup.clear()
+            self._intake.settle()
+            self._wakeup.wait(TICK_S)
         if connected:
             self._intake.settle()
 

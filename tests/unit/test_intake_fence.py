@@ -29,8 +29,11 @@ class Calls:
         self.runs: list[tuple[int, int]] = []
         self.results: list[int] = []
 
-    def put(self, task: TaskMessage, outcome: Any) -> None:  # the result writer
+    def put(self, task: TaskMessage, outcome: Any,
+            on_durable: Any = None) -> None:  # the result writer: durable at once
         self.results.append(task.task_id)
+        if on_durable is not None:
+            on_durable()
 
     def resolve(self, processor: str | None, url: str | None) -> Any:  # the resolver
         return lambda payload, ctx: self.runs.append((ctx.task_id, ctx.attempt))
@@ -101,3 +104,33 @@ def test_a_run_whose_timeout_passes_while_held_is_kept_for_hand_back() -> None:
     assert calls.runs == [] and calls.results == []  # never started, nothing recorded
     assert intake.take_expired_holds() == [held]
     assert intake.take_expired_holds() == []
+
+
+class RecordedMessage(Message):
+    acks = 0
+
+    def ack(self) -> None:
+        self.acks += 1
+
+
+def test_a_message_is_acked_only_once_its_outcome_is_durable() -> None:
+    """The run ends, its outcome waits for its batch's commit: the message stays unacked
+    (a worker killed meanwhile leaves it to the broker and the row RUNNING to recovery)."""
+    calls, lease = Calls(), Lease(5.0)
+    lease.confirm(time.monotonic(), incarnation=1)
+    durable: list[Any] = []
+    calls.put = lambda task, outcome, on_durable=None: durable.append(on_durable)  # type: ignore[method-assign]
+    intake, lane = _intake(calls, lease)
+    batch = _batch(intake, lane, 45, incarnation=1)
+    message = RecordedMessage()
+    batch.start[0].message = message
+    intake.receipted(batch)
+    deadline = time.monotonic() + 5
+    while not durable and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls.runs == [(45, 1)] and len(durable) == 1
+    intake.settle()
+    assert message.acks == 0 and intake.running  # ended, not durable yet
+    durable[0]()  # the writer committed the batch
+    intake.settle()
+    assert message.acks == 1 and not intake.running
