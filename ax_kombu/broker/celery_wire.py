@@ -25,19 +25,25 @@ every transport delivers straight to that queue.
 * The Celery task id is :func:`celery_task_id` of ``(ax task id, attempt)``: stable
   (the same attempt always has the same id) and new for each attempt. ax publishes
   each attempt exactly once; a worker that runs it runs it under that id.
-* Never early. The scheduler claims a Celery-bound task only once it is due on its
-  database clock, not ``claim_lead_ms`` ahead as it stages ax's own tasks
-  (:mod:`ax_kombu.store.claims`), because a stock Celery worker cannot hold a message
-  cheaply: 1,000 ``eta`` messages due at once on Redis started p50 ≈ 850 ms late,
-  ≈ 85 ms without ``eta`` (tests/e2e/test_celery_e2e.py). So a message never has an
-  ``eta``: the Celery worker runs it as soon as it reads it.
+* Never early, and on time. A task for workers running the bootstep (runner
+  ``'celery_ax'``) is staged as ax's own are: claimed and published up to
+  ``claim_lead_ms`` before it is due, with Celery's own ``eta`` header = its trigger time,
+  so the Celery worker's timer holds it to the due instant (an ``eta`` message does not
+  count against the worker's prefetch), and the bootstep fences it then
+  (:mod:`ax_kombu.celery.fence`: a cancel meanwhile wins, a run never starts before its
+  trigger time on the database clock). One already due when it is built has no ``eta``.
+  A task for stock workers (``'celery'``) has no fence to hold a cancel back, so it is
+  claimed only once due on the scheduler's database clock (:mod:`ax_kombu.store.claims`)
+  and its message never has an ``eta``: the Celery worker runs it as soon as it reads it.
 * ``ax_task_id``, ``ax_attempt`` and ``trace_id`` ride along as extra headers (a Celery
   task sees them as ``self.request.ax_task_id`` …).
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any, ClassVar, NamedTuple
 
 import orjson
@@ -117,8 +123,10 @@ class CeleryMessage(NamedTuple):
     properties: dict[str, Any]
 
 
-def celery_message(m: TaskMessage) -> CeleryMessage:
-    """The Celery protocol-2 message for one attempt of a Celery-bound task (due: no ``eta``).
+def celery_message(m: TaskMessage, now_ms: float | None = None) -> CeleryMessage:
+    """The Celery protocol-2 message for one attempt of a Celery-bound task; its ``eta`` is
+    the trigger time when the task is fenced (:class:`CeleryFenced`) and not due yet at
+    ``now_ms`` (default: this host's clock), else None (see the module docstring).
 
     Raises:
         Unbuildable: the payload is not what :mod:`ax_kombu.celery` writes (the reason says
@@ -134,7 +142,7 @@ def celery_message(m: TaskMessage) -> CeleryMessage:
     task_id = celery_task_id(m.task_id, m.attempt)
     headers: dict[str, Any] = {
         "lang": "py", "task": m.task_type, "id": task_id, "shadow": None,
-        "eta": None,
+        "eta": eta_of(m, time.time() * 1000 if now_ms is None else now_ms),
         "expires": payload.get("expires"), "group": None, "group_index": None,
         "retries": 0, "timelimit": timelimit, "root_id": task_id, "parent_id": None,
         "argsrepr": repr(tuple(args))[:_REPR_MAX], "kwargsrepr": repr(kwargs)[:_REPR_MAX],
@@ -145,6 +153,14 @@ def celery_message(m: TaskMessage) -> CeleryMessage:
     }
     body = orjson.dumps([args, kwargs, _EMBED]).decode()
     return CeleryMessage(queue, body, headers, {"correlation_id": task_id, "reply_to": ""})
+
+
+def eta_of(m: TaskMessage, now_ms: float) -> str | None:
+    """Celery's ``eta`` header for ``m``: its trigger time (ISO 8601, UTC) when it is staged
+    (fenced by the bootstep, and due after ``now_ms``), else None."""
+    if not (isinstance(m, CeleryBound) and m.fenced) or m.trigger_time <= now_ms:
+        return None
+    return datetime.fromtimestamp(m.trigger_time / 1000, UTC).isoformat()
 
 
 def _payload(raw: Any) -> dict[str, Any]:

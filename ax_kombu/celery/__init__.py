@@ -22,19 +22,22 @@ Guarantees:
   ``AX_DEDUP_WINDOW_MS`` of each other are one task).
 * Dispatch is exactly once per attempt: the ax-scheduler whose claim moved the
   row publishes one Celery message, whose task id is derived from the ax task id
-  and the attempt (:func:`ax_kombu.broker.celery_wire.celery_task_id`), when the
-  task is due, never before: unlike ax's own tasks it is not staged; the scheduler
-  claims it only once its trigger time has come on its database clock
-  (:mod:`ax_kombu.store.claims`), so until then ``cancel`` wins, and the message has no
-  ``eta`` for the Celery worker to hold.
+  and the attempt (:func:`ax_kombu.broker.celery_wire.celery_task_id`). For stock
+  workers it is published when the task is due, never before: the scheduler claims it
+  only once its trigger time has come on its database clock (:mod:`ax_kombu.store.claims`),
+  so until then ``cancel`` wins, and the message has no ``eta``. For workers with the
+  extension (below) it is staged as ax's own tasks are: published up to ``claim_lead_ms``
+  ahead with Celery's ``eta``, held by the Celery worker's timer, and fenced at the due
+  instant, so it starts on time (a cancel meanwhile still wins: the fence refuses it).
 * Without the worker extension, once the broker has accepted that message the ax
   task is SUCCESS (its ``result`` names the Celery task id); from there on Celery's
   own semantics apply: at-least-once with ``acks_late``, at-most-once without,
   results in Celery's result backend.
 * With it (``app.steps["worker"].add(ax.celery.AxBootstep)``), the Celery worker
-  fences each run (RUNNING by compare-and-set on the attempt; a stale message is
-  refused), records SUCCESS/FAILED, retries with ax's backoff, and heartbeats, so
-  ax's ack timeout and recovery cover Celery-run tasks (:mod:`ax_kombu.celery.bootstep`).
+  fences each run (RUNNING by compare-and-set on the attempt and the worker's live
+  incarnation; a stale message is refused), records SUCCESS/FAILED, retries with ax's
+  backoff, records a run whose pool process died, or that Celery revoked, and heartbeats,
+  so ax's ack timeout and recovery cover Celery-run tasks (:mod:`ax_kombu.celery.bootstep`).
 
 The broker: ax's scheduler publishes to ``AX_BROKER_URL`` (with
 ``AX_BROKER_KEY_PREFIX`` on Redis), so that must be the Celery app's broker (same

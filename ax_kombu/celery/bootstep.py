@@ -7,15 +7,30 @@ Enabled with one line where the Celery app is made::
 With it, a Celery worker takes part in ax as an ax-worker does, for the Celery-bound
 tasks it receives (those carrying the ``ax_task_id`` and ``ax_attempt`` headers):
 
-* **Fenced start**: before the task body runs, the row moves DISPATCHING → RUNNING by
-  compare-and-set on ``(task_id, attempt)``, with ``last_run_node`` = this worker's ax
-  node. A message whose attempt is not the row's (stale, duplicated, cancelled meanwhile)
-  is refused: Celery's ``Ignore`` — acked, the body never runs.
+* **Staged, then fenced at the due instant**: ax publishes such a task up to
+  ``claim_lead_ms`` before it is due, with Celery's own ``eta`` header, so the Celery
+  worker's timer holds it to the due instant (:mod:`ax_kombu.broker.celery_wire`). When
+  it runs, before the task body, the row moves DISPATCHING → RUNNING by compare-and-set on
+  ``(task_id, attempt)`` and on this worker's live ax incarnation, with ``last_run_node`` =
+  this worker's ax node (:mod:`ax_kombu.celery.fence`). A message whose attempt is not the
+  row's (stale, duplicated, cancelled meanwhile) or that no live incarnation may start is
+  refused: Celery's ``Ignore`` — acked, the body never runs.
 * **Recorded end**: SUCCESS after the body returns; after an exception, FAILED when no
   ax retries remain, else DELAYED with ax's backoff (ax dispatches a new attempt, under a
-  new Celery id). A Celery retry (``self.retry()``, ``autoretry_for``) is Celery's own:
-  the ax attempt ends SUCCESS as handed to Celery (``result.celery_retry``), and the
-  retried message (``retries`` > 0) runs unfenced.
+  new Celery id). Any ``BaseException`` too (``SystemExit``, a greenlet killed by
+  ``revoke(terminate=True)``): CANCELLED when Celery revoked the task, else as a failure;
+  in a prefork child (where ``revoke(terminate=True)``'s SIGTERM becomes ``SystemExit``)
+  the main process records it, which knows whether Celery revoked the task.
+  A Celery retry (``self.retry()``, ``autoretry_for``) is Celery's own: the ax attempt ends
+  SUCCESS as handed to Celery (``result.celery_retry``), and the retried message
+  (``retries`` > 0) runs unfenced.
+* **A dead pool process**: when a prefork child dies mid-run (SIGKILL, the OOM killer, a
+  hard time limit), Celery's main process reports it (``task_failure`` with
+  ``WorkerLostError`` or ``TimeLimitExceeded``); the step then records the run as "worker
+  lost", retried or FAILED per ``max_retry``, at once — not when the whole worker dies. A
+  ``revoke(terminate=True)`` (``task_revoked``, the child killed by the signal) ends the row
+  CANCELLED, as does a revoke of a message not started yet. These writes are made by the
+  main process, on a thread of their own, retried until the store takes them.
 * **Liveness**: the worker registers as an ax node (``celery@<hostname>``) and heartbeats,
   so when it dies, ax's scheduler retries its RUNNING tasks within the recovery window
   (not after a broker visibility timeout), and a Celery-bound task no worker started
@@ -32,131 +47,54 @@ the scheduler then records no hand-off for them. Settings: the ``AX_*`` variable
 (``AX_DATABASE_URL`` for the store, ``AX_HEARTBEAT_INTERVAL_S``, the retry backoff).
 Execution stays at-least-once: a worker that dies mid-run has its task run again.
 
-Caveat: the ack timeout (``AX_ACK_TIMEOUT_MS``, doubling per re-dispatch) now also covers
-the time a message waits in a backlogged Celery queue or a worker's prefetch before it
-starts; set it above that wait, or ax re-dispatches (the old message is refused when its
-turn comes) and, after ``AX_MAX_DISPATCHES``, fails the task.
+Caveat: the ack timeout (``AX_ACK_TIMEOUT_MS``, doubling per re-dispatch) covers the time
+from the publish (up to ``claim_lead_ms`` before the task is due) to the start, so also the
+time a message waits in a backlogged Celery queue or a worker's prefetch; set it above that
+wait, or ax re-dispatches (the old message is refused when its turn comes) and, after
+``AX_MAX_DISPATCHES``, fails the task.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
+import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.app.trace import task_has_custom
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Retry, TimeLimitExceeded
+from celery.worker import state as worker_state
 
 from ax_kombu.broker.celery_wire import celery_task_id
-from ax_kombu.config import Settings, from_env
-from ax_kombu.core.backoff import backoff_ms, default_rng
-from ax_kombu.core.states import Status
-from ax_kombu.store import Store
-from ax_kombu.store import gates as gate_store
-from ax_kombu.store.nodes import Heartbeat
-from ax_kombu.store.tasks import wake_schedulers
-from ax_kombu.store.transitions import Attempt, Finish, Started, finish_many, record_attempts
-from ax_kombu.store.transitions import start_many as start_rows
+from ax_kombu.celery.fence import Fence
+from ax_kombu.config import from_env
 
 log = logging.getLogger(__name__)
 _MARK = "__ax_fenced__"
+#: the longest pause between two tries of a main-process record (a store outage)
+_RECORD_BACKOFF_MAX_S = 5.0
+
+__all__ = ["AxBootstep", "Fence", "fence_tasks", "fenced_call"]
 
 
-class Fence:
-    """The ax side of one Celery worker: its node, and the start and end of each run.
+def _ax_ids(request: Any) -> tuple[int, int] | None:
+    """``(ax task id, attempt)`` of a Celery request or context, if it is ax's."""
+    if request is None:
+        return None
+    get = request.get if hasattr(request, "get") else lambda key: getattr(request, key, None)
+    ax_id, attempt = get("ax_task_id"), get("ax_attempt")
+    if ax_id is None or attempt is None or get("retries"):
+        return None
+    return int(ax_id), int(attempt)
 
-    Safe in every pool: each process (prefork children included) opens its own store
-    on first use.
-    """
 
-    def __init__(self, settings: Settings, node_id: str) -> None:
-        self.settings = settings
-        self.node_id = node_id
-        self._store: Store | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-        self.heartbeat: Heartbeat | None = None
-        self._stop = threading.Event()
-
-    @property
-    def store(self) -> Store:
-        with self._lock:
-            if self._store is None or self._pid != os.getpid():
-                self._store, self._pid = Store(self.settings), os.getpid()
-            return self._store
-
-    # -- the node -------------------------------------------------------------------------
-
-    def register(self, queues: list[str]) -> None:
-        """Become an ax node and heartbeat (on a daemon thread) until the process exits."""
-        info = {"celery": True, "celery_queues": queues}
-        self.heartbeat = Heartbeat(self.store, self.node_id, "worker",
-                                   silence_ms=self.settings.silence_ms)
-        self.heartbeat.register(info)
-        threading.Thread(target=self._beat, args=(info,), name="ax-celery-heartbeat",
-                         daemon=True).start()
-        atexit.register(self.unregister)
-
-    def _beat(self, info: dict[str, Any]) -> None:
-        heartbeat = self.heartbeat
-        assert heartbeat is not None
-        while not self._stop.wait(self.settings.heartbeat_interval_s):
-            try:
-                if not heartbeat.beat(info):
-                    log.warning("this Celery worker was declared dead by ax; registering anew",
-                                extra={"node": self.node_id})
-                    heartbeat.register(info)
-            except Exception:  # a database outage: try again at the next beat
-                log.warning("ax heartbeat failed", exc_info=True, extra={"node": self.node_id})
-
-    def unregister(self) -> None:
-        """Stop beating and mark the node stopped (a clean exit: nothing runs any more)."""
-        self._stop.set()
-        heartbeat, self.heartbeat = self.heartbeat, None  # once
-        if heartbeat is not None and self._pid == os.getpid():
-            try:
-                heartbeat.stop()
-            except Exception:  # the process is exiting; the silence window covers it
-                log.warning("could not mark the ax node stopped", exc_info=True)
-
-    # -- the runs -------------------------------------------------------------------------
-
-    def start(self, task_id: int, attempt: int) -> Started | None:
-        """DISPATCHING → RUNNING for this attempt; None if the row is not at it (refuse)."""
-        store = self.store
-        with store.engine.begin() as conn:
-            rows = start_rows(conn, [(task_id, attempt)], self.node_id, store.now_ms())
-        return rows[0] if rows else None
-
-    def finish(self, task: Started, attempt: int, error: str | None,
-               result: str | None = None) -> bool:
-        """Record the end of a run started by :meth:`start`; returns whether it moved."""
-        store = self.store
-        now = store.now_ms()
-        if error is None:
-            end = Finish(task.task_id, attempt, Status.SUCCESS, now, result=result)
-        elif task.retry_count >= task.max_retry:
-            end = Finish(task.task_id, attempt, Status.FAILED, now, error)
-        else:
-            delay = backoff_ms(task.retry_count, self.settings.retry_backoff_base_ms,
-                               self.settings.retry_backoff_max_ms, default_rng(),
-                               self.settings.retry_backoff_jitter)
-            end = Finish(task.task_id, attempt, Status.DELAYED, now + delay, error)
-        with store.engine.begin() as conn:
-            moved = bool(finish_many(conn, [end]))
-            if end.status is Status.DELAYED and moved:
-                record_attempts(conn, [Attempt(task.task_id, attempt, task.task_type,
-                                               self.node_id, task.trigger_time, None,
-                                               task.started_at, now, "RETRY", error)])
-                wake_schedulers(conn, end.at_ms)
-            if task.gated:
-                gate_store.wake_next(conn, [(task.task_type, task.order_key)])
-        return moved
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
 
 
 def fenced_call(fence_of: Callable[[], Fence | None], original: Callable[..., Any] | None
@@ -168,14 +106,15 @@ def fenced_call(fence_of: Callable[[], Fence | None], original: Callable[..., An
         request = self.request
         if request.called_directly:
             return (original or Task.__call__)(self, *args, **kwargs)
+
         def body() -> Any:
             return original(self, *args, **kwargs) if original else self.run(*args, **kwargs)
 
-        fence = fence_of()
-        ax_id, attempt = request.get("ax_task_id"), request.get("ax_attempt")
-        if fence is None or ax_id is None or attempt is None or request.retries:
+        fence, ids = fence_of(), _ax_ids(request)
+        if fence is None or ids is None:
             return body()
-        started = fence.start(int(ax_id), int(attempt))
+        ax_id, attempt = ids
+        started = fence.start(ax_id, attempt)
         if started is None:
             log.info("stale or duplicate ax message refused",
                      extra={"task_id": ax_id, "attempt": attempt, "celery_id": request.id})
@@ -183,14 +122,21 @@ def fenced_call(fence_of: Callable[[], Fence | None], original: Callable[..., An
         try:
             value = body()
         except Retry:
-            fence.finish(started, int(attempt), None, json.dumps(
-                {"celery_task_id": celery_task_id(int(ax_id), int(attempt)),
-                 "celery_retry": True}))
+            fence.finish(started, attempt, None, json.dumps(
+                {"celery_task_id": celery_task_id(ax_id, attempt), "celery_retry": True}))
             raise
         except Exception as exc:
-            fence.finish(started, int(attempt), f"{type(exc).__name__}: {exc}"[:2000])
+            fence.finish(started, attempt, _error(exc))
             raise
-        fence.finish(started, int(attempt), None, _json_or_none(value))
+        except BaseException as exc:  # SystemExit, a killed greenlet, …: never left RUNNING
+            if fence.in_pool_child():  # its main process records it (AxBootstep._on_*)
+                raise
+            if request.id in worker_state.revoked:
+                fence.cancel(ax_id, attempt, f"revoked in Celery ({_error(exc)})")
+            else:
+                fence.finish(started, attempt, _error(exc))
+            raise
+        fence.finish(started, attempt, None, _json_or_none(value))
         return value
 
     setattr(__call__, _MARK, True)
@@ -220,15 +166,117 @@ def fence_tasks(app: Any, fence_of: Callable[[], Fence | None]) -> int:
     return wrapped
 
 
+def _active_ax_ids() -> list[int]:
+    """The ax task ids of the requests this worker runs now (Celery's own bookkeeping)."""
+    found = (_ax_ids(getattr(r, "request_dict", None)) for r in list(worker_state.active_requests))
+    return [ids[0] for ids in found if ids is not None]
+
+
+class Recorder:
+    """The main process's writes for runs that could not record their own end (their pool
+    process died, or Celery revoked them): on one daemon thread, each retried with a
+    doubling pause until the store takes it, so a signal handler never waits for the
+    database."""
+
+    def __init__(self, fence: Fence) -> None:
+        self.fence = fence
+        self._queue: queue.Queue[Callable[[], Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, write: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ax-celery-recorder",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put(write)
+
+    def _run(self) -> None:
+        while True:
+            write = self._queue.get()
+            pause = 0.1
+            while True:
+                try:
+                    write()
+                    break
+                except Exception:  # the store is unreachable: the row waits RUNNING
+                    log.warning("could not record a Celery run's end in ax; trying again",
+                                exc_info=True, extra={"node": self.fence.node_id})
+                    time.sleep(pause)
+                    pause = min(pause * 2, _RECORD_BACKOFF_MAX_S)
+
+
 class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
     """A Celery worker step: fence and record ax's Celery-bound runs (module docstring)."""
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        self.fence = Fence(from_env(), f"celery@{worker.hostname}")
+        self.fence = Fence(from_env(), f"celery@{worker.hostname}", running=_active_ax_ids)
+        self.recorder = Recorder(self.fence)
+        self._main_pid = os.getpid()
+        self._app = worker.app
         fence_tasks(worker.app, lambda: self.fence)
+        uid = f"ax-bootstep-{id(self)}"
+        signals.task_failure.connect(self._on_failure, weak=False, dispatch_uid=uid)
+        signals.task_revoked.connect(self._on_revoked, weak=False, dispatch_uid=uid)
 
     def start(self, worker: Any) -> None:
         queues = sorted(q.name for q in worker.app.amqp.queues.consume_from.values())
         self.fence.register(queues)
         log.info("ax fencing Celery runs", extra={"node": self.fence.node_id})
+
+    def _ours(self, sender: Any) -> bool:
+        """A signal of this worker's main process about one of its app's tasks."""
+        return os.getpid() == self._main_pid and getattr(sender, "app", None) is self._app
+
+    def _on_failure(self, sender: Any = None, task_id: str | None = None,
+                    exception: BaseException | None = None, **_: Any) -> None:
+        """A run whose pool process died (or hit the hard time limit): "worker lost"."""
+        if not self._ours(sender) or not _lost(exception):
+            return
+        ids = _ax_ids(getattr(sender, "request", None))
+        why = _error(exception) if exception is not None else "the pool process died"
+        fence = self.fence
+        if ids is not None:
+            ax_id, attempt = ids
+            self.recorder.put(lambda: fence.lose(ax_id, attempt, why))
+        elif task_id:  # a hard time limit: Celery pushes no request for its handlers
+            self.recorder.put(lambda: self._lose_by_celery_id(task_id, why))
+
+    def _lose_by_celery_id(self, celery_id: str, why: str) -> None:
+        for ax_id, attempt in self._running_on_node():
+            if celery_task_id(ax_id, attempt) == celery_id:
+                self.fence.lose(ax_id, attempt, why)
+                return
+
+    def _running_on_node(self) -> list[tuple[int, int]]:
+        from sqlalchemy import select
+
+        from ax_kombu.store.schema import tasks
+
+        with self.fence.store.engine.connect() as conn:
+            return [(r[0], r[1]) for r in conn.execute(
+                select(tasks.c.task_id, tasks.c.attempt).where(
+                    tasks.c.status == "RUNNING", tasks.c.last_run_node == self.fence.node_id))]
+
+    def _on_revoked(self, sender: Any = None, request: Any = None, terminated: bool = False,
+                    signum: Any = None, expired: bool = False, **_: Any) -> None:
+        """A revoked run (terminated, or never started): CANCELLED at its attempt."""
+        ids = _ax_ids(request)
+        if not self._ours(sender) or ids is None:
+            return
+        why = ("expired in Celery" if expired else
+               f"revoked in Celery (terminated, signal {signum})" if terminated else
+               "revoked in Celery")
+        ax_id, attempt = ids
+        fence = self.fence
+        self.recorder.put(lambda: fence.cancel(ax_id, attempt, why))
+
+
+def _lost(exception: BaseException | None) -> bool:
+    """Whether a ``task_failure`` says the run's process died (not a failure the run
+    recorded itself)."""
+    from billiard.exceptions import WorkerLostError
+
+    return isinstance(exception, (WorkerLostError, TimeLimitExceeded))

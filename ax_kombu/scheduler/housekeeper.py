@@ -12,8 +12,8 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   away while it keeps finding full batches: tasks due within
   ``preload_window_ms`` — CREATED rows and rows nobody holds
   (:func:`ax_kombu.store.recovery.preload`) — are handed to the timing loop;
-  a Celery-bound one ``claim_lead_ms`` after its trigger time, so that it fires
-  when due and is never staged (:mod:`ax_kombu.store.claims`).
+  one for stock Celery workers ``claim_lead_ms`` after its trigger time, so that it
+  fires when due and is never staged (:mod:`ax_kombu.store.claims`).
   Memory is bounded by the window and ``max_held``, never by how many future
   tasks exist; no preload starts before the last one is in the wheel, nor
   while the wheel is being dropped (the node was declared dead).
@@ -239,7 +239,7 @@ class Housekeeper(Stage):
             self._next["preload"] = now + self._poll_ms
             return
         horizon = now + settings.preload_window_ms
-        lag = settings.claim_lead_ms  # a Celery-bound task fires when due, not staged
+        lag = settings.claim_lead_ms  # a stock Celery worker's task fires when due, unstaged
         reconcile = self._reconcile.is_set()
         self._reconcile.clear()  # set again by a fence while this preload runs
         try:

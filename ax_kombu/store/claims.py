@@ -5,10 +5,13 @@ exactly one claimer, and every claim carries a new attempt number (the fencing
 token workers check).
 
 Staging and Celery: an ax task may be claimed up to ``claim_lead_ms`` before it is
-due (its worker holds it until its trigger time). A Celery-bound task (its stored
-``runner`` is ``'celery'`` or ``'celery_ax'``, set by :mod:`ax_kombu.celery` alone; see
-:mod:`ax_kombu.store.schema`) is never staged, since a stock Celery worker cannot hold a
-message cheaply: the same statement claims it only once its trigger time is at or before
+due (its worker holds it until its trigger time), and so may a Celery-bound task whose
+Celery workers run the AxBootstep (``runner`` ``'celery_ax'``): it is published with
+Celery's ``eta`` and the bootstep fences it at the due instant
+(:mod:`ax_kombu.broker.celery_wire`). A task for stock Celery workers (``runner``
+``'celery'``, set by :mod:`ax_kombu.celery` alone; see :mod:`ax_kombu.store.schema`) is
+never staged (:func:`celery_unstaged`): nothing would hold a cancel back once Celery has
+its message, so the same statement claims it only once its trigger time is at or before
 the claimer's ``now`` (its reading of the database clock). So it is published no earlier
 than its trigger time on the scheduler's database clock (the publish follows the claim),
 and until then it is DELAYED/READY: ``cancel`` still wins, and a scheduler that dies
@@ -42,13 +45,19 @@ def celery_bound(runner: str = "runner") -> str:
     return f"{runner} IN ({', '.join(repr(r) for r in CELERY_RUNNERS)})"
 
 
+def celery_unstaged(runner: str = "runner") -> str:
+    """SQL, true when ``runner`` names the Celery runner whose tasks are not staged:
+    ``'celery'``, stock Celery workers (see the module docstring)."""
+    return f"{runner} = 'celery'"
+
+
 def fire_time(column: str = "trigger_time", runner: str = "runner") -> str:
     """SQL: the time the scheduler's timing loop is handed for a task, ``:celery_lag`` after
-    its trigger time when it is Celery-bound (:func:`celery_bound`), else the trigger time.
+    its trigger time when it is not staged (:func:`celery_unstaged`), else the trigger time.
     The loop fires every id ``claim_lead_ms`` before the time it was handed; with
-    ``:celery_lag`` = ``claim_lead_ms`` a Celery-bound task fires at its trigger time,
-    when the claim takes it (see the module docstring)."""
-    return f"{column} + CASE WHEN {celery_bound(runner)} THEN :celery_lag ELSE 0 END"
+    ``:celery_lag`` = ``claim_lead_ms`` such a task fires at its trigger time, when the
+    claim takes it (see the module docstring)."""
+    return f"{column} + CASE WHEN {celery_unstaged(runner)} THEN :celery_lag ELSE 0 END"
 
 
 #: in the order of :class:`ax_kombu.broker.messages.TaskMessage`'s first fields, then the
@@ -65,7 +74,8 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 # locking first wrote every row twice (lock, then update): claiming 20,000 due rows in
 # batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
 #
-# A Celery-bound row is due by :now, every other one by :due_before (see the module docstring).
+# A row for stock Celery workers is due by :now, every other one by :due_before (see the
+# module docstring).
 # A resume also returns the rows the lost statement moved, unchanged (SET reads the old row:
 # a row already DISPATCHING keeps its attempt).
 _CLAIM = """
@@ -73,7 +83,7 @@ _CLAIM = """
        SET status = 'DISPATCHING', attempt = attempt{bump},
            last_run_node = :node, dispatched_at = :now{set}
      WHERE task_id {ids} AND {moves}
-       AND trigger_time <= CASE WHEN """ + celery_bound() + """
+       AND trigger_time <= CASE WHEN """ + celery_unstaged() + """
                                 THEN :now ELSE :due_before END{gate}
  RETURNING """ + _CLAIM_COLUMNS
 _CLAIMABLE = "status IN ('DELAYED', 'READY')"
@@ -106,8 +116,8 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
     to exactly one claimer. Rows due after ``due_before`` (default ``now_ms``)
     are left alone.
 
-    Celery-bound tasks are due by ``now_ms``, never ``due_before``: they are not staged
-    (see the module docstring).
+    Tasks for stock Celery workers (``runner`` ``'celery'``) are due by ``now_ms``, never
+    ``due_before``: they are not staged (see the module docstring).
 
     Gated tasks (:mod:`ax_kombu.store.gates`) are left alone unless ``gated``: the gated
     claim passes it for the tasks it decided may start, and marks them.
@@ -179,7 +189,7 @@ def still_held(conn: Connection, task_ids: Sequence[int], node: str, *,
     """Of ``task_ids`` (ids a claim skipped), those ``node`` still holds, unclaimed:
     ``(task_id, trigger_time, gated)`` — gated ones go to the gated claim
     (:mod:`ax_kombu.store.gates`), the others were locked by a racing claim, or are
-    Celery-bound and not due yet. A Celery-bound task's time is its trigger time
+    for stock Celery workers and not due yet. Such a task's time is its trigger time
     plus ``celery_lag_ms`` (:func:`fire_time`)."""
     if not task_ids:
         return []

@@ -113,7 +113,8 @@ class CeleryWorker:
 
     def __init__(self, broker_url: str, prefix: str, queue: str, tmp: Path, name: str,
                  concurrency: int = 8, env: dict[str, str] | None = None,
-                 loglevel: str = "INFO") -> None:
+                 loglevel: str = "INFO", pool: str = "threads",
+                 app: str = "tests.e2e.celery_app") -> None:
         self.log = tmp / f"{name}.log"
         environ = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
         environ.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO),
@@ -122,8 +123,8 @@ class CeleryWorker:
                        AX_TEST_CELERY_QUEUE=queue, **(env or {}))
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.e2e.celery_app", "worker",
-                 "-P", "threads", "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h",
+                [sys.executable, "-m", "celery", "-A", app, "worker",
+                 "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h",
                  "-l", loglevel,
                  "--without-gossip", "--without-mingle", "--without-heartbeat"],
                 cwd=tmp, env=environ, stdout=out, stderr=subprocess.STDOUT)

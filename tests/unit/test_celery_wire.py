@@ -18,6 +18,7 @@ import pytest
 
 from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import (
+    CeleryFenced,
     celery_message,
     celery_redis_envelope,
     celery_task_id,
@@ -71,11 +72,36 @@ def test_message_matches_celerys_own() -> None:
     assert c.queue == "mail"
 
 
-def test_a_message_never_has_an_eta() -> None:
-    """The scheduler hands a Celery-bound task over only when due (the staging tests
-    below), so its message is never one a Celery worker must hold."""
+def test_a_message_for_stock_workers_never_has_an_eta() -> None:
+    """The scheduler hands a task for stock Celery workers over only when due (the staging
+    tests below), so its message is never one a Celery worker must hold."""
     for at in (TRIGGER - 200, TRIGGER, TRIGGER + 50):
-        assert celery_message(_message({"args": [], "kwargs": {}}, at)).headers["eta"] is None
+        m = _message({"args": [], "kwargs": {}}, at)
+        assert celery_message(m, now_ms=at).headers["eta"] is None
+
+
+def test_a_fenced_message_staged_ahead_carries_its_trigger_time_as_celerys_eta() -> None:
+    """Staged (runner 'celery_ax', the bootstep fences it): Celery's own eta = the trigger
+    time, which Celery's Request reads back to the millisecond; once due, no eta."""
+    from celery.worker.request import Request
+    from kombu.transport.base import Message
+
+    m = CeleryFenced._make(_message({"args": [1], "kwargs": {}}, TRIGGER - 900))
+    c = celery_message(m, now_ms=TRIGGER - 900)
+    assert datetime.fromisoformat(c.headers["eta"]) == datetime.fromtimestamp(TRIGGER / 1000,
+                                                                               UTC)
+    app = _app()
+
+    def send(*args: Any) -> None:
+        del args
+
+    app.task(name="app.tasks.send", shared=False)(send)
+    request = Request(Message(body=c.body.encode(), content_type="application/json",
+                              content_encoding="utf-8", headers=c.headers,
+                              properties=c.properties, delivery_info={}), app=app)
+    assert request.eta is not None and request.eta.timestamp() * 1000 == TRIGGER
+    for now in (TRIGGER, TRIGGER + 5):
+        assert celery_message(m, now_ms=now).headers["eta"] is None
 
 
 def test_options_reach_the_headers() -> None:
@@ -203,6 +229,23 @@ def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> No
         assert claim(conn, [bound], "s1", trigger[bound] - 1, trigger[bound] + LEAD_MS) == []
         (row,) = claim(conn, [bound], "s1", trigger[bound], trigger[bound] + LEAD_MS)
         assert (row.task_id, row.attempt) == (bound, 1)
+
+
+def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> None:
+    """Runner 'celery_ax' (the bootstep fences it at the due instant): handed to the wheel at
+    its trigger time and claimed within the lead, as an ax task; 'celery' still is not."""
+    fenced = int(client.enqueue_to("celery_ax", "app.tasks.x", {"args": [], "kwargs": {}},
+                                   delay=0.1, processor=processor_for("q", fenced=True)))
+    stock = int(client.enqueue_to("celery", "app.tasks.x", {"args": [1], "kwargs": {}},
+                                  delay=0.1, processor=processor_for("q")))
+    trigger = {i: client.get(i).trigger_time for i in (fenced, stock)}
+    now = min(trigger.values()) - 100
+    with client.store.engine.begin() as conn:
+        times = dict(recovery.preload(conn, "s1", now, now + 10_000, 10,
+                                      celery_lag_ms=LEAD_MS))
+        assert times == {fenced: trigger[fenced], stock: trigger[stock] + LEAD_MS}
+        claimed = claim(conn, [fenced, stock], "s1", now, due_before=now + LEAD_MS)
+        assert [(r.task_id, r.runner) for r in claimed] == [(fenced, "celery_ax")]
 
 
 def test_the_publisher_holds_nothing() -> None:

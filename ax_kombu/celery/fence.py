@@ -1,0 +1,285 @@
+"""The ax side of one Celery worker: its node, its incarnation, and the start and end of each run.
+
+Used by :class:`ax_kombu.celery.AxBootstep`. Contracts:
+
+* **One node per Celery worker** (``celery@<hostname>``), registered and heartbeated by the
+  worker's main process (:class:`~ax_kombu.store.nodes.Heartbeat`). A beat refused (the
+  worker was declared dead, e.g. paused past the silence window) registers a new
+  incarnation, keeping the ax tasks this process still runs.
+* **Every start is fenced by the live incarnation**: the RUNNING move is one
+  compare-and-set on ``(task_id, attempt)`` *and* on this node's live incarnation
+  (:func:`ax_kombu.store.transitions.start_many`), so a worker declared dead starts nothing
+  until it has registered again. The incarnation lives in a page of shared memory made
+  before the pool forks, so prefork children fence with the one their parent holds now,
+  not the one of their fork. A start refused because the node is not live waits (up to the
+  silence window) for the next incarnation and tries once more; else the message is
+  refused (ax's ack timeout dispatches the task again).
+* **Never early**: a run whose trigger time is still ahead on the database clock (its
+  message carried Celery's ``eta`` and the worker's clock is ahead) waits for it after the
+  RUNNING move, which writes the trigger time as ``started_at``.
+* **Every end is recorded once**, fenced by attempt: SUCCESS, a retry with ax's backoff or
+  FAILED (:meth:`Fence.finish`); a run whose process died (a prefork child killed by the OOM
+  killer or a hard time limit) as "worker lost", retried or FAILED per ``max_retry``
+  (:meth:`Fence.lose`); a revoked one CANCELLED (:meth:`Fence.cancel`). The last two are
+  written by the main process, which outlives the child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from ax_kombu.config import Settings
+from ax_kombu.core.backoff import backoff_ms, default_rng
+from ax_kombu.core.states import Status
+from ax_kombu.store import Store
+from ax_kombu.store import gates as gate_store
+from ax_kombu.store.nodes import Heartbeat
+from ax_kombu.store.schema import nodes, tasks
+from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.store.transitions import (
+    Attempt,
+    Finish,
+    Started,
+    finish_many,
+    record_attempts,
+    transition,
+)
+from ax_kombu.store.transitions import start_many as start_rows
+
+log = logging.getLogger(__name__)
+_INT64 = struct.Struct("q")
+#: how often a refused start looks for the next incarnation
+_POLL_S = 0.05
+
+
+class SharedIncarnation:
+    """The node's live incarnation, in a page of memory shared with the processes forked
+    after it was made (an anonymous ``mmap`` is ``MAP_SHARED``)."""
+
+    def __init__(self) -> None:
+        self._page = mmap.mmap(-1, _INT64.size)
+
+    def get(self) -> int:
+        return int(_INT64.unpack_from(self._page, 0)[0])
+
+    def set(self, incarnation: int) -> None:
+        _INT64.pack_into(self._page, 0, incarnation)
+
+
+class Fence:
+    """The ax side of one Celery worker (see the module docstring).
+
+    Safe in every pool: each process (prefork children included) opens its own store
+    on first use; :meth:`register` and the heartbeat belong to the main process, the one
+    that made this object (before the pool forks).
+
+    Args:
+        settings: ax's settings (``AX_*``).
+        node_id: the ax node name of the worker.
+        running: the ax task ids this process runs now (kept RUNNING by a re-registration).
+    """
+
+    def __init__(self, settings: Settings, node_id: str,
+                 running: Callable[[], Collection[int]] = tuple) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self._running = running
+        self._store: Store | None = None
+        self._pid = 0
+        #: a store inherited through fork, kept referenced: its connections are the main
+        #: process's (closing them here, when it is collected, would cut the main process's)
+        self._inherited: list[Store] = []
+        #: the worker's main process: made before its pool forks any child
+        self._main_pid = os.getpid()
+        self._lock = threading.Lock()
+        self.heartbeat: Heartbeat | None = None
+        self.incarnation = SharedIncarnation()
+        self._stop = threading.Event()
+
+    @property
+    def store(self) -> Store:
+        with self._lock:
+            if self._store is None or self._pid != os.getpid():
+                if self._store is not None:
+                    self._inherited.append(self._store)
+                self._store, self._pid = Store(self.settings), os.getpid()
+            return self._store
+
+    # -- the node -------------------------------------------------------------------------
+
+    def register(self, queues: list[str]) -> None:
+        """Become an ax node and heartbeat (on a daemon thread) until the process exits."""
+        info = {"celery": True, "celery_queues": queues}
+        self.heartbeat = Heartbeat(self.store, self.node_id, "worker",
+                                   silence_ms=self.settings.silence_ms)
+        self._register(info)
+        threading.Thread(target=self._beat, args=(info,), name="ax-celery-heartbeat",
+                         daemon=True).start()
+        atexit.register(self.unregister)
+
+    def _register(self, info: dict[str, Any]) -> None:
+        heartbeat = self.heartbeat
+        assert heartbeat is not None
+        heartbeat.register(info, keep_running=sorted(self._running()))
+        self.incarnation.set(heartbeat.incarnation)
+
+    def _beat(self, info: dict[str, Any]) -> None:
+        heartbeat = self.heartbeat
+        assert heartbeat is not None
+        while not self._stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                if not heartbeat.beat(info):
+                    log.warning("this Celery worker was declared dead by ax; registering anew",
+                                extra={"node": self.node_id})
+                    self._register(info)
+            except Exception:  # a database outage: try again at the next beat
+                log.warning("ax heartbeat failed", exc_info=True, extra={"node": self.node_id})
+
+    def unregister(self) -> None:
+        """Stop beating and mark the node stopped (a clean exit: nothing runs any more)."""
+        self._stop.set()
+        heartbeat, self.heartbeat = self.heartbeat, None  # once
+        if heartbeat is not None and self._main_pid == os.getpid():
+            try:
+                heartbeat.stop()
+            except Exception:  # the process is exiting; the silence window covers it
+                log.warning("could not mark the ax node stopped", exc_info=True)
+
+    def in_pool_child(self) -> bool:
+        """Whether this is a pool process forked by the registered main process (prefork)."""
+        return os.getpid() != self._main_pid
+
+    def _live(self, incarnation: int) -> bool:
+        """Whether ``incarnation`` is this node's live one in the store now."""
+        with self.store.engine.connect() as conn:
+            return conn.execute(select(nodes.c.node_id).where(
+                nodes.c.node_id == self.node_id, nodes.c.incarnation == incarnation,
+                nodes.c.stopped_at.is_(None))).first() is not None
+
+    # -- the runs -------------------------------------------------------------------------
+
+    def start(self, task_id: int, attempt: int) -> Started | None:
+        """DISPATCHING → RUNNING for this attempt under the live incarnation, then wait
+        for the trigger time if it is still ahead; None if the row is not at this attempt
+        or no live incarnation took it (refuse the message)."""
+        incarnation = self.incarnation.get()
+        started = self._start(task_id, attempt, incarnation)
+        if started is None and not self._live(incarnation):
+            newer = self._next_incarnation(incarnation)
+            if newer is not None:
+                started = self._start(task_id, attempt, newer)
+        if started is not None:
+            self._hold_until(started.trigger_time)
+        return started
+
+    def _start(self, task_id: int, attempt: int, incarnation: int) -> Started | None:
+        store = self.store
+        with self._one_statement() as conn:
+            rows = start_rows(conn, [(task_id, attempt)], self.node_id, store.now_ms(),
+                              incarnation=incarnation)
+        return rows[0] if rows else None
+
+    @contextmanager
+    def _one_statement(self) -> Iterator[Connection]:
+        """A connection for one statement that commits alone: in autocommit on PostgreSQL
+        (one round trip, not three: the start and the end of every run go through here,
+        on the worker's pool threads), in a transaction elsewhere."""
+        engine = self.store.engine
+        if engine.dialect.name != "postgresql":
+            with engine.begin() as conn:
+                yield conn
+            return
+        with engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    def _next_incarnation(self, stale: int) -> int | None:
+        """Wait up to the silence window for an incarnation after ``stale``."""
+        deadline = time.monotonic() + self.settings.silence_ms / 1000
+        while time.monotonic() < deadline:
+            current = self.incarnation.get()
+            if current != stale:
+                return current
+            time.sleep(_POLL_S)
+        return None
+
+    def _hold_until(self, trigger_ms: int) -> None:
+        """Sleep until ``trigger_ms`` on the database clock (a run never starts early)."""
+        wait_ms = trigger_ms - self.store.clock.local_ms()
+        if wait_ms > 0:
+            time.sleep(wait_ms / 1000)
+
+    def finish(self, task: Started, attempt: int, error: str | None,
+               result: str | None = None, *, outcome: str = "RETRY") -> bool:
+        """Record the end of a run started by :meth:`start`: SUCCESS when ``error`` is
+        None, else a retry with ax's backoff (its history row says ``outcome``) or FAILED
+        when no retries remain. Returns whether the row moved (fenced by attempt)."""
+        store = self.store
+        now = store.now_ms()
+        if error is None:
+            end = Finish(task.task_id, attempt, Status.SUCCESS, now, result=result)
+        elif task.retry_count >= task.max_retry:
+            end = Finish(task.task_id, attempt, Status.FAILED, now, error)
+        else:
+            delay = backoff_ms(task.retry_count, self.settings.retry_backoff_base_ms,
+                               self.settings.retry_backoff_max_ms, default_rng(),
+                               self.settings.retry_backoff_jitter)
+            end = Finish(task.task_id, attempt, Status.DELAYED, now + delay, error)
+        if end.status is Status.SUCCESS and not task.gated:
+            with self._one_statement() as conn:
+                return bool(finish_many(conn, [end]))
+        with store.engine.begin() as conn:
+            moved = bool(finish_many(conn, [end]))
+            if end.status is Status.DELAYED and moved:
+                record_attempts(conn, [Attempt(task.task_id, attempt, task.task_type,
+                                               self.node_id, task.trigger_time, None,
+                                               task.started_at, now, outcome, error)])
+                wake_schedulers(conn, end.at_ms)
+            if task.gated:
+                gate_store.wake_next(conn, [(task.task_type, task.order_key)])
+        return moved
+
+    def running_here(self, task_id: int, attempt: int) -> Started | None:
+        """The row of ``task_id`` if it is RUNNING at ``attempt`` on this node (as
+        :meth:`start` returned it), else None."""
+        with self.store.engine.connect() as conn:
+            row = conn.execute(select(*[tasks.c[name] for name in Started._fields])
+                               .where(tasks.c.task_id == task_id, tasks.c.attempt == attempt,
+                                      tasks.c.status == Status.RUNNING.value,
+                                      tasks.c.last_run_node == self.node_id)).first()
+        if row is None:
+            return None
+        return Started(**{**row._asdict(), "gated": bool(row.gated)})
+
+    def lose(self, task_id: int, attempt: int, why: str) -> bool:
+        """A run whose process died before it recorded its end: retried (ax's backoff) or
+        FAILED per ``max_retry``, with ``why``; returns whether the row moved (a run that
+        recorded its own end, or is no longer this attempt on this node, does not)."""
+        task = self.running_here(task_id, attempt)
+        return task is not None and self.finish(task, attempt, f"worker lost: {why}",
+                                                outcome="LOST")
+
+    def cancel(self, task_id: int, attempt: int, why: str) -> bool:
+        """A run revoked in Celery (before or while it ran): CANCELLED at this attempt, with
+        ``why``; returns whether the row moved."""
+        store = self.store
+        now = store.now_ms()
+        with store.engine.begin() as conn:
+            row = conn.execute(select(tasks.c.task_type, tasks.c.gated, tasks.c.order_key)
+                               .where(tasks.c.task_id == task_id)).first()
+            moved = transition(conn, [task_id], [Status.DISPATCHING, Status.RUNNING],
+                               Status.CANCELLED, attempt=attempt,
+                               values={"finished_at": now, "last_error": why[:2000]})
+            if moved and row is not None and row.gated:
+                gate_store.wake_next(conn, [(row.task_type, row.order_key)])
+        return bool(moved)
