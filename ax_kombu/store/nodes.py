@@ -11,8 +11,14 @@ incarnation is live. Contracts:
   remain. A process whose registration returns has nothing left over from an
   earlier life under its name.
 * **Two live processes never share a name**: registering a name whose live
-  incarnation is still heartbeating (and, on the same host, whose pid still
-  runs) raises :class:`~ax_kombu.exceptions.NodeNameInUse`, and changes nothing.
+  incarnation is still heartbeating raises
+  :class:`~ax_kombu.exceptions.NodeNameInUse`, and changes nothing. Its pid is
+  asked (``kill(pid, 0)``) only when the row was written in this very pid space —
+  same boot of the same kernel and same pid namespace (:func:`host_identity`,
+  kept in the row's ``info``): containers that share a host name (each its own
+  pid 1) or another machine of the same name never pass for "that process is
+  gone", nor for this process; without a matching identity the heartbeat's age
+  alone decides.
 * **A heartbeat is a compare-and-set on the live incarnation**: it returns
   False once the node was declared dead or replaced, and the caller must stop
   acting under that incarnation (see the daemons).
@@ -30,11 +36,13 @@ incarnation is live. Contracts:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, Row, delete, insert, select, text, update
@@ -49,6 +57,45 @@ from ax_kombu.store.schema import nodes
 def default_node_id(kind: str) -> str:
     """``kind@host.pid.xxxx``: unique even when a pid is reused."""
     return f"{kind}@{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:4]}"
+
+
+#: the key of a node row's ``info`` that holds the :func:`host_identity` of its process
+HOST_ID_KEY = "host_id"
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_PID_NAMESPACE = Path("/proc/self/ns/pid")
+
+
+@functools.cache
+def host_identity() -> str:
+    """Where this process's pid means something: the kernel's boot id and the inode of
+    its pid namespace (``"<boot id>/<inode>"``). Two processes that see the same value
+    see the same pids; containers of one host differ by namespace, hosts (or reboots)
+    by boot id, whatever their host names. ``""`` where either cannot be read (not
+    Linux): a pid check is then never trusted."""
+    try:
+        boot = _BOOT_ID.read_text().strip()
+        namespace = os.stat(_PID_NAMESPACE).st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}" if boot else ""
+
+
+def same_pid_space(info: str | None) -> bool:
+    """Whether a node row's ``info`` (JSON) was written from this process's pid space
+    (:func:`host_identity`): only then may its pid be checked here."""
+    mine = host_identity()
+    if not mine:
+        return False
+    try:
+        recorded = json.loads(info or "{}").get(HOST_ID_KEY)
+    except (ValueError, AttributeError):
+        return False
+    return bool(recorded == mine)
+
+
+def _info_json(info: Mapping[str, Any]) -> str:
+    """``info`` as the row stores it, with this process's :func:`host_identity`."""
+    return json.dumps({**info, HOST_ID_KEY: host_identity()})
 
 
 def pid_running(pid: int) -> bool:
@@ -128,8 +175,8 @@ class Heartbeat:
                            .with_for_update()).first()
         if row is None or row.stopped_at is not None or row.incarnation == self.incarnation:
             return
-        same_host = row.host == socket.gethostname()
-        if same_host and (row.pid == os.getpid() or not pid_running(row.pid)):
+        same_pids = row.host == socket.gethostname() and same_pid_space(row.info)
+        if same_pids and (row.pid == os.getpid() or not pid_running(row.pid)):
             return  # that process is gone: no need to wait for its heartbeat to go stale
         if row.heartbeat_at >= now - self.silence_ms:
             raise NodeNameInUse(
@@ -141,7 +188,7 @@ class Heartbeat:
                 info: Mapping[str, Any]) -> None:
         values = {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
                   "incarnation": incarnation, "started_at": now, "heartbeat_at": now,
-                  "stopped_at": None, "info": json.dumps(dict(info))}
+                  "stopped_at": None, "info": _info_json(info)}
         moved = conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
                              .values(**values)).rowcount
         if not moved:
@@ -154,7 +201,7 @@ class Heartbeat:
                 update(nodes).where(nodes.c.node_id == self.node_id,
                                     nodes.c.incarnation == self.incarnation,
                                     nodes.c.stopped_at.is_(None))
-                .values(heartbeat_at=db_now_ms(conn), info=json.dumps(dict(info)))).rowcount
+                .values(heartbeat_at=db_now_ms(conn), info=_info_json(info))).rowcount
         return bool(moved)
 
     def stop(self) -> None:
@@ -239,6 +286,6 @@ def workers_consuming(conn: Connection, queue: str, max_silence_ms: int) -> list
                   if queue in queues and worker_queue(node) in queues)
 
 
-__all__ = ["Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
-           "default_node_id", "live_nodes", "pid_running", "prune_stopped",
-           "workers_consuming"]
+__all__ = ["HOST_ID_KEY", "Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
+           "default_node_id", "host_identity", "live_nodes", "pid_running", "prune_stopped",
+           "same_pid_space", "workers_consuming"]
