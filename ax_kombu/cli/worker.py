@@ -7,8 +7,10 @@ cold (exit 1). See :mod:`ax_kombu.worker.node`.
 ``--processes N`` (N > 1) runs a supervisor instead, which starts N workers
 as ``python -m ax_kombu.cli.worker`` with the flags given here (less
 ``--processes``, ``--pidfile`` and the metrics flags, which the supervisor
-keeps), each named ``NAME.i`` and told ``--supervised``. See
-:mod:`ax_kombu.worker.supervisor`.
+keeps), each named ``NAME.i`` and told ``--supervised``. ``--db`` and
+``--broker`` reach the children as ``AX_DATABASE_URL`` and ``AX_BROKER_URL``
+in their environment, never on their command line, where ``ps`` would show a
+password to every user of the host. See :mod:`ax_kombu.worker.supervisor`.
 """
 
 from __future__ import annotations
@@ -156,16 +158,20 @@ _SUPERVISOR_ONLY = frozenset({"processes", "supervised", "hostname", "pidfile_pa
 #: the variables of those flags, taken out of the children's environment
 _SUPERVISOR_ONLY_ENV = ("AX_WORKER_PROCESSES", "AX_NODE_ID", "AX_PIDFILE", "AX_METRICS_PORT",
                         "AX_METRICS_ADDR")
+#: flags that may hold a password: given to the children by environment, not on their argv
+_BY_ENVIRONMENT = {"database_url": "AX_DATABASE_URL", "broker_url": "AX_BROKER_URL"}
 
 
 def child_argv(ctx: click.Context) -> list[str]:
     """The flags given on this command line that a child worker repeats (not the
-    supervisor's own, :data:`_SUPERVISOR_ONLY`). Settings from ``AX_*`` variables reach
-    the children through the environment they inherit."""
+    supervisor's own, :data:`_SUPERVISOR_ONLY`, nor the URLs, :data:`_BY_ENVIRONMENT`).
+    Settings from ``AX_*`` variables reach the children through the environment they
+    inherit (:func:`child_env`)."""
     argv: list[str] = []
     for param in ctx.command.params:
         name = param.name or ""
         if (not isinstance(param, click.Option) or name in _SUPERVISOR_ONLY
+                or name in _BY_ENVIRONMENT
                 or ctx.get_parameter_source(name) is not ParameterSource.COMMANDLINE):
             continue
         flag = max(param.opts, key=len)
@@ -177,13 +183,22 @@ def child_argv(ctx: click.Context) -> list[str]:
     return argv
 
 
+def child_env(environ: dict[str, str], overrides: dict[str, Any]) -> dict[str, str]:
+    """The children's environment: this one less the supervisor's own variables, with
+    ``--db`` and ``--broker`` (when given) as ``AX_DATABASE_URL`` and ``AX_BROKER_URL``."""
+    env = {k: v for k, v in environ.items() if k not in _SUPERVISOR_ONLY_ENV}
+    env.update({var: str(overrides[name]) for name, var in _BY_ENVIRONMENT.items()
+                if overrides.get(name) is not None})
+    return env
+
+
 def _supervise(processes: int, argv: list[str], queues: str, apps: tuple[str, ...],
                concurrency: str | None, hostname: str | None, pid_path: str | None,
                metrics_port: int, metrics_addr: str, overrides: dict[str, Any]) -> int:
     """Check the settings once, then run ``processes`` workers under a supervisor."""
     _settings(queues, apps, concurrency, overrides)  # a bad setting fails here, once
     base = node_name(hostname) or default_node_id("worker")
-    env = {k: v for k, v in os.environ.items() if k not in _SUPERVISOR_ONLY_ENV}
+    env = child_env(dict(os.environ), overrides)
     shared = SharedMetrics() if metrics_port else None
     try:
         with pidfile(pid_path):

@@ -23,6 +23,10 @@ as one endpoint. Contracts:
   ``warm`` to every child, a second one or SIGQUIT sends ``cold``; it waits for
   every child, and exits 0 after a warm stop, 1 after a cold one, as a
   standalone worker does.
+* **No secret on a command line.** A child's argv repeats the flags given to the
+  supervisor except the connection URLs, which it gets as ``AX_DATABASE_URL`` and
+  ``AX_BROKER_URL`` in its environment (:func:`ax_kombu.cli.worker.child_env`):
+  ``ps`` shows every user the argv of every process, not its environment.
 * **Restarts.** A child that exits while no stop was requested (crashed, killed)
   is started again under its name after a back-off: :data:`RESTART_BASE_S`,
   doubled for each exit that follows a run shorter than :data:`STABLE_S`, at

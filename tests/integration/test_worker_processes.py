@@ -327,3 +327,32 @@ def test_a_second_signal_stops_every_child_cold(tmp_path: Path) -> None:
     exits = [line for line in lines if "worker process exited node=" in line]
     assert len(exits) == 2 and all("status=exit 1" in line for line in exits), lines
     assert any("stopping the worker processes cold=True" in line for line in lines), lines
+
+
+@services
+def test_the_children_get_the_urls_by_environment_not_on_their_command_line(
+        make_system: Callable[..., System], tmp_path: Path) -> None:
+    """``--db`` and ``--broker`` given to the supervisor reach each child as
+    ``AX_DATABASE_URL`` / ``AX_BROKER_URL`` in its environment, never on its argv (which
+    ``ps`` shows every user); the children connect with them: the supervisor's own
+    ``AX_*`` URLs point nowhere."""
+    system = make_system()
+    db, broker = system.database_url, system.settings.broker_url
+    nowhere = {"database_url": "postgresql://nobody:hunter2@127.0.0.1:9/none",
+               "broker_url": "redis://:hunter2@127.0.0.1:9/0"}
+    system.scheduler("sched-0")
+    system.worker(NAME, concurrency=POOLS, env=nowhere,
+                  args=["--processes", "2", "--db", db, "--broker", broker])
+    system.wait_for(lambda: {"sched-0", *CHILDREN} <= system.live_nodes(), 60,
+                    "the scheduler and both worker processes registered")
+    for name in CHILDREN:
+        pid = pid_of(system, name)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert not [arg for arg in argv if b"://" in arg or b"hunter2" in arg], argv
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"AX_DATABASE_URL={db}".encode() in environ
+        assert f"AX_BROKER_URL={broker}".encode() in environ
+    log = RunLog(tmp_path / "runs.jsonl")
+    ids = system.enqueue_many(items(log, 6, sleep=0.01))
+    system.wait_final(len(ids), 30)
+    assert {r.status for r in system.tasks().values()} == {"SUCCESS"}
