@@ -53,12 +53,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from ax_kombu.config import Settings
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.observability import metrics
-from ax_kombu.scheduler.dispatcher import Dispatcher
+from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.claims import claim, still_held
 from ax_kombu.store.gates import Broadcast, claim_gated
+from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,14 @@ class Claimer(Stage):
         fired: the hand-off the timing loop fires ids into; read by this stage alone.
         timing: where ids that must fire again are handed back.
         dispatcher: where claimed rows go; also says whether the broker answers.
+        lease: each batch goes to the dispatcher with the incarnation its lease had
+            confirmed before the claim: the dispatcher publishes it only while the lease
+            covers that incarnation (see :mod:`ax_kombu.scheduler.dispatcher`).
     """
 
     def __init__(self, settings: Settings, store: Store, node_id: str, fired: HandOff[int],
-                 timing: TimingLoop, dispatcher: Dispatcher, ids: LeasedIds) -> None:
+                 timing: TimingLoop, dispatcher: Dispatcher, ids: LeasedIds,
+                 lease: Lease | None = None) -> None:
         super().__init__("ax-claimer", fired.ready)
         self._batch = settings.claim_batch
         self._lead_ms = settings.claim_lead_ms
@@ -104,6 +109,7 @@ class Claimer(Stage):
         self._pg = store.engine.dialect.name == "postgresql"
         self._conn: Connection | None = None  # PostgreSQL: this stage's own, in autocommit
         self._ids = ids
+        self._lease = lease
         #: the claim time of this claimer's last claim (each is later: see _claim_now)
         self._last_now = 0
         #: a claim whose outcome is unknown, to be resumed before anything else
@@ -150,6 +156,7 @@ class Claimer(Stage):
         far ahead, see :mod:`ax_kombu.scheduler.timing`) and hand what was claimed to the
         dispatcher. On a database error the claim may have committed: it is kept, to be
         resumed (see the module docstring)."""
+        incarnation = self._incarnation()
         try:
             rows = self._claim_rows(batch)
         except SQLAlchemyError as exc:
@@ -166,7 +173,7 @@ class Claimer(Stage):
         metrics.schedule_batch_size.observe(len(rows))
         if rows:
             rows.sort(key=lambda r: r.trigger_time)  # RETURNING has no order
-            self._dispatcher.inbox.put(rows)
+            self._dispatcher.inbox.put(Claimed(incarnation, rows))
         if len(rows) < len(batch.ids):
             self._keep_unclaimed(batch.ids, rows)
 
@@ -233,6 +240,7 @@ class Claimer(Stage):
         """One gated claim: claim what may start, park what must wait (one transaction).
         What it leaves held (a broadcast with no live worker yet) is tried again later."""
         now = self._claim_now()
+        incarnation = self._incarnation()
         try:
             self._ids.next_ids(0)  # renew the id lease now, not inside the transaction
             with self._store.engine.begin() as conn:
@@ -251,7 +259,11 @@ class Claimer(Stage):
             self._timing.hand([(task_id, now + self._hold_ms) for task_id in left])
         if rows:
             rows.sort(key=lambda r: r.trigger_time)
-            self._dispatcher.inbox.put(rows)
+            self._dispatcher.inbox.put(Claimed(incarnation, rows))
+
+    def _incarnation(self) -> int:
+        """The incarnation a claim made now is made under (the lease's last confirmed)."""
+        return self._lease.incarnation if self._lease is not None else 0
 
     def _local_ms(self) -> int:
         return int(self._store.clock.local_ms())

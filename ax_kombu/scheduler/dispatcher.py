@@ -8,7 +8,18 @@ it fences it (RUNNING) at once and starts it at that time, never before (see
 :mod:`ax_kombu.worker.intake`). The round trips between due and start are then
 behind it by its due time. A batch that does not certainly reach the broker
 goes back to READY (compare-and-set from DISPATCHING), and the ids are handed
-back to the timing loop to be fired again. A message that cannot be built (a
+back to the timing loop to be fired again.
+
+**Fenced by the live incarnation.** Each batch carries the incarnation that claimed it
+(:class:`Claimed`), and it is published only while the node's
+:class:`~ax_kombu.worker.control.Lease` covers that incarnation (a heartbeat sent within
+the silence window, less a margin, succeeded for it). A node paused past its silence
+window (SIGSTOP, a long GC, a frozen VM) finds its lease run out when it resumes: its
+dispatcher waits for the next beat, and if that beat finds the node declared dead — its
+claims given to another node meanwhile — the batches claimed under the old incarnation
+are dropped, never published (the new registration puts what is still DISPATCHING back
+to READY; anything else is the ack timeout's). A lease still undecided after the silence
+window (the database unreachable) drops the batch the same way. A message that cannot be built (a
 Celery-bound task's payload: :mod:`ax_kombu.broker.celery_wire`) fails its own task,
 FAILED with the reason (fenced by its attempt), and nothing else: the rest of its
 batch is published.
@@ -21,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -34,8 +45,19 @@ from ax_kombu.observability import metrics
 from ax_kombu.store import Store
 from ax_kombu.store.claims import Unbuildable, fail_unbuildable
 from ax_kombu.store.transitions import transition
+from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
+
+#: how long the dispatcher waits for the lease at a time before looking again
+LEASE_WAIT_S = 0.1
+
+
+class Claimed(NamedTuple):
+    """A claimed batch for the dispatcher: the incarnation it was claimed under, its rows."""
+
+    incarnation: int
+    rows: Sequence[Any]
 
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
@@ -59,13 +81,19 @@ class Dispatcher(threading.Thread):
 
     def __init__(self, settings: Settings, store: Store, node: str,
                  on_returned: Callable[[list[int]], None],
-                 on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
+                 on_published: Callable[[list[TaskMessage], int], None] | None = None,
+                 lease: Lease | None = None) -> None:
         super().__init__(name="ax-dispatcher", daemon=True)
         self._on_published = on_published
         self.store = store
         self.node = node
         self.publisher = Publisher(settings)
-        self.inbox: queue.Queue[Sequence[Any] | None] = queue.Queue(maxsize=4)
+        self.inbox: queue.Queue[Claimed | None] = queue.Queue(maxsize=4)
+        #: publishing needs the lease to cover a batch's incarnation (None: not fenced)
+        self._lease = lease
+        self._lease_wait_s = settings.silence_ms / 1000.0
+        #: claims dropped because their incarnation was declared dead (or stayed in doubt)
+        self.dropped = 0
         self.broker_ok = threading.Event()
         self.published = 0
         self._on_returned = on_returned
@@ -101,10 +129,28 @@ class Dispatcher(threading.Thread):
             self._down_cause = None
 
     def run(self) -> None:
-        while (rows := self.inbox.get()) is not None:
-            self._publish(rows)  # now: each carries its trigger time and starts then
+        while (batch := self.inbox.get()) is not None:
+            if self._live(batch.incarnation):
+                self._publish(batch.rows)  # now: each carries its trigger time and starts then
+            else:
+                self.dropped += len(batch.rows)
+                log.warning("claims of an incarnation declared dead (or in doubt) not "
+                            "published", extra={"node": self.node, "count": len(batch.rows),
+                                                "incarnation": batch.incarnation})
         with self._publisher_lock:
             self.publisher.close()
+
+    def _live(self, incarnation: int) -> bool:
+        """Whether the lease covers ``incarnation`` now, waiting while it is undecided (a
+        beat is due), at most the silence window."""
+        if self._lease is None:
+            return True
+        deadline = time.monotonic() + self._lease_wait_s
+        while (covered := self._lease.covers(incarnation)) is None:
+            if time.monotonic() >= deadline:
+                return False
+            self._lease.wait(incarnation, LEASE_WAIT_S)
+        return covered
 
     def _now(self) -> int:
         return int(self.store.clock.local_ms())  # never waits on the database
@@ -133,7 +179,7 @@ class Dispatcher(threading.Thread):
         if failed:
             self.broker_ok.clear()
             metrics.dispatch_total.labels("failed").inc(len(failed))
-            self._give_back(sorted(m.task_id for m in failed))
+            self._give_back(failed)
 
     def _fail_refused(self, refused: list[tuple[TaskMessage, str]], now_ms: int) -> None:
         """Messages that cannot be built: their tasks end FAILED with the reason. A database
@@ -147,12 +193,20 @@ class Dispatcher(threading.Thread):
             log.exception("could not fail tasks whose message cannot be built; the ack "
                           "timeout will", extra={"count": len(failures)})
 
-    def _give_back(self, ids: list[int]) -> None:
+    def _give_back(self, failed: Sequence[TaskMessage]) -> None:
+        """Unpublished tasks DISPATCHING → READY, each only at the attempt its message
+        carried: a publish that fails after a pause (a confirm timed out while the node
+        was stopped) must not move a row another node has claimed again meanwhile."""
+        by_attempt: dict[int, list[int]] = {}
+        for m in sorted(failed, key=lambda m: m.task_id):
+            by_attempt.setdefault(m.attempt, []).append(m.task_id)
         try:
             with self.store.engine.begin() as conn:
-                back = transition(conn, ids, [Status.DISPATCHING], Status.READY)
+                back = [task_id for attempt, ids in by_attempt.items()
+                        for task_id in transition(conn, ids, [Status.DISPATCHING],
+                                                  Status.READY, attempt=attempt)]
         except SQLAlchemyError:
             log.exception("could not return unpublished tasks; the ack timeout will",
-                          extra={"count": len(ids)})
+                          extra={"count": len(failed)})
             return
         self._on_returned(back)

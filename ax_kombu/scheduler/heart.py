@@ -19,6 +19,10 @@ Contracts:
 * **Fenced**: a beat that finds the incarnation declared dead has the node drop what it
   holds, waits until the timing loop has dropped it, and registers anew (so what the
   next preload hands over is never dropped with the old wheel).
+* **The lease**: each beat that lands confirms the node's
+  :class:`~ax_kombu.worker.control.Lease` for the incarnation it beat (or registered)
+  from the moment it was sent; the dispatcher publishes a batch only while the lease
+  covers the incarnation that claimed it (:mod:`ax_kombu.scheduler.dispatcher`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.scheduler.stage import Stage
+from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +48,18 @@ class Heart(Stage):
         liveness: the node's liveness (its :meth:`~Liveness.beat` is called here alone).
         interval_s: ``heartbeat_interval_s``.
         now_ms: database time, read without a round trip (``DbClock.local_ms``).
+        lease: confirmed by each beat that lands, for ``incarnation()`` (after the beat).
     """
 
     def __init__(self, liveness: Liveness, interval_s: float,
-                 now_ms: Callable[[], float]) -> None:
+                 now_ms: Callable[[], float], lease: Lease | None = None,
+                 incarnation: Callable[[], int] = lambda: 0) -> None:
         super().__init__("ax-heartbeat", threading.Event())
         self._liveness = liveness
         self._interval_s = interval_s
         self._now_ms = now_ms
+        self._lease = lease
+        self._incarnation = incarnation
         #: beats that landed (tests and the info read it)
         self.beats = 0
 
@@ -62,6 +71,7 @@ class Heart(Stage):
 
     def beat(self) -> None:
         """One beat; a failure is logged and counted, never raised (but NodeNameInUse)."""
+        sent = time.monotonic()
         try:
             self._liveness.beat(int(self._now_ms()))
         except NodeNameInUse:
@@ -73,4 +83,6 @@ class Heart(Stage):
                         extra={"error": str(getattr(exc, "orig", None) or exc)[:500],
                                "retry_in_s": self._interval_s})
             return
+        if self._lease is not None:
+            self._lease.confirm(sent, self._incarnation())
         self.beats += 1

@@ -48,7 +48,11 @@ Guarantees:
   incarnation takes over what the old one held: :mod:`ax_kombu.store.nodes`);
   a claimed-but-unpublished batch returns via the ack timeout.
 * **Fenced**: a node told by its heartbeat that it was declared dead drops
-  what it holds and registers anew; a node just back from a database outage
+  what it holds and registers anew; it publishes a claimed batch only while
+  its lease (its last landed beat, :class:`~ax_kombu.worker.control.Lease`)
+  covers the incarnation that claimed it, so a node paused past its silence
+  window publishes none of the claims it lost meanwhile
+  (:mod:`~ax_kombu.scheduler.dispatcher`); a node just back from a database outage
   judges no one dead until its own beats have landed for a whole window
   (:mod:`~ax_kombu.scheduler.liveness`).
 * **Supervised**: if any of the node's threads dies, the node stops cold and
@@ -73,6 +77,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +100,7 @@ from ax_kombu.store import Store, nodes, recovery
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
+from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 
@@ -127,21 +133,26 @@ class Scheduler:
                                          silence_ms=settings.silence_ms,
                                          engine=self._beat_engine)
         self.crash = CrashFlag()
+        # a landed beat proves the incarnation live for silence_ms; the lease keeps one
+        # interval of that (at most half) as margin, as a worker's does; publishing needs it
+        silence_s = settings.silence_ms / 1000.0
+        self.lease = Lease(silence_s - min(settings.heartbeat_interval_s, silence_s / 2))
         fired: HandOff[int] = HandOff()
         self.timing = TimingLoop(settings, self.store.clock, fired)
         # Celery-bound tasks end (SUCCESS) once their publish is confirmed: scheduler.handoff
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
-                                     CeleryHandOff(self.store, on_published))
+                                     CeleryHandOff(self.store, on_published), self.lease)
         self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
                              settings.node_lease_s * 1000, self.store.now_ms)
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
-                               self.dispatcher, self.ids)
+                               self.dispatcher, self.ids, self.lease)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
-                                       self._info, self.timing.drop_all,
+                                       self._info, self._fenced,
                                        Materialiser(settings, self.store, self.ids,
                                                     self.node_id))
         self.heart = Heart(self.housekeeper.liveness, settings.heartbeat_interval_s,
-                           self.store.clock.local_ms)
+                           self.store.clock.local_ms, self.lease,
+                           lambda: self.heartbeat.incarnation)
         self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
         self._stop: str | None = None
 
@@ -221,7 +232,9 @@ class Scheduler:
         while self._stop is None:
             try:
                 self.timing.start_at(self.store.now_ms())
+                sent = time.monotonic()
                 self.heartbeat.register(self._info())
+                self.lease.confirm(sent, self.heartbeat.incarnation)
                 break
             except SQLAlchemyError as exc:
                 log.warning("database unreachable; retrying",
@@ -229,6 +242,11 @@ class Scheduler:
                 self.timing.idle(delay)
                 delay = min(delay * 2, MAX_START_BACKOFF_S)
         return self._stop is None
+
+    def _fenced(self) -> None:
+        """Declared dead: publish nothing more under this incarnation, drop the wheel."""
+        self.lease.revoke()
+        self.timing.drop_all()
 
     def _info(self) -> dict[str, Any]:
         """What the heartbeat publishes about this node."""
