@@ -2,14 +2,17 @@
 item 9): how late each call starts, and where the lateness comes from.
 
     python -m bench.celery_countdown [--n 2000] [--rate 500] [--countdown 5] [--threads 16]
-                                     [--unfenced] [--set claim_lead_ms=1000] [--logs DIR]
+                                     [--unfenced | --celery-eta] [--set claim_lead_ms=1000]
+                                     [--logs DIR]
 
 One ``ax-scheduler`` on a scratch PostgreSQL database, one stock
 ``celery -A bench.celery_ax_app worker -P threads -c THREADS`` (the bootstep; ``--unfenced``:
 ``bench.celery_app``, no bootstep) on Redis under a scratch key prefix, and a producer whose
 app has ``ax.celery.install``: N ``apply_async((i, due), countdown=COUNTDOWN)`` calls paced
 at RATE/s from :data:`PRODUCERS` threads. The body is the shared ledger body
-(:mod:`bench.ledger`): it takes the wall clock first.
+(:mod:`bench.ledger`): it takes the wall clock first. ``--celery-eta``: the reference, the
+same calls sent by Celery itself (its ETA path, no ax: lateness against the due time the
+producer computed), to a worker without the bootstep.
 
 Figures (ms, each against the task's ``trigger_time`` in ax, the due time ax stored from the
 countdown on the database clock): ``start`` = the body's start (the ledger), ``claimed`` =
@@ -57,7 +60,7 @@ def celery_worker(args: argparse.Namespace, settings: Any, queue: str, prefix: s
     env.update({"AXBENCH_CELERY_BROKER": REDIS_URL, "AXBENCH_CELERY_PREFIX": prefix,
                 "AXBENCH_CELERY_QUEUE": queue, ledger.URL_VAR: REDIS_URL,
                 ledger.KEY_VAR: key})
-    module = "bench.celery_app" if args.unfenced else "bench.celery_ax_app"
+    module = "bench.celery_app" if args.unfenced or args.celery_eta else "bench.celery_ax_app"
     cmd = [sys.executable, "-m", "celery", "-A", module, "worker", "-P", args.pool,
            "-c", str(args.threads), "-Q", queue, "-n", f"{queue}@localhost", "-l", "WARNING",
            "--without-gossip", "--without-mingle", "--without-heartbeat"]
@@ -103,8 +106,13 @@ def produce(task: Any, n: int, rate: float, countdown: float, offset: int = 0) -
     return n / (time.monotonic() - began)
 
 
-def figures(client: Client, entries: list[ledger.Entry]) -> dict[str, Any]:
+def figures(client: Client, entries: list[ledger.Entry], celery_eta: bool) -> dict[str, Any]:
     """Start − due and its parts (see the module docstring)."""
+    if celery_eta:  # Celery's own ETA path: due as the producer computed it, nothing in ax
+        start = [e.lateness_ms for e in entries if e.i >= 0]
+        return {"runs": len(start), "distinct": len({e.i for e in entries if e.i >= 0}),
+                "early": sum(x < 0 for x in start), "start_p50": round(pct(start, 50), 2),
+                "start_p99": round(pct(start, 99), 2), "start_max": round(max(start), 2)}
     with client.store.engine.connect() as conn:
         rows = {int(json.loads(r.payload)["args"][0]): r for r in conn.execute(text(
             "SELECT payload, trigger_time, dispatched_at, started_at, attempt, status "
@@ -139,13 +147,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         settings = from_env({}, database_url=url, broker_url=REDIS_URL, broker_key_prefix=prefix)
         client = Client(settings)
         app = make_app(REDIS_URL, prefix, queue)
-        axc.install(app, client=client, fenced=not args.unfenced)
+        if not args.celery_eta:
+            axc.install(app, client=client, fenced=not args.unfenced)
         task = app.tasks[TASK_NAME]
         try:
             with spawned([("scheduler", f"{tag}-scheduler", ["-l", "WARNING"])],
                          _env(settings, args.set), logs), \
                     celery_worker(args, settings, queue, prefix, key, logs) as worker:
-                nodes = 1 if args.unfenced else 2
+                nodes = 1 if args.unfenced or args.celery_eta else 2
                 wait_until(lambda: _live(client) >= nodes, 60, "the scheduler and worker")
                 produce(task, 50, 100, 0.2, offset=-1_000_000)  # warm-up
                 wait_until(lambda: ledger_client.llen(key) >= 50, 60, "the warm-up")
@@ -154,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 wait_until(lambda: ledger_client.llen(key) >= args.n or worker.poll() is not None,
                            args.countdown + args.n / args.rate + 60, "every run")
                 time.sleep(1.0)  # a duplicate run would land now
-                result = figures(client, ledger.read(ledger_client, key))
+                result = figures(client, ledger.read(ledger_client, key), args.celery_eta)
                 result["produced_per_s"] = round(rate, 1)
         finally:
             axc.uninstall(app)
@@ -181,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", default="threads")
     parser.add_argument("--unfenced", action="store_true",
                         help="a worker without the bootstep (ax hands each task off at publish)")
+    parser.add_argument("--celery-eta", action="store_true",
+                        help="the reference: Celery's own ETA path (no ax), the same worker "
+                             "without the bootstep and the same producer")
     parser.add_argument("--set", action="append", default=[],
                         help="SETTING=VALUE for the ax daemons and the bootstep")
     parser.add_argument("--logs", default="/tmp/axbench-celery-countdown")

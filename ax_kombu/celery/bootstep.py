@@ -17,7 +17,9 @@ tasks it receives (those carrying the ``ax_task_id`` and ``ax_attempt`` headers)
   refused: Celery's ``Ignore`` — acked, the body never runs.
 * **Recorded end**: SUCCESS after the body returns; after an exception, FAILED when no
   ax retries remain, else DELAYED with ax's backoff (ax dispatches a new attempt, under a
-  new Celery id). Any ``BaseException`` too (``SystemExit``, a greenlet killed by
+  new Celery id). In the worker's main process the ends are written in batches by one
+  thread (:mod:`ax_kombu.celery.ends`), flushed when the step stops; a prefork child
+  writes its own. Any ``BaseException`` too (``SystemExit``, a greenlet killed by
   ``revoke(terminate=True)``): CANCELLED when Celery revoked the task, else as a failure;
   in a prefork child (where ``revoke(terminate=True)``'s SIGTERM becomes ``SystemExit``)
   the main process records it, which knows whether Celery revoked the task.
@@ -78,6 +80,8 @@ log = logging.getLogger(__name__)
 _MARK = "__ax_fenced__"
 #: the longest pause between two tries of a main-process record (a store outage)
 _RECORD_BACKOFF_MAX_S = 5.0
+#: how long the step's stop waits for the ends of runs to be written
+FLUSH_S = 10.0
 
 __all__ = ["AxBootstep", "Fence", "fence_tasks", "fenced_call"]
 
@@ -126,7 +130,7 @@ def fenced_call(fence_of: Callable[[], Fence | None], original: Callable[..., An
                 {"celery_task_id": celery_task_id(ax_id, attempt), "celery_retry": True}))
             raise
         except Exception as exc:
-            fence.finish(started, attempt, _error(exc))
+            fence.finish_soon(started, attempt, _error(exc))
             raise
         except BaseException as exc:  # SystemExit, a killed greenlet, …: never left RUNNING
             if fence.in_pool_child():  # its main process records it (AxBootstep._on_*)
@@ -136,7 +140,7 @@ def fenced_call(fence_of: Callable[[], Fence | None], original: Callable[..., An
             else:
                 fence.finish(started, attempt, _error(exc))
             raise
-        fence.finish(started, attempt, None, _json_or_none(value))
+        fence.finish_soon(started, attempt, None, _json_or_none(value))
         return value
 
     setattr(__call__, _MARK, True)
@@ -225,6 +229,12 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         queues = sorted(q.name for q in worker.app.amqp.queues.consume_from.values())
         self.fence.register(queues)
         log.info("ax fencing Celery runs", extra={"node": self.fence.node_id})
+
+    def stop(self, worker: Any) -> None:
+        """Write the ends still waiting (the pool has stopped: no run ends after this)."""
+        if not self.fence.flush(FLUSH_S):
+            log.warning("ax: ends of Celery runs not written at stop; recovery retries them",
+                        extra={"node": self.fence.node_id})
 
     def _ours(self, sender: Any) -> bool:
         """A signal of this worker's main process about one of its app's tasks."""

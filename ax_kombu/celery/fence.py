@@ -33,9 +33,9 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import Connection, select
 
@@ -57,10 +57,24 @@ from ax_kombu.store.transitions import (
 )
 from ax_kombu.store.transitions import start_many as start_rows
 
+if TYPE_CHECKING:
+    from ax_kombu.celery.ends import EndWriter
+
 log = logging.getLogger(__name__)
 _INT64 = struct.Struct("q")
 #: how often a refused start looks for the next incarnation
 _POLL_S = 0.05
+
+
+class End(NamedTuple):
+    """The end of one run, ready to write: the run as it started, its move, and the
+    outcome its history row gets if it is retried (``RETRY``, or ``LOST``)."""
+
+    task: Started
+    finish: Finish
+    outcome: str
+    #: when the run ended (database clock, epoch ms)
+    ended_at: int
 
 
 class SharedIncarnation:
@@ -106,6 +120,7 @@ class Fence:
         self.heartbeat: Heartbeat | None = None
         self.incarnation = SharedIncarnation()
         self._stop = threading.Event()
+        self._writer: EndWriter | None = None
 
     @property
     def store(self) -> Store:
@@ -219,13 +234,12 @@ class Fence:
         if wait_ms > 0:
             time.sleep(wait_ms / 1000)
 
-    def finish(self, task: Started, attempt: int, error: str | None,
-               result: str | None = None, *, outcome: str = "RETRY") -> bool:
-        """Record the end of a run started by :meth:`start`: SUCCESS when ``error`` is
-        None, else a retry with ax's backoff (its history row says ``outcome``) or FAILED
-        when no retries remain. Returns whether the row moved (fenced by attempt)."""
-        store = self.store
-        now = store.now_ms()
+    def end_of(self, task: Started, attempt: int, error: str | None,
+               result: str | None = None, *, outcome: str = "RETRY") -> End:
+        """The end of a run started by :meth:`start`: SUCCESS when ``error`` is None, else
+        a retry with ax's backoff (its history row says ``outcome``) or FAILED when no
+        retries remain."""
+        now = self.store.now_ms()
         if error is None:
             end = Finish(task.task_id, attempt, Status.SUCCESS, now, result=result)
         elif task.retry_count >= task.max_retry:
@@ -235,18 +249,60 @@ class Fence:
                                self.settings.retry_backoff_max_ms, default_rng(),
                                self.settings.retry_backoff_jitter)
             end = Finish(task.task_id, attempt, Status.DELAYED, now + delay, error)
-        if end.status is Status.SUCCESS and not task.gated:
+        return End(task, end, outcome, now)
+
+    def finish(self, task: Started, attempt: int, error: str | None,
+               result: str | None = None, *, outcome: str = "RETRY") -> bool:
+        """Record the end of a run started by :meth:`start` (:meth:`end_of`) now; returns
+        whether the row moved (fenced by attempt)."""
+        return bool(self.record([self.end_of(task, attempt, error, result, outcome=outcome)]))
+
+    def finish_soon(self, task: Started, attempt: int, error: str | None,
+                    result: str | None = None) -> None:
+        """As :meth:`finish`, written by the process's :class:`~ax_kombu.celery.ends.
+        EndWriter` (with the ends of other runs) when this is the main process."""
+        end = self.end_of(task, attempt, error, result)
+        if self.in_pool_child():
+            self.record([end])
+            return
+        with self._lock:
+            if self._writer is None:
+                from ax_kombu.celery.ends import EndWriter
+
+                self._writer = EndWriter(self)
+                atexit.register(self.flush, 10.0)
+            writer = self._writer
+        writer.put(end)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until the ends :meth:`finish_soon` took are written."""
+        writer = self._writer
+        return writer is None or writer.flush(timeout_s)
+
+    def record(self, ends: Sequence[End]) -> list[int]:
+        """Write ``ends``: one statement when all are SUCCESS of ungated runs, else one
+        transaction that also records the retries' history rows and wakes what waits on
+        a gate. Returns the ids that moved (a row recovered or cancelled meanwhile, or at
+        another attempt, does not)."""
+        finishes = [e.finish for e in ends]
+        if all(e.finish.status is Status.SUCCESS and not e.task.gated for e in ends):
             with self._one_statement() as conn:
-                return bool(finish_many(conn, [end]))
-        with store.engine.begin() as conn:
-            moved = bool(finish_many(conn, [end]))
-            if end.status is Status.DELAYED and moved:
-                record_attempts(conn, [Attempt(task.task_id, attempt, task.task_type,
-                                               self.node_id, task.trigger_time, None,
-                                               task.started_at, now, outcome, error)])
-                wake_schedulers(conn, end.at_ms)
-            if task.gated:
-                gate_store.wake_next(conn, [(task.task_type, task.order_key)])
+                return finish_many(conn, finishes)
+        with self.store.engine.begin() as conn:
+            moved = finish_many(conn, finishes)
+            done = set(moved)
+            retried = [e for e in ends if e.finish.status is Status.DELAYED
+                       and e.finish.task_id in done]
+            if retried:
+                record_attempts(conn, [
+                    Attempt(e.task.task_id, e.finish.attempt, e.task.task_type, self.node_id,
+                            e.task.trigger_time, None, e.task.started_at,
+                            e.ended_at, e.outcome,
+                            e.finish.error) for e in retried])
+                wake_schedulers(conn, min(e.finish.at_ms for e in retried))
+            gated = [(e.task.task_type, e.task.order_key) for e in ends if e.task.gated]
+            if gated:
+                gate_store.wake_next(conn, gated)
         return moved
 
     def running_here(self, task_id: int, attempt: int) -> Started | None:

@@ -44,6 +44,7 @@ def run(self: Any, log: str, i: int, first_sleep: float = 0.0) -> int:
     attempt = self.request.get("ax_attempt")
     line = json.dumps({"i": i, "id": self.request.id, "ax": self.request.get("ax_task_id"),
                        "attempt": attempt, "pid": os.getpid(),
+                       "eta": self.request.eta and str(self.request.eta),
                        "start": time.time_ns() // 1_000_000}) + "\n"
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -304,6 +304,7 @@ def test_bootstep_fences_records_and_refuses(client: Client, redis_broker: dict[
             settings, app.conf.task_default_queue, 2)}
         RUNS.clear()
         Request(raw[ok], app=app, task=app.tasks["app.tasks.send_email"]).execute()
+        assert step.fence.flush(10)  # ends are written in batches off the pool thread
         row = client.get(ok)
         assert (row.status, row.result, row.last_run_node) == ("SUCCESS", "hi f@x",
                                                                "celery@w1@test")
@@ -311,6 +312,7 @@ def test_bootstep_fences_records_and_refuses(client: Client, redis_broker: dict[
         Request(raw[ok], app=app, task=app.tasks["app.tasks.send_email"]).execute()
         assert len(RUNS) == 1  # refused: the attempt is not DISPATCHING any more
         Request(raw[bad], app=app, task=app.tasks["app.tasks.boom"]).execute()
+        assert step.fence.flush(10)
         failed = client.get(bad)
         assert (failed.status, failed.retry_count) == ("DELAYED", 1)
         assert "ValueError: boom" in (failed.last_error or "")
