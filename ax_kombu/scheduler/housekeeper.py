@@ -44,9 +44,11 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
 **A failing step stops nothing.** Each step is isolated: one that raises —
 a lock or statement timeout, a lost connection, a bug — is logged with its
 reason, counted in ``ax_housekeeping_errors_total{step}``, and backed off on
-its own (``STEP_BACKOFF_MS``, doubling per failure in a row up to
-``STEP_BACKOFF_MAX_MS``); the other steps, the heartbeat and the process go
-on. A recurring job whose row cannot be parsed is not a failing step: the
+its own: a database error is tried again after ``STEP_BACKOFF_MS`` (so the
+end of an outage costs at most that much lateness), anything else waits
+``STEP_BACKOFF_MS`` doubling per failure in a row up to ``STEP_BACKOFF_MAX_MS``
+(a bug is not retried in a tight loop); the other steps, the heartbeat and
+the process go on. A recurring job whose row cannot be parsed is not a failing step: the
 materialiser marks it broken and writes the others.
 """
 
@@ -57,6 +59,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
@@ -202,7 +206,9 @@ class Housekeeper(Stage):
 
     def _failed(self, step: str, exc: BaseException, now: int) -> None:
         failures = self._failures[step] = self._failures.get(step, 0) + 1
-        backoff = min(STEP_BACKOFF_MS << min(failures - 1, 10), STEP_BACKOFF_MAX_MS)
+        backoff = STEP_BACKOFF_MS  # the database's errors: it is tried again every second,
+        if not isinstance(exc, SQLAlchemyError):  # so an outage's end costs ≤ 1 s of lateness
+            backoff = min(STEP_BACKOFF_MS << min(failures - 1, 10), STEP_BACKOFF_MAX_MS)
         if step in self._next:
             self._next[step] = max(self._next[step], now + backoff)
         metrics.housekeeping_errors_total.labels(step).inc()
