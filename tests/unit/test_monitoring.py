@@ -156,8 +156,9 @@ def test_task_types_are_labels_only_when_allowed(monkeypatch: pytest.MonkeyPatch
 def test_runs_are_counted_by_type_only_for_listed_types(monkeypatch: pytest.MonkeyPatch) -> None:
     from ax_kombu.broker.messages import TaskMessage
     from ax_kombu.config import Settings
+    from ax_kombu.worker.outcomes import RunResult, decide
     from ax_kombu.worker.pools import Outcome
-    from ax_kombu.worker.results import RunResult, _observe, decide
+    from ax_kombu.worker.results import _observe
 
     def count(task_type: str) -> float:
         return REGISTRY.get_sample_value(
