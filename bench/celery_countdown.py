@@ -118,8 +118,9 @@ def figures(client: Client, entries: list[ledger.Entry], celery_eta: bool) -> di
             "SELECT payload, trigger_time, dispatched_at, started_at, attempt, status "
             "FROM ax_task WHERE job IS NULL"))}
     start = [e.start_ms - rows[e.i].trigger_time for e in entries if e.i >= 0]
-    claimed = [r.dispatched_at - r.trigger_time for r in rows.values() if r.dispatched_at]
-    fenced = [r.started_at - r.trigger_time for r in rows.values() if r.started_at]
+    measured = [r for i, r in rows.items() if i >= 0]  # not the warm-up's
+    claimed = [r.dispatched_at - r.trigger_time for r in measured if r.dispatched_at]
+    fenced = [r.started_at - r.trigger_time for r in measured if r.started_at]
     out: dict[str, Any] = {"tasks": len(rows), "runs": len(start),
                            "distinct": len({e.i for e in entries if e.i >= 0}),
                            "early": sum(x < 0 for x in start),

@@ -27,7 +27,8 @@ every transport delivers straight to that queue.
   each attempt exactly once; a worker that runs it runs it under that id.
 * Never early, and on time. A task for workers running the bootstep (runner
   ``'celery_ax'``) is staged as ax's own are: claimed and published up to
-  ``claim_lead_ms`` before it is due, with Celery's own ``eta`` header = its trigger time,
+  :data:`ax_kombu.store.claims.CELERY_STAGE_MS` (1 s) before it is due, with Celery's own
+  ``eta`` header = its trigger time,
   so the Celery worker's timer holds it to the due instant (an ``eta`` message does not
   count against the worker's prefetch), and the bootstep fences it then
   (:mod:`ax_kombu.celery.fence`: a cancel meanwhile wins, a run never starts before its

@@ -26,9 +26,10 @@ Guarantees:
   workers it is published when the task is due, never before: the scheduler claims it
   only once its trigger time has come on its database clock (:mod:`ax_kombu.store.claims`),
   so until then ``cancel`` wins, and the message has no ``eta``. For workers with the
-  extension (below) it is staged as ax's own tasks are: published up to ``claim_lead_ms``
-  ahead with Celery's ``eta``, held by the Celery worker's timer, and fenced at the due
-  instant, so it starts on time (a cancel meanwhile still wins: the fence refuses it).
+  extension (below) it is staged as ax's own tasks are: published up to 1 s ahead
+  (:data:`ax_kombu.store.claims.CELERY_STAGE_MS`) with Celery's ``eta``, held by the
+  Celery worker's timer, and fenced at the due instant, so it starts on time (a cancel
+  meanwhile still wins: the fence refuses it).
 * Without the worker extension, once the broker has accepted that message the ax
   task is SUCCESS (its ``result`` names the Celery task id); from there on Celery's
   own semantics apply: at-least-once with ``acks_late``, at-most-once without,

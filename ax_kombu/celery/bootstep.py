@@ -7,9 +7,10 @@ Enabled with one line where the Celery app is made::
 With it, a Celery worker takes part in ax as an ax-worker does, for the Celery-bound
 tasks it receives (those carrying the ``ax_task_id`` and ``ax_attempt`` headers):
 
-* **Staged, then fenced at the due instant**: ax publishes such a task up to
-  ``claim_lead_ms`` before it is due, with Celery's own ``eta`` header, so the Celery
-  worker's timer holds it to the due instant (:mod:`ax_kombu.broker.celery_wire`). When
+* **Staged, then fenced at the due instant**: ax publishes such a task up to 1 s
+  (:data:`ax_kombu.store.claims.CELERY_STAGE_MS`) before it is due, with Celery's own
+  ``eta`` header, so the Celery worker's timer holds it to the due instant
+  (:mod:`ax_kombu.broker.celery_wire`). When
   it runs, before the task body, the row moves DISPATCHING → RUNNING by compare-and-set on
   ``(task_id, attempt)`` and on this worker's live ax incarnation, with ``last_run_node`` =
   this worker's ax node (:mod:`ax_kombu.celery.fence`). A message whose attempt is not the
@@ -50,7 +51,7 @@ the scheduler then records no hand-off for them. Settings: the ``AX_*`` variable
 Execution stays at-least-once: a worker that dies mid-run has its task run again.
 
 Caveat: the ack timeout (``AX_ACK_TIMEOUT_MS``, doubling per re-dispatch) covers the time
-from the publish (up to ``claim_lead_ms`` before the task is due) to the start, so also the
+from the publish (up to 1 s before the task is due) to the start, so also the
 time a message waits in a backlogged Celery queue or a worker's prefetch; set it above that
 wait, or ax re-dispatches (the old message is refused when its turn comes) and, after
 ``AX_MAX_DISPATCHES``, fails the task.
@@ -216,7 +217,9 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        self.fence = Fence(from_env(), f"celery@{worker.hostname}", running=_active_ax_ids)
+        threads = getattr(worker, "concurrency", None) or 0
+        self.fence = Fence(from_env(), f"celery@{worker.hostname}", running=_active_ax_ids,
+                           pool_size=threads + 4 if threads else None)  # + its own threads
         self.recorder = Recorder(self.fence)
         self._main_pid = os.getpid()
         self._app = worker.app

@@ -44,6 +44,7 @@ from ax_kombu.core.backoff import backoff_ms, default_rng
 from ax_kombu.core.states import Status
 from ax_kombu.store import Store
 from ax_kombu.store import gates as gate_store
+from ax_kombu.store.engine import make_engine
 from ax_kombu.store.nodes import Heartbeat
 from ax_kombu.store.schema import nodes, tasks
 from ax_kombu.store.tasks import wake_schedulers
@@ -102,11 +103,15 @@ class Fence:
         settings: ax's settings (``AX_*``).
         node_id: the ax node name of the worker.
         running: the ax task ids this process runs now (kept RUNNING by a re-registration).
+        pool_size: database connections kept open per process (the worker's concurrency
+            and its own threads); default: the store's.
     """
 
     def __init__(self, settings: Settings, node_id: str,
-                 running: Callable[[], Collection[int]] = tuple) -> None:
+                 running: Callable[[], Collection[int]] = tuple,
+                 pool_size: int | None = None) -> None:
         self.settings = settings
+        self._pool_size = pool_size
         self.node_id = node_id
         self._running = running
         self._store: Store | None = None
@@ -128,8 +133,18 @@ class Fence:
             if self._store is None or self._pid != os.getpid():
                 if self._store is not None:
                     self._inherited.append(self._store)
-                self._store, self._pid = Store(self.settings), os.getpid()
+                self._store, self._pid = self._open(), os.getpid()
             return self._store
+
+    def _open(self) -> Store:
+        """The store of this process, its pool sized for ``pool_size`` threads at once: the
+        default pool (5, overflow closed on return) would open and close a PostgreSQL
+        connection per run at the worker's concurrency."""
+        store = Store(self.settings)
+        if self._pool_size and store.engine.dialect.name == "postgresql":
+            store.engine.dispose()
+            store.engine = make_engine(self.settings.database_url, pool_size=self._pool_size)
+        return store
 
     # -- the node -------------------------------------------------------------------------
 

@@ -5,10 +5,10 @@ exactly one claimer, and every claim carries a new attempt number (the fencing
 token workers check).
 
 Staging and Celery: an ax task may be claimed up to ``claim_lead_ms`` before it is
-due (its worker holds it until its trigger time), and so may a Celery-bound task whose
-Celery workers run the AxBootstep (``runner`` ``'celery_ax'``): it is published with
-Celery's ``eta`` and the bootstep fences it at the due instant
-(:mod:`ax_kombu.broker.celery_wire`). A task for stock Celery workers (``runner``
+due (its worker holds it until its trigger time), and a Celery-bound task whose Celery
+workers run the AxBootstep (``runner`` ``'celery_ax'``) up to :data:`CELERY_STAGE_MS`
+before: it is published with Celery's ``eta`` and the bootstep fences it at the due
+instant (:mod:`ax_kombu.broker.celery_wire`). A task for stock Celery workers (``runner``
 ``'celery'``, set by :mod:`ax_kombu.celery` alone; see :mod:`ax_kombu.store.schema`) is
 never staged (:func:`celery_unstaged`): nothing would hold a cancel back once Celery has
 its message, so the same statement claims it only once its trigger time is at or before
@@ -51,13 +51,30 @@ def celery_unstaged(runner: str = "runner") -> str:
     return f"{runner} = 'celery'"
 
 
+#: how far ahead of its trigger time a task for the bootstep's Celery workers (``runner``
+#: ``'celery_ax'``) is claimed and published, whatever ``claim_lead_ms``: a stock Celery
+#: worker's one consuming thread can trail by hundreds of ms on a busy host, and a message
+#: that arrives after its ``eta`` starts late, while holding one in its timer costs little
+#: (2,000 calls at 500/s, start − due p50 52–201 ms with 250 ms ahead, 7–13 ms with 1 s)
+CELERY_STAGE_MS = 1000
+
+
+def celery_staged(runner: str = "runner") -> str:
+    """SQL, true when ``runner`` names the Celery runner whose tasks are staged
+    :data:`CELERY_STAGE_MS` ahead: ``'celery_ax'`` (see the module docstring)."""
+    return f"{runner} = 'celery_ax'"
+
+
 def fire_time(column: str = "trigger_time", runner: str = "runner") -> str:
     """SQL: the time the scheduler's timing loop is handed for a task, ``:celery_lag`` after
-    its trigger time when it is not staged (:func:`celery_unstaged`), else the trigger time.
-    The loop fires every id ``claim_lead_ms`` before the time it was handed; with
-    ``:celery_lag`` = ``claim_lead_ms`` such a task fires at its trigger time, when the
-    claim takes it (see the module docstring)."""
-    return f"{column} + CASE WHEN {celery_unstaged(runner)} THEN :celery_lag ELSE 0 END"
+    its trigger time when it is not staged (:func:`celery_unstaged`), ``:celery_lag`` −
+    :data:`CELERY_STAGE_MS` after it for the bootstep's Celery workers
+    (:func:`celery_staged`), else the trigger time. The loop fires every id
+    ``claim_lead_ms`` before the time it was handed; with ``:celery_lag`` =
+    ``claim_lead_ms`` the first fires at its trigger time, when the claim takes it, the
+    second :data:`CELERY_STAGE_MS` before it (see the module docstring)."""
+    return (f"{column} + CASE WHEN {celery_unstaged(runner)} THEN :celery_lag "
+            f"WHEN {celery_staged(runner)} THEN :celery_lag - {CELERY_STAGE_MS} ELSE 0 END")
 
 
 #: in the order of :class:`ax_kombu.broker.messages.TaskMessage`'s first fields, then the
@@ -74,8 +91,8 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 # locking first wrote every row twice (lock, then update): claiming 20,000 due rows in
 # batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
 #
-# A row for stock Celery workers is due by :now, every other one by :due_before (see the
-# module docstring).
+# A row for stock Celery workers is due by :now, one for the bootstep's by :now +
+# CELERY_STAGE_MS, every other one by :due_before (see the module docstring).
 # A resume also returns the rows the lost statement moved, unchanged (SET reads the old row:
 # a row already DISPATCHING keeps its attempt).
 _CLAIM = """
@@ -83,8 +100,9 @@ _CLAIM = """
        SET status = 'DISPATCHING', attempt = attempt{bump},
            last_run_node = :node, dispatched_at = :now{set}
      WHERE task_id {ids} AND {moves}
-       AND trigger_time <= CASE WHEN """ + celery_unstaged() + """
-                                THEN :now ELSE :due_before END{gate}
+       AND trigger_time <= CASE WHEN """ + celery_unstaged() + """ THEN :now
+                                WHEN """ + celery_staged() + f""" THEN :now + {CELERY_STAGE_MS}
+                                ELSE :due_before END""" + """{gate}
  RETURNING """ + _CLAIM_COLUMNS
 _CLAIMABLE = "status IN ('DELAYED', 'READY')"
 _RESUME = {"moves": "(status IN ('DELAYED', 'READY') OR (status = 'DISPATCHING' "
@@ -117,7 +135,8 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
     are left alone.
 
     Tasks for stock Celery workers (``runner`` ``'celery'``) are due by ``now_ms``, never
-    ``due_before``: they are not staged (see the module docstring).
+    ``due_before``: they are not staged; those for the bootstep's (``'celery_ax'``) by
+    ``now_ms`` + :data:`CELERY_STAGE_MS` (see the module docstring).
 
     Gated tasks (:mod:`ax_kombu.store.gates`) are left alone unless ``gated``: the gated
     claim passes it for the tasks it decided may start, and marks them.

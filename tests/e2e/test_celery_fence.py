@@ -16,7 +16,7 @@ task rows:
   not run; once the worker has registered a new incarnation, the task runs once, under it.
   Before: the body ran at once, under the dead incarnation.
 * **Staged and on time** (item 9): tasks for the bootstep's workers are published up to
-  ``claim_lead_ms`` ahead with Celery's ``eta``, held by the worker's timer and fenced when
+  1 s ahead with Celery's ``eta``, held by the worker's timer and fenced when
   due: each runs once, none before its trigger time, each message carried the ``eta``
   (the lateness figures come from ``bench/celery_countdown.py``, not from this test).
 """

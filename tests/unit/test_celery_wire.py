@@ -30,7 +30,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store import recovery
-from ax_kombu.store.claims import claim, still_held
+from ax_kombu.store.claims import CELERY_STAGE_MS, claim, still_held
 
 celery = pytest.importorskip("celery")
 
@@ -232,8 +232,9 @@ def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> No
 
 
 def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> None:
-    """Runner 'celery_ax' (the bootstep fences it at the due instant): handed to the wheel at
-    its trigger time and claimed within the lead, as an ax task; 'celery' still is not."""
+    """Runner 'celery_ax' (the bootstep fences it at the due instant): handed to the wheel so
+    that it fires CELERY_STAGE_MS before its trigger time and claimed then; 'celery' still
+    is not staged."""
     fenced = int(client.enqueue_to("celery_ax", "app.tasks.x", {"args": [], "kwargs": {}},
                                    delay=0.1, processor=processor_for("q", fenced=True)))
     stock = int(client.enqueue_to("celery", "app.tasks.x", {"args": [1], "kwargs": {}},
@@ -243,7 +244,8 @@ def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> 
     with client.store.engine.begin() as conn:
         times = dict(recovery.preload(conn, "s1", now, now + 10_000, 10,
                                       celery_lag_ms=LEAD_MS))
-        assert times == {fenced: trigger[fenced], stock: trigger[stock] + LEAD_MS}
+        assert times == {fenced: trigger[fenced] + LEAD_MS - CELERY_STAGE_MS,
+                         stock: trigger[stock] + LEAD_MS}
         claimed = claim(conn, [fenced, stock], "s1", now, due_before=now + LEAD_MS)
         assert [(r.task_id, r.runner) for r in claimed] == [(fenced, "celery_ax")]
 
