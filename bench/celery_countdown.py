@@ -118,13 +118,16 @@ def figures(client: Client, entries: list[ledger.Entry], celery_eta: bool) -> di
             "SELECT payload, trigger_time, dispatched_at, started_at, attempt, status "
             "FROM ax_task WHERE job IS NULL"))}
     start = [e.start_ms - rows[e.i].trigger_time for e in entries if e.i >= 0]
+    late = sorted(((e.start_ms - rows[e.i].trigger_time, e.i) for e in entries if e.i >= 0),
+                  reverse=True)[:20]
     measured = [r for i, r in rows.items() if i >= 0]  # not the warm-up's
     claimed = [r.dispatched_at - r.trigger_time for r in measured if r.dispatched_at]
     fenced = [r.started_at - r.trigger_time for r in measured if r.started_at]
     out: dict[str, Any] = {"tasks": len(rows), "runs": len(start),
                            "distinct": len({e.i for e in entries if e.i >= 0}),
                            "early": sum(x < 0 for x in start),
-                           "attempts>1": sum(r.attempt > 1 for r in rows.values())}
+                           "attempts>1": sum(r.attempt > 1 for r in rows.values()),
+                           "latest_i": sorted(i for _, i in late)}
     for name, values in (("start", start), ("claimed", claimed), ("fenced", fenced)):
         if values:
             out.update({f"{name}_p50": round(pct(values, 50), 2),

@@ -59,6 +59,7 @@ wait, or ax re-dispatches (the old message is refused when its turn comes) and, 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -215,6 +216,12 @@ class Recorder:
 class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
     """A Celery worker step: fence and record ax's Celery-bound runs (module docstring)."""
 
+    #: at start, move what the worker has made so far (Celery, the app, SQLAlchemy) out of
+    #: the collector's generations (``gc.freeze``): a full collection over them stalled a
+    #: worker running 500 tasks/s for 50-80 ms (start − due p99 58-94 ms, 24-30 ms frozen);
+    #: a subclass sets it False to leave the collector alone
+    freeze_gc = True
+
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         threads = getattr(worker, "concurrency", None) or 0
@@ -231,6 +238,9 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
     def start(self, worker: Any) -> None:
         queues = sorted(q.name for q in worker.app.amqp.queues.consume_from.values())
         self.fence.register(queues)
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
         log.info("ax fencing Celery runs", extra={"node": self.fence.node_id})
 
     def stop(self, worker: Any) -> None:
