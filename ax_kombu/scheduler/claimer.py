@@ -26,9 +26,11 @@ Contracts:
   DISPATCHING until the ack timeout. Every claim of this claimer writes a
   ``dispatched_at`` later than the one before (:meth:`Claimer._claim_now`), so that
   pair names one claim statement of one process: no other claim's rows match.
-* **Celery-bound tasks are not staged**: the claim statement takes them only once
-  due on the claimer's database clock (:mod:`ax_kombu.store.claims`); they reach
-  the wheel ``claim_lead_ms`` late, so they fire when due.
+* **Tasks for stock Celery workers are not staged** (``runner`` ``'celery'``): the
+  claim statement takes them only once due on the claimer's database clock
+  (:mod:`ax_kombu.store.claims`); they reach the wheel ``claim_lead_ms`` late, so
+  they fire when due. Those for workers running the AxBootstep (``'celery_ax'``) are
+  staged ``CELERY_STAGE_MS`` ahead, with Celery's ``eta`` holding them until due.
 * **Gated tasks** (an order key, a job strategy, a type with a limit) are left
   by the claim statement; the due ones among the skipped go through the gated
   claim at once (:mod:`ax_kombu.store.gates`: what may start is claimed, what
