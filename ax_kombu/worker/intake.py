@@ -350,12 +350,7 @@ class Intake:
     def take_expired_holds(self) -> list[Delivery]:
         """Remove and return the runs whose timeout passed while held (see
         :attr:`expired_holds`), for the node to hand back."""
-        taken: list[Delivery] = []
-        while True:
-            try:
-                taken.append(self.expired_holds.get_nowait())
-            except queue.Empty:
-                return taken
+        return _drain(self.expired_holds)
 
     # -- settling ------------------------------------------------------------------------------
 
@@ -363,12 +358,7 @@ class Intake:
         """Start written batches; ack ended runs; bring every lane's prefetch up to date."""
         while (batch := self.receipts.take()) is not None:
             self.receipted(batch)
-        ended: list[Delivery] = []
-        while True:
-            try:
-                ended.append(self._completed.get_nowait())
-            except queue.Empty:
-                break
+        ended = _drain(self._completed)
         for delivery in ended:
             self.running.discard(delivery)
             if delivery.acked:
@@ -396,3 +386,13 @@ class Intake:
                 if n:
                     self._puller.release(index, n)
         self._released = [0] * len(self.lanes)
+
+
+def _drain(deliveries: queue.SimpleQueue[Delivery]) -> list[Delivery]:
+    """Everything in ``deliveries`` now, taken out, without waiting."""
+    taken: list[Delivery] = []
+    while True:
+        try:
+            taken.append(deliveries.get_nowait())
+        except queue.Empty:
+            return taken
