@@ -22,6 +22,7 @@ from ax_kombu.cli.plan import plan
 from ax_kombu.cli.purge import purge
 from ax_kombu.cli.retry import retry
 from ax_kombu.cli.status import status
+from ax_kombu.cli.web import web
 
 
 @click.group(cls=AxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,5 +43,5 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
 
 
 for command in (enqueue, inspect, cancel, db, status, jobs, limits, plan, list_tasks, retry,
-                purge, archive):
+                purge, archive, web):
     main.add_command(command)
