@@ -4,6 +4,7 @@ this run's own), and the settings that point ax at them."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,13 @@ from .services import (
     reachable,
     unavailable,
 )
+
+#: the workers this suite starts are single processes (``--processes 1``), each one node,
+#: unless a test asks for more: the user's default, ``auto`` (one per core), runs a
+#: supervisor, which tests/integration/test_worker_processes.py covers; the node tests
+#: count, signal and kill single worker processes
+SINGLE_WORKER = {"AX_WORKER_PROCESSES": "1"}
+os.environ.update(SINGLE_WORKER)
 
 
 @pytest.fixture(scope="session")

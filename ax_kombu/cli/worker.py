@@ -4,7 +4,11 @@ Every flag can also be given as an ``AX_*`` variable (shown in ``--help``).
 SIGTERM or SIGINT stops warmly (exit 0); a second one, or SIGQUIT, stops
 cold (exit 1). See :mod:`ax_kombu.worker.node`.
 
-``--processes N`` (N > 1) runs a supervisor instead, which starts N workers
+``--processes`` is ``auto`` by default: one worker process per CPU core this
+process may run on (each has its own GIL; a burst of short tasks is bounded by
+one interpreter's CPU, docs/benchmarks.md, issue 21), and one on the embedded
+SQLite store, which takes one writer at a time. ``--processes N`` (N > 1),
+or ``auto`` on more than one core, runs a supervisor instead, which starts N workers
 as ``python -m ax_kombu.cli.worker`` with the flags given here (less
 ``--processes``, ``--pidfile`` and the metrics flags, which the supervisor
 keeps), each named ``NAME.i`` and told ``--supervised``. ``--db`` and
@@ -71,6 +75,26 @@ def node_name(template: str | None) -> str | None:
     return template.replace("%h", socket.gethostname()).replace("%p", str(os.getpid()))
 
 
+class ProcessCount(click.ParamType):  # type: ignore[type-arg]
+    """``--processes``: a count of at least 1, or ``auto`` (None)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "auto":
+            return None
+        try:
+            count = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a count or 'auto'", param, ctx)
+        if count < 1:
+            self.fail(f"{count} is not in the range x>=1 (or 'auto')", param, ctx)
+        return count
+
+
 @click.command(cls=DaemonCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-Q", "--queues", default=",".join(PRIORITIES), show_default=True,
               envvar="AX_WORKER_QUEUES", help="Queues to consume [AX_WORKER_QUEUES]")
@@ -93,11 +117,12 @@ def node_name(template: str | None) -> str | None:
               help="Serve Prometheus /metrics on PORT, 0: off [AX_METRICS_PORT]")
 @click.option("--metrics-addr", envvar="AX_METRICS_ADDR", default="127.0.0.1", show_default=True,
               help="Address /metrics listens on, 0.0.0.0: every interface [AX_METRICS_ADDR]")
-@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--processes", type=ProcessCount(), default="auto", show_default=True,
               envvar="AX_WORKER_PROCESSES",
               help="Worker processes under one supervisor, each with the full -c pools and "
                    "its own connections, named NAME.1 … NAME.N after -n NAME (%p: the "
-                   "supervisor's pid) [AX_WORKER_PROCESSES]")
+                   "supervisor's pid); auto: one per CPU core, 1 on SQLite "
+                   "[AX_WORKER_PROCESSES]")
 @click.option("--supervised", is_flag=True, hidden=True,
               help="Run as a child of --processes: stop orders come on stdin")
 @db_option
@@ -105,7 +130,7 @@ def node_name(template: str | None) -> str | None:
 def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
          prefetch_multiplier: int | None, hostname: str | None, loglevel: str,
          log_format: str, pidfile_path: str | None, metrics_port: int, metrics_addr: str,
-         processes: int, supervised: bool, database_url: str | None,
+         processes: int | None, supervised: bool, database_url: str | None,
          broker_url: str | None) -> None:
     """Run tasks from the high, default and slow queues in bounded pools.
 
@@ -114,13 +139,23 @@ def main(queues: str, apps: tuple[str, ...], concurrency: str | None,
     setup_logging(loglevel, log_format)
     overrides = {"prefetch_multiplier": prefetch_multiplier, "database_url": database_url,
                  "broker_url": broker_url}
-    if processes > 1 and not supervised:
+    count = 1 if supervised else processes or run_guarded(
+        lambda: worker_processes(from_env(**overrides)))
+    if count > 1:
         argv = child_argv(click.get_current_context())
-        sys.exit(run_guarded(lambda: _supervise(processes, argv, queues, apps, concurrency,
+        sys.exit(run_guarded(lambda: _supervise(count, argv, queues, apps, concurrency,
                                                 hostname, pidfile_path, metrics_port,
                                                 metrics_addr, overrides)))
     sys.exit(run_guarded(lambda: _run(queues, apps, concurrency, hostname, pidfile_path,
                                       metrics_port, metrics_addr, supervised, overrides)))
+
+
+def worker_processes(settings: Settings, cores: int | None = None) -> int:
+    """``--processes auto``: one per CPU core this process may run on (``cores``), one
+    on the embedded SQLite store."""
+    if settings.is_sqlite:
+        return 1
+    return max(1, cores if cores is not None else len(os.sched_getaffinity(0)))
 
 
 def _settings(queues: str, apps: tuple[str, ...], concurrency: str | None,

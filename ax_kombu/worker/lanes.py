@@ -58,7 +58,9 @@ ACK_AT_START_MS = 10 * 60 * 1000
 #: a lane stages at most this many runs per thread
 STAGE_PER_THREAD = 200
 #: a run's time until runs have been measured: the horizon's default, so a lane that has
-#: not timed a run yet stages one run per thread and grows its stage as fast runs end
+#: not timed a run yet stages one run per thread; the first run timed replaces it (an
+#: average that only decays from 1 s kept a lane's stage at a tenth of its size through
+#: its first hundred runs, so a burst due soon after start found almost nothing staged)
 FIRST_RUN_S = 1.0
 #: what a run costs the worker besides its processor (its share of the RUNNING write,
 #: the hand-offs and the result write), added to the measured run time
@@ -106,6 +108,8 @@ class Lane:
         self.stage_horizon_s = stage_horizon_s
         #: the lane's average run time (seconds, moving average of the processors' runs)
         self.run_s = FIRST_RUN_S
+        #: runs timed so far (the first one seeds the average)
+        self._timed = False
         self.pool.stage_max = self.stage_target()
         self.window = self._unstaged + self.pool.stage_max
         #: slots promised to tasks of receipt batches in flight (not submitted yet)
@@ -146,6 +150,10 @@ class Lane:
     def timed(self, run_s: float) -> None:
         """One run of the lane took ``run_s`` (any thread; a lost update only slows the
         average down)."""
+        if not self._timed:
+            self._timed = True
+            self.run_s = run_s
+            return
         self.run_s += (run_s - self.run_s) * RUN_EWMA
 
     def target(self) -> int:

@@ -111,7 +111,7 @@ class System:
     def daemon_env(self, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        settings = {"database_url": self.database_url, **self.broker,
+        settings = {"database_url": self.database_url, **self.broker, "worker_processes": 1,
                     "heartbeat_interval_s": 0.5, "heartbeat_misses": 3,
                     "recovery_interval_s": 1, "ack_timeout_ms": 15000, "worker_grace_s": 15,
                     **self.env, **(extra or {})}

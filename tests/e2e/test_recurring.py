@@ -125,6 +125,7 @@ class Cluster(System):
     def daemon_env(self, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
         if self.bare:
             env = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
+            env["AX_WORKER_PROCESSES"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         else:

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ax_kombu.cli.worker import worker_processes
+from ax_kombu.config import from_env
 from ax_kombu.store.nodes import pid_running
 from ax_kombu.worker.supervisor import child_name, restart_delay_s
 
@@ -253,6 +255,34 @@ def test_one_endpoint_sums_the_children_metrics(
     assert supervisor.proc.wait(30) == 0, system.tails()
     assert not shared_dir.exists(), "the supervisor removes the metrics directory"
     assert_stopped_cleanly(supervisor)
+
+
+@services
+def test_by_default_a_worker_runs_one_process_per_core(
+        make_system: Callable[..., System], tmp_path: Path) -> None:
+    """``--processes auto``, the user's default (this suite sets 1 for its other workers)."""
+    cores = len(os.sched_getaffinity(0))
+    system = make_system()
+    system.scheduler("sched-0")
+    worker = system.worker(NAME, concurrency=POOLS, env={"worker_processes": "auto"})
+    names = {child_name(NAME, i) for i in range(1, cores + 1)} if cores > 1 else {NAME}
+    system.wait_for(lambda: names <= system.live_nodes(), 60,
+                    f"{len(names)} worker process(es) registered")
+    assert system.live_nodes() == {"sched-0", *names}
+    log = RunLog(tmp_path / "runs.jsonl")
+    system.enqueue_many(items(log, 20))
+    system.wait_final(20, 60)
+    runs = log.by_task()
+    assert len(runs) == 20 and all(len(task_runs) == 1 for task_runs in runs.values()), runs
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(30) == 0, system.tails()
+
+
+def test_auto_is_one_process_per_core_and_one_on_sqlite() -> None:
+    pg = from_env({}, database_url="postgresql://h/db")
+    assert worker_processes(pg, cores=4) == 4
+    assert worker_processes(pg, cores=1) == 1
+    assert worker_processes(from_env({}, database_url="sqlite:///ax.db"), cores=4) == 1
 
 
 @pytest.mark.parametrize("given", ["flag", "variable"])

@@ -71,6 +71,21 @@ def test_the_stage_is_what_the_threads_finish_within_the_horizon_bounded_per_thr
         lane.pool.close()
 
 
+def test_the_first_run_timed_sets_the_stage_at_once() -> None:
+    """Not an average decaying from the 1 s guess: a burst soon after start finds a full
+    stage (issue 21)."""
+    lane = Lane("default", Queue("d"), size=4, multiplier=1, on_release=lambda: None,
+                stage_horizon_s=1.0)
+    try:
+        assert lane.stage_target() == 4  # nothing timed: one run per thread
+        lane.timed(0.0)
+        assert lane.stage_target() == 4 * STAGE_PER_THREAD
+        lane.timed(1.0)  # later runs move the average by RUN_EWMA
+        assert 4 * 15 <= lane.stage_target() <= 4 * 25
+    finally:
+        lane.pool.close()
+
+
 def test_a_lane_plans_runs_into_its_stage_beyond_its_threads() -> None:
     lane = Lane("default", Queue("d"), size=2, multiplier=1, on_release=lambda: None,
                 stage_horizon_s=1.0)

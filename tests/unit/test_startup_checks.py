@@ -113,6 +113,7 @@ def _daemon(name: str) -> list[str]:
 def _run(name: str, args: list[str], env: dict[str, str], cwd: Path,
          pre: str = "") -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
+    clean["AX_WORKER_PROCESSES"] = "1"
     command = _daemon(name) + args
     if pre:  # run the console script's entry point after ``pre``, in one interpreter
         command = [sys.executable, "-c", f"{pre}\nfrom {DAEMONS[name]} import main\nmain()",
