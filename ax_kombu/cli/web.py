@@ -30,6 +30,7 @@ def web(ctx: click.Context, port: int, bind: str, broker_url: str | None) -> Non
     try:
         from ax_kombu.web.app import serve
     except ImportError as exc:
-        raise ConfigurationError(f"ax web needs {exc.name or 'its dependencies'}: "
+        missing = (exc.name or "its dependencies").split(".")[0]
+        raise ConfigurationError(f"ax web needs {missing}, which is not installed: "
                                  "pip install 'ax_kombu[web]'") from None
     serve(settings_from(ctx, broker_url=broker_url), bind, port, token)

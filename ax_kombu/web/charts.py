@@ -57,7 +57,8 @@ def top(values: Sequence[float | None]) -> float:
 
 def polyline(values: Sequence[float | None], ceiling: float) -> list[str]:
     """``values`` as SVG polyline point lists (``"x,y x,y …"``), one per unbroken run:
-    a None (an empty bucket) breaks the line."""
+    a None (an empty bucket) breaks the line; a run of one value is drawn as a short dash
+    so that it shows."""
     step = WIDTH / max(1, len(values) - 1)
     runs: list[list[str]] = [[]]
     for i, value in enumerate(values):
@@ -67,4 +68,11 @@ def polyline(values: Sequence[float | None], ceiling: float) -> list[str]:
             continue
         y = HEIGHT - min(value, ceiling) / ceiling * HEIGHT
         runs[-1].append(f"{i * step:.1f},{y:.1f}")
-    return [" ".join(run) for run in runs if run]
+    return [" ".join(run if len(run) > 1 else [run[0], _nudged(run[0], step)])
+            for run in runs if run]
+
+
+def _nudged(point: str, step: float) -> str:
+    """``point`` moved one step left, or right at the left edge."""
+    x, y = (float(v) for v in point.split(","))
+    return f"{x - step if x >= step else x + step:.1f},{y:.1f}"

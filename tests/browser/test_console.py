@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from ..e2e.system import REPO, Daemon, System
+from ..e2e.system import REPO, Daemon, System, stop_all
 from ..services import unavailable
 from .console_tasks import FAILURE
 
@@ -91,10 +91,14 @@ def console(system: System, tmp_path: Path) -> Iterator[str]:
         proc = subprocess.Popen([sys.executable, "-m", "ax_kombu", "web", "--port", str(port)],
                                 cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                                 env={**system.daemon_env(), "AX_WEB_TOKEN": TOKEN})
-    system.daemons.append(Daemon("web", "web", proc, log))
+    web = Daemon("web", "web", proc, log)  # not a node: System.wait_ready does not wait for it
     base = f"http://127.0.0.1:{port}"
-    system.wait_for(lambda: answers(f"{base}/login"), 60, "ax web answers")
-    yield base
+    try:
+        until(lambda: answers(f"{base}/login") or not web.alive, 60, "ax web answers")
+        assert web.alive, f"ax web exited:\n{web.tail()}"
+        yield base
+    finally:
+        stop_all([proc])
 
 
 @pytest.fixture
