@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def pages(client: Client) -> dict[str, str]:
         "tasks, status=FAILED (1 %)": "/tasks?status=FAILED",
         "tasks, status=READY, a deep page": f"/tasks?status=READY&before={middle}",
         "tasks, type (1 of 20)": "/tasks?type=bench.type7",
-        "tasks, type + status=CANCELLED": "/tasks?type=bench.type7&status=CANCELLED",
+        "tasks, type + status=CANCELLED": "/tasks?type=bench.type1&status=CANCELLED",
         "tasks, biz_key": f"/tasks?biz_key={biz}",
         "tasks, biz_key not found": "/tasks?biz_key=no-such-key",
         "tasks, id": f"/tasks?id={failed}",
@@ -143,13 +144,12 @@ def pages(client: Client) -> dict[str, str]:
     }
 
 
-def fetch_ms(url: str) -> float:
+def fetch(url: str) -> tuple[float, str]:
+    """The page at ``url``: milliseconds to the end of its answer, and its text."""
     started = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=30) as reply:
-        reply.read()
-        if reply.status != 200:
-            raise RuntimeError(f"{url}: HTTP {reply.status}")
-    return (time.perf_counter() - started) * 1000
+    with urllib.request.urlopen(url, timeout=30) as reply:  # raises unless 2xx/3xx
+        body = reply.read().decode()
+    return (time.perf_counter() - started) * 1000, body
 
 
 def measure(base: str, paths: dict[str, str], n: int,
@@ -158,12 +158,15 @@ def measure(base: str, paths: dict[str, str], n: int,
     for label, path in paths.items():
         between()
         for _ in range(WARMUP):
-            fetch_ms(base + path)
-        times = [fetch_ms(base + path) for _ in range(n)]
+            fetch(base + path)
+        answers = [fetch(base + path) for _ in range(n)]
+        times = [ms for ms, _ in answers]
         found[label] = {"median_ms": round(median(times), 1), "p95_ms": round(pct(times, 95), 1),
-                        "max_ms": round(max(times), 1)}
+                        "max_ms": round(max(times), 1),
+                        "task_links": len(re.findall(r'href="/tasks/\d+"', answers[-1][1]))}
         print(f"  {label:<45} median {found[label]['median_ms']:7.1f} ms  "
-              f"p95 {found[label]['p95_ms']:7.1f}  max {found[label]['max_ms']:7.1f}", flush=True)
+              f"p95 {found[label]['p95_ms']:7.1f}  max {found[label]['max_ms']:7.1f}  "
+              f"({found[label]['task_links']} task links)", flush=True)
     return found
 
 
@@ -182,7 +185,7 @@ def serve(settings: Settings) -> tuple[subprocess.Popen[bytes], str]:
     deadline = time.monotonic() + 60
     while True:
         try:
-            fetch_ms(base + "/limits")
+            fetch(base + "/limits")
             return proc, base
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:

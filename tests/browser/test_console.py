@@ -15,18 +15,18 @@ chromium it is skipped, with the reason; with ``AX_REQUIRE_SERVICES=1`` it fails
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ..e2e.system import REPO, Daemon, System, stop_all
+from ..faults.servers import free_port
 from ..services import unavailable
 from .console_tasks import FAILURE
 
@@ -47,24 +47,6 @@ def chromium() -> str:
         unavailable("chromium", "not installed (apt-get install -y chromium; "
                                 "'playwright install' cannot download here)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout:g} s")
-        time.sleep(0.1)
 
 
 def answers(url: str) -> bool:
@@ -94,7 +76,7 @@ def console(system: System, tmp_path: Path) -> Iterator[str]:
     web = Daemon("web", "web", proc, log)  # not a node: System.wait_ready does not wait for it
     base = f"http://127.0.0.1:{port}"
     try:
-        until(lambda: answers(f"{base}/login") or not web.alive, 60, "ax web answers")
+        system.wait_for(lambda: answers(f"{base}/login") or not web.alive, 60, "ax web answers")
         assert web.alive, f"ax web exited:\n{web.tail()}"
         yield base
     finally:
@@ -156,8 +138,8 @@ def test_console_in_a_browser(system: System, console: str, browser: Any) -> Non
     expect(live.locator("tr[data-node='sched-web']")).to_be_visible()
     expect(live.locator("tr[data-node='worker-web']")).to_contain_text("worker")
     first = live.get_attribute("data-refreshed-at")
-    until(lambda: live.get_attribute("data-refreshed-at") not in (None, first), 15,
-          "the overview refreshed itself")
+    system.wait_for(lambda: live.get_attribute("data-refreshed-at") not in (None, first), 15,
+                    "the overview refreshed itself")
 
     # -- the failed task, found by biz_key: attempts, error, retry → SUCCESS ------------------
     page.click("nav >> text=Tasks")
@@ -173,7 +155,7 @@ def test_console_in_a_browser(system: System, console: str, browser: Any) -> Non
         page.reload()
         return bool(page.locator("#status").inner_text() == "SUCCESS")
 
-    until(shows_success, 30, "the retried task shows SUCCESS")
+    system.wait_for(shows_success, 30, "the retried task shows SUCCESS")
     expect(page.locator("tr.attempt")).to_have_count(2)
     page.screenshot(path=str(SHOTS / "console-task.png"), full_page=True)
 
