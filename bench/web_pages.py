@@ -4,7 +4,8 @@ A scratch PostgreSQL database is filled with ROWS tasks created over the last 24
 (one bulk ``INSERT … SELECT generate_series``; snowflake ids made from each creation time,
 as ax makes them), so the last hour holds ~ROWS/24 of them: 1 % FAILED (each with an
 earlier attempt in ``ax_attempt``), 2 % CANCELLED, 5 % DELAYED (due in the next day), 1 %
-READY and overdue, the rest SUCCESS; 20 task types; every 10th task has a biz_key. Then
+READY and overdue, the rest SUCCESS; 20 task types, and the oldest 10 % of another
+(``bench.old``, the worst case for "newest first"); every 10th task has a biz_key. Then
 20 recurring jobs, 5 limits and two heartbeating nodes are added through the library, and
 ``VACUUM ANALYZE`` runs. A real ``ax web`` process (``python -m ax_kombu web``, Redis for
 the queue depths) serves it; each page is fetched WARMUP times, then N times in turn over
@@ -49,7 +50,8 @@ INSERT INTO ax_task (task_id, task_type, trigger_time, status, priority, retry_c
     max_retry, timeout_ms, processor_name, payload, biz_key, fingerprint, trace_id, attempt,
     last_run_node, created_at, dispatched_at, started_at, finished_at, last_error,
     redispatches, gated)
-SELECT ((c - :epoch) << 22) | ((i % 1024) << 12), 'bench.type' || (i % :types),
+SELECT ((c - :epoch) << 22) | ((i % 1024) << 12),
+    CASE WHEN i < :n / 10 THEN 'bench.old' ELSE 'bench.type' || (i % :types) END,
     CASE WHEN i % 100 BETWEEN 3 AND 7 THEN :now + (i % 86400) * 1000 ELSE c + 1000 END,
     CASE WHEN i % 100 = 0 THEN 'FAILED' WHEN i % 100 IN (1, 2) THEN 'CANCELLED'
          WHEN i % 100 BETWEEN 3 AND 7 THEN 'DELAYED' WHEN i % 100 = 8 THEN 'READY'
@@ -132,6 +134,7 @@ def pages(client: Client) -> dict[str, str]:
         "tasks, status=FAILED (1 %)": "/tasks?status=FAILED",
         "tasks, status=READY, a deep page": f"/tasks?status=READY&before={middle}",
         "tasks, type (1 of 20)": "/tasks?type=bench.type7",
+        "tasks, type whose tasks are all old (the oldest 10 %)": "/tasks?type=bench.old",
         "tasks, type + status=CANCELLED": "/tasks?type=bench.type1&status=CANCELLED",
         "tasks, biz_key": f"/tasks?biz_key={biz}",
         "tasks, biz_key not found": "/tasks?biz_key=no-such-key",
@@ -164,7 +167,7 @@ def measure(base: str, paths: dict[str, str], n: int,
         found[label] = {"median_ms": round(median(times), 1), "p95_ms": round(pct(times, 95), 1),
                         "max_ms": round(max(times), 1),
                         "task_links": len(re.findall(r'href="/tasks/\d+"', answers[-1][1]))}
-        print(f"  {label:<45} median {found[label]['median_ms']:7.1f} ms  "
+        print(f"  {label:<55} median {found[label]['median_ms']:7.1f} ms  "
               f"p95 {found[label]['p95_ms']:7.1f}  max {found[label]['max_ms']:7.1f}  "
               f"({found[label]['task_links']} task links)", flush=True)
     return found
