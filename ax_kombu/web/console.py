@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import Engine
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -64,7 +65,8 @@ class Console:
         return cls(settings, Client(settings), Keys(token), _templates())
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
+        """The store's engine (the client's: one pool for the whole console)."""
         return self.client.store.engine
 
     def page(self, request: Request, name: str, status_code: int = 200,

@@ -39,7 +39,8 @@ def job_list(request: Request) -> Response:
 
 
 def run_now(client: Client, name: str) -> int:
-    """Write one occurrence of ``name`` due now; returns its task id.
+    """Write one occurrence of ``name`` due now, the row the scheduler's materialiser
+    would write for it (so its strategy's gate applies); returns its task id.
 
     Raises:
         JobNotFound: no such job.
