@@ -24,7 +24,10 @@ from ax_kombu.web.security import check_bind
 @broker_option
 @click.pass_context
 def web(ctx: click.Context, port: int, bind: str, broker_url: str | None) -> None:
-    """Serve the web console (nodes, lateness, tasks, jobs, limits)."""
+    """Serve the web console (nodes, lateness, tasks, jobs, limits).
+
+    With AX_WEB_TOKEN set, every page needs that token (a login form, or an
+    Authorization: Bearer header)."""
     token = os.environ.get("AX_WEB_TOKEN") or None
     check_bind(bind, token)
     try:
