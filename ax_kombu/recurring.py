@@ -36,7 +36,7 @@ from ax_kombu.config import Settings
 from ax_kombu.core import cron
 from ax_kombu.exceptions import JobNotFound, ValidationError
 from ax_kombu.store import jobs as job_store
-from ax_kombu.validation import MAX_TASK_TYPE, build_row, check_route, show
+from ax_kombu.validation import MAX_TASK_TYPE, build_row, show
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -146,7 +146,6 @@ def build_job(settings: Settings, now_ms: int, name: Any, task_type: Any, payloa
     row = build_row(settings, now_ms, task_type, payload, priority=priority,
                     max_retry=max_retry, timeout_ms=timeout_ms, processor=processor,
                     callback_url=callback_url)
-    check_route(row)  # a job's occurrences run on ax, never on Celery by their name
     values = {
         "task_type": row["task_type"], "payload": row["payload"],
         "cron": " ".join(cron_expr.split()) if cron_expr is not None else None,

@@ -70,17 +70,6 @@ def test_enqueue_refuses_a_celery_route_and_stores_nothing(client: Client, task_
     assert count(client) == 0
 
 
-@pytest.mark.parametrize("task_type, options", [
-    ("celery:cleanup", {}),
-    ("cleanup", {"processor": "Celery+ax:cleanup"}),
-])
-def test_a_recurring_job_refuses_a_celery_route_and_stores_nothing(
-        client: Client, task_type: str, options: dict[str, Any]) -> None:
-    with pytest.raises(ValidationError, match="looks like a Celery route"):
-        client.schedule("nightly", task_type, {}, every=60, **options)
-    assert client.jobs() == []
-
-
 def test_the_runner_is_stored_at_enqueue(client: Client) -> None:
     plain = client.enqueue("celery.like.name", {"n": 1}, processor="celeryish")
     hook = client.enqueue("hook", {}, callback_url="http://127.0.0.1:9/x")
