@@ -3,9 +3,12 @@
 A pool thread of the worker's main process (the ``threads``, ``solo``, ``gevent`` and
 ``eventlet`` pools) hands the end of a run (:class:`~ax_kombu.celery.fence.End`) here and
 goes on; one daemon thread writes every end waiting, in one statement
-(:meth:`ax_kombu.celery.fence.Fence.record`), and tries a batch the store refused again
-with a doubling pause. At 500 runs a second this is one write per batch instead of one per
-run on the worker's one interpreter lock.
+(:meth:`ax_kombu.celery.fence.Fence.record`), and tries a batch again with a doubling pause
+while the store cannot be reached. A batch the store refuses for its data is halved until
+the refused end is alone, which is recorded FAILED with the reason, and the others are
+written (as the ax worker's :class:`~ax_kombu.worker.results.ResultWriter` does): one bad
+end never holds the rest RUNNING. At 500 runs a second this is one write per batch instead
+of one per run on the worker's one interpreter lock.
 
 Contract: an end is written at least once the store is reachable, unless the process
 dies first; then its row stays RUNNING on a node that stops heartbeating, and ax's
@@ -21,6 +24,9 @@ import queue
 import threading
 import time
 from typing import TYPE_CHECKING
+
+from ax_kombu.worker.outcomes import refused
+from ax_kombu.worker.results import lost_connection
 
 if TYPE_CHECKING:
     from ax_kombu.celery.fence import End, Fence
@@ -72,12 +78,35 @@ class EndWriter:
                 self._queue.task_done()
 
     def _write(self, batch: list[End]) -> None:
+        """Write ``batch``, halving it while the store refuses its data (see the module
+        docstring)."""
+        error = self._record(batch)
+        if error is None:
+            return
+        if len(batch) == 1:
+            end = batch[0]
+            failed = end._replace(finish=refused(end.ended_at, end.finish, error))
+            log.error("a Celery run's end was refused by the store; recording the task FAILED",
+                      extra={"task_id": end.finish.task_id, "attempt": end.finish.attempt,
+                             "error": failed.finish.error})
+            while self._record([failed]) is not None:  # not this end's text: as an outage
+                time.sleep(BACKOFF_MAX_S)
+            return
+        half = len(batch) // 2
+        self._write(batch[:half])
+        self._write(batch[half:])
+
+    def _record(self, batch: list[End]) -> Exception | None:
+        """Write ``batch``, waiting while the store cannot be reached; None once written,
+        else the error with which the store refused the batch's data."""
         pause = 0.05
         while True:
             try:
                 self._fence.record(batch)
-                return
-            except Exception:  # the store is unreachable: the rows wait RUNNING
+                return None
+            except Exception as exc:
+                if not lost_connection(exc):
+                    return exc
                 log.warning("could not record Celery runs' ends in ax; trying again",
                             exc_info=True, extra={"count": len(batch)})
                 time.sleep(pause)

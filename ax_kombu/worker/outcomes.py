@@ -124,7 +124,7 @@ def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
                   started_at=task.started_at)
 
 
-def refused(result: RunResult, finish: Finish, error: BaseException) -> Finish:
+def refused(ended_ms: int, finish: Finish, error: BaseException) -> Finish:
     """The end recorded for a run whose outcome the store refused (for its data, not for a
     lost connection): FAILED when the run ended, ``last_error`` naming the refusal and the
     end it replaces, in plain ASCII; no result."""
@@ -132,5 +132,5 @@ def refused(result: RunResult, finish: Finish, error: BaseException) -> Finish:
     if finish.error:
         text += f": {finish.error}"
     reason = error_text(text).encode("ascii", "backslashreplace").decode()[:MAX_ERROR]
-    return Finish(finish.task_id, finish.attempt, Status.FAILED, result.ended_ms, reason,
+    return Finish(finish.task_id, finish.attempt, Status.FAILED, ended_ms, reason,
                   started_at=finish.started_at)

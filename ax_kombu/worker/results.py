@@ -354,7 +354,7 @@ class ResultWriter:
         """Record a run whose outcome the store refused as FAILED, with the reason. If the
         store refuses even that, the cause is not this outcome's text: it is retried
         like an outage."""
-        failed = refused(queued.result, finish, error)
+        failed = refused(queued.result.ended_ms, finish, error)
         log.error("a run's outcome was refused by the store; recording the task FAILED",
                   extra={"task_id": finish.task_id, "trace_id": queued.result.task.trace_id,
                          "attempt": finish.attempt, "error": failed.error})

@@ -119,7 +119,7 @@ def test_a_refused_outcome_becomes_failed_with_an_ascii_reason() -> None:
     result = ended(Outcome(False, error=ValueError("é\x00")), retry_count=0, max_retry=3)
     delayed = decide(result, SETTINGS, random.Random(1))
     assert delayed.status is Status.DELAYED and delayed.at_ms > result.ended_ms
-    failed = refused(result, delayed, DataError("UPDATE …", {}, Exception("bad \x00 value")))
+    failed = refused(result.ended_ms, delayed, DataError("UPDATE …", {}, Exception("bad \x00 value")))
     assert (failed.status, failed.at_ms, failed.result) == (Status.FAILED, 5000, None)
     assert failed.error is not None
     assert failed.error.isascii() and "\x00" not in failed.error
