@@ -23,9 +23,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ax_kombu.worker.outcomes import refused
+from ax_kombu.worker.outcomes import refused, refused_alone
 from ax_kombu.worker.results import lost_connection
 
 if TYPE_CHECKING:
@@ -80,23 +81,15 @@ class EndWriter:
     def _write(self, batch: list[End]) -> None:
         """Write ``batch``, halving it while the store refuses its data (see the module
         docstring)."""
-        error = self._record(batch)
-        if error is None:
-            return
-        if len(batch) == 1:
-            end = batch[0]
+        for end, error in refused_alone(batch, self._record):
             failed = end._replace(finish=refused(end.ended_at, end.finish, error))
             log.error("a Celery run's end was refused by the store; recording the task FAILED",
                       extra={"task_id": end.finish.task_id, "attempt": end.finish.attempt,
                              "error": failed.finish.error})
             while self._record([failed]) is not None:  # not this end's text: as an outage
                 time.sleep(BACKOFF_MAX_S)
-            return
-        half = len(batch) // 2
-        self._write(batch[:half])
-        self._write(batch[half:])
 
-    def _record(self, batch: list[End]) -> Exception | None:
+    def _record(self, batch: Sequence[End]) -> Exception | None:
         """Write ``batch``, waiting while the store cannot be reached; None once written,
         else the error with which the store refused the batch's data."""
         pause = 0.05

@@ -23,7 +23,8 @@ caller).
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings, redact_url
@@ -134,3 +135,21 @@ def refused(ended_ms: int, finish: Finish, error: BaseException) -> Finish:
     reason = error_text(text).encode("ascii", "backslashreplace").decode()[:MAX_ERROR]
     return Finish(finish.task_id, finish.attempt, Status.FAILED, ended_ms, reason,
                   started_at=finish.started_at)
+
+
+T = TypeVar("T")
+
+
+def refused_alone(batch: Sequence[T], write: Callable[[Sequence[T]], Exception | None]
+                  ) -> list[tuple[T, Exception]]:
+    """Write ``batch`` with ``write`` (None: written, else the error with which the store
+    refused the batch's data); a refused batch is halved until each refused item is alone
+    (about 2 log2(n) writes for one among n), the others written as they are. Returns the
+    items refused alone, each with its error, for the caller to record otherwise."""
+    error = write(batch)
+    if error is None:
+        return []
+    if len(batch) == 1:
+        return [(batch[0], error)]
+    half = len(batch) // 2
+    return refused_alone(batch[:half], write) + refused_alone(batch[half:], write)

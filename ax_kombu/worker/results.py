@@ -83,7 +83,7 @@ from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.store.transitions import Finish
-from ax_kombu.worker.outcomes import RunResult, decide, refused, stored_result
+from ax_kombu.worker.outcomes import RunResult, decide, refused, refused_alone, stored_result
 from ax_kombu.worker.pools import Outcome
 
 log = logging.getLogger(__name__)
@@ -302,22 +302,14 @@ class ResultWriter:
         return batch
 
     def _write(self, batch: list[_Queued]) -> None:
-        finishes = [decide(q.result, self.settings, self.rng) for q in batch]
-        self._write_split(batch, finishes)
-
-    def _write_split(self, batch: list[_Queued], finishes: list[Finish]) -> None:
         """Write ``batch``. One the store refuses for its data is halved until the refused
-        outcome is alone (about 2 log2(n) statements for one among n), which is then
+        outcome is alone (:func:`~ax_kombu.worker.outcomes.refused_alone`), which is then
         recorded FAILED with the reason; the others are written as they are."""
-        error = self._commit(batch, finishes)
-        if error is None:
-            return
-        if len(batch) == 1:
-            self._commit_refused(batch[0], finishes[0], error)
-            return
-        half = len(batch) // 2
-        self._write_split(batch[:half], finishes[:half])
-        self._write_split(batch[half:], finishes[half:])
+        finishes = [decide(q.result, self.settings, self.rng) for q in batch]
+        for (queued, finish), error in refused_alone(
+                list(zip(batch, finishes, strict=True)),
+                lambda pairs: self._commit([q for q, _ in pairs], [f for _, f in pairs])):
+            self._commit_refused(queued, finish, error)
 
     def _commit(self, batch: list[_Queued], finishes: list[Finish]) -> Exception | None:
         """Write one batch in one transaction, retrying while the store cannot be reached.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Sequence
 
 import pytest
 from sqlalchemy.exc import DataError
@@ -20,6 +21,7 @@ from ax_kombu.worker.outcomes import (
     decide,
     error_text,
     refused,
+    refused_alone,
     stored_result,
 )
 from ax_kombu.worker.pools import Outcome
@@ -125,3 +127,23 @@ def test_a_refused_outcome_becomes_failed_with_an_ascii_reason() -> None:
     assert failed.error.isascii() and "\x00" not in failed.error
     assert failed.error.startswith("outcome refused by the store (DataError: ")
     assert failed.error.endswith("the run ended DELAYED: ValueError: \\xe9\\x00")
+
+
+def test_a_refused_batch_is_halved_until_each_refused_item_is_alone() -> None:
+    written: list[int] = []
+    calls = 0
+
+    def write(batch: Sequence[int]) -> Exception | None:
+        nonlocal calls
+        calls += 1
+        bad = [i for i in batch if i in (3, 6)]
+        if bad:
+            return ValueError(f"refused {bad}")
+        written.extend(batch)
+        return None
+
+    alone = refused_alone(list(range(8)), write)
+    assert [(i, str(e)) for i, e in alone] == [(3, "refused [3]"), (6, "refused [6]")]
+    assert sorted(written) == [0, 1, 2, 4, 5, 7]
+    assert calls <= 2 * 2 * 3 + 1  # about 2 log2(n) writes per refused item, and the first
+    assert refused_alone([1, 2], write) == [] and written[-2:] == [1, 2]
