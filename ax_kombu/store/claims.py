@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Row, bindparam, text
 
 from ax_kombu.store.schema import CELERY_RUNNERS
-from ax_kombu.store.transitions import _execute_batch
+from ax_kombu.store.transitions import _execute_batch, storable
 
 
 def celery_bound(runner: str = "runner") -> str:
@@ -188,7 +188,7 @@ def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str
     if not refused:
         return []
     rows = list(_execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
-                               [(u.task_id, u.attempt, u.reason) for u in refused],
+                               [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
                                now=now_ms, node=node))
     gates.wake_next(conn, [(r[1], r[3]) for r in rows if r[2]])
     return [r[0] for r in rows]

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection
 
 from ax_kombu.store import gates
-from ax_kombu.store.transitions import _execute_batch
+from ax_kombu.store.transitions import _execute_batch, _storable
 
 _HAND_OFF = """
     UPDATE ax_task AS t SET status = 'SUCCESS', finished_at = :now, result = v.res
@@ -51,6 +51,6 @@ def hand_off_many(conn: Connection, handed: Sequence[HandOff], now_ms: int) -> l
     if not handed:
         return []
     rows = list(_execute_batch(conn, ("id", "att", "res"), _HAND_OFF,
-                               [(h.task_id, h.attempt, h.result) for h in handed], now=now_ms))
+                               [(h.task_id, h.attempt, _storable(h.result)) for h in handed], now=now_ms))
     gates.wake_next(conn, [(r[1], r[3]) for r in rows if r[2]])
     return [r[0] for r in rows]

@@ -9,10 +9,10 @@ stale message from an earlier attempt moves nothing. The allowed moves are
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import orjson
 from sqlalchemy import Connection, TextClause, text, update
 
 from ax_kombu.core.states import S, Status, check
@@ -47,7 +47,10 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 
 # -- batched, attempt-fenced moves for workers -----------------------------------------------
 # Each takes many (task_id, attempt) pairs and is ONE statement: an UPDATE joined to the
-# batch (PostgreSQL: unnest of arrays; SQLite: json_each of one JSON parameter).
+# batch, passed as ONE JSON parameter (an array of rows; PostgreSQL: jsonb_array_elements,
+# SQLite: json_each). One string costs the worker a tenth of the CPU of one array per
+# column (psycopg2 adapts every element of an array in turn, holding the GIL: 3.5 against
+# 0.37 µs per row of a 7-column, 500-row batch, and PostgreSQL's time per row fell too).
 # The status test is written COALESCE(t.status, '') = … so that no planner drives the join
 # by the (status, trigger_time) index — a walk over every DISPATCHING or RUNNING row,
 # possibly 100,000s — instead of one primary-key lookup per batch row.
@@ -60,8 +63,9 @@ _PG_TYPES = {"id": "BIGINT", "att": "INTEGER", "st": "TEXT", "at": "BIGINT", "er
 @functools.lru_cache(maxsize=16)
 def _batch_sql(dialect: str, columns: tuple[str, ...], template: str) -> TextClause:
     if dialect == "postgresql":
-        arrays = ", ".join(f"CAST(:c{i} AS {_PG_TYPES[c]}[])" for i, c in enumerate(columns))
-        source = f"unnest({arrays}) AS v({', '.join(columns)})"
+        picks = ", ".join(f"CAST(e ->> {i} AS {_PG_TYPES[c]}) AS {c}"
+                          for i, c in enumerate(columns))
+        source = f"(SELECT {picks} FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS e) AS v"
     else:
         picks = ", ".join(f"json_extract(value, '$[{i}]') AS {c}" for i, c in enumerate(columns))
         source = f"(SELECT {picks} FROM json_each(:rows)) AS v"
@@ -71,10 +75,7 @@ def _batch_sql(dialect: str, columns: tuple[str, ...], template: str) -> TextCla
 def _execute_batch(conn: Connection, columns: tuple[str, ...], template: str,
                    rows: Sequence[Sequence[Any]], **params: Any) -> Any:
     stmt = _batch_sql(conn.dialect.name, columns, template)
-    if conn.dialect.name == "postgresql":
-        params.update({f"c{i}": [r[i] for r in rows] for i in range(len(columns))})
-    else:
-        params["rows"] = json.dumps([list(r) for r in rows])
+    params["rows"] = orjson.dumps([r if type(r) is tuple else list(r) for r in rows]).decode()
     return conn.execute(stmt, params)
 
 
