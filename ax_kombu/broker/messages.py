@@ -2,6 +2,19 @@
 
 A message says which task and which attempt is due; the attempt is the fencing
 token a worker checks against the row. The trace id also travels in the headers.
+
+Version 2 (what ax publishes) carries only what the row cannot tell the worker
+before it fences the task: ``task_id``, ``attempt``, ``trigger_time``,
+``priority``, ``trace_id``, and who dispatched it when (``dispatched_at``,
+``node``)::
+
+    {"v":2,"task_id":7,"attempt":1,"trigger_time":1764892800000,"priority":"default",
+     "trace_id":"…","dispatched_at":1764892799750,"node":"scheduler@host"}
+
+No payload, processor or callback URL crosses the broker: the worker's RUNNING
+move returns them from the row, and that is what runs. Version 1 (every field
+of the row's task, payload included) is still accepted, so messages published
+by an older scheduler run after an upgrade (upgrade workers first).
 """
 
 from __future__ import annotations
@@ -13,7 +26,9 @@ from typing import Any, NamedTuple
 from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import PRIORITIES
 
-MESSAGE_VERSION = 1
+MESSAGE_VERSION = 2
+#: the full message of earlier versions (payload and all), still accepted
+FULL_VERSION = 1
 
 
 class RawJson(str):
@@ -63,10 +78,23 @@ class TaskMessage(NamedTuple):
         return body
 
     def to_json(self) -> str:
-        """The JSON body, built directly (the payload is spliced in if it is RawJson)."""
+        """The JSON body (version 2: no payload; see the module docstring), built directly."""
+        return (f'{{"v":{MESSAGE_VERSION},"task_id":{self.task_id:d},"attempt":{self.attempt:d},'
+                f'"trigger_time":{self.trigger_time:d},"priority":{_js(self.priority)},'
+                f'"trace_id":{_js(self.trace_id)},"dispatched_at":{self.dispatched_at:d},'
+                f'"node":{_js(self.node)}}}')
+
+    @property
+    def slim(self) -> bool:
+        """Received as a version-2 message: only :data:`SLIM_FIELDS` came from the wire."""
+        return self.payload is NOT_SENT
+
+    def full_json(self) -> str:
+        """The version-1 body, every field with the payload (spliced in if RawJson): what
+        an older scheduler published, and what a test forging one sends."""
         payload = self.payload if isinstance(self.payload, RawJson) else json.dumps(
             self.payload, separators=(",", ":"), ensure_ascii=False)
-        return (f'{{"v":{MESSAGE_VERSION},"task_id":{self.task_id:d},"attempt":{self.attempt:d},'
+        return (f'{{"v":{FULL_VERSION},"task_id":{self.task_id:d},"attempt":{self.attempt:d},'
                 f'"task_type":{_js(self.task_type)},"payload":{payload},'
                 f'"trace_id":{_js(self.trace_id)},"trigger_time":{self.trigger_time:d},'
                 f'"timeout_ms":{self.timeout_ms:d},"priority":{_js(self.priority)},'
@@ -87,13 +115,29 @@ class TaskMessage(NamedTuple):
             Rejected: (a ``ValueError``) the body is not an ax task message; its
                 ``reason`` says why (:mod:`ax_kombu.broker.rejects`).
         """
-        if type(body) is not dict or body.get("v") != MESSAGE_VERSION:
-            raise Rejected("not_task", "not an ax task message (no \"v\": 1 object)")
+        version = body.get("v") if type(body) is dict else None
+        if version == MESSAGE_VERSION:
+            try:
+                message = cls(body["task_id"], body["attempt"], "", NOT_SENT, body["trace_id"],
+                              body["trigger_time"], 1, body["priority"], 0, 0, None, None,
+                              body["dispatched_at"], body["node"])
+            except KeyError as exc:
+                raise Rejected("missing_field", f"no field {exc}") from None
+            return message._checked(SLIM_FIELDS)
+        if version != FULL_VERSION:
+            raise Rejected("not_task", "not an ax task message (no \"v\": 1 or 2 object)")
         try:
             message = cls(*[body[k] for k in WIRE_FIELDS])
         except KeyError as exc:
             raise Rejected("missing_field", f"no field {exc}") from None
+        return message._checked(WIRE_FIELDS)
+
+    def _checked(self, fields: tuple[str, ...]) -> TaskMessage:
+        """``self`` if each of ``fields`` is of its type and within its range."""
+        message = self
         for name in _INT_FIELDS:
+            if name not in fields:
+                continue
             value = getattr(message, name)
             if type(value) is not int:
                 raise Rejected("wrong_type", f"{name} is {type(value).__name__}, not int")
@@ -101,6 +145,8 @@ class TaskMessage(NamedTuple):
             if not low <= value <= high:
                 raise Rejected("bad_value", f"{name} {value} is outside [{low}, {high}]")
         for name, longest in _STR_FIELDS:
+            if name not in fields:
+                continue
             value = getattr(message, name)
             if value is None and name in _OPTIONAL:
                 continue
@@ -113,8 +159,21 @@ class TaskMessage(NamedTuple):
         return message
 
 
-#: the fields a message carries (the others come from the task row)
+class _NotSent:
+    """The payload of a message that carried none (version 2): the row's is what runs."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_SENT"
+
+
+NOT_SENT: Any = _NotSent()
+#: the fields a version-1 message carries (the others come from the task row)
 WIRE_FIELDS = TaskMessage._fields[:14]
+#: the fields a version-2 message carries
+SLIM_FIELDS = ("task_id", "attempt", "trace_id", "trigger_time", "priority", "dispatched_at",
+               "node")
 _INT32, _INT64 = 2**31 - 1, 2**63 - 1
 #: each integer field's allowed range (the task table's column types)
 _INT_RANGES = {"task_id": (0, _INT64), "attempt": (1, _INT32), "trigger_time": (0, _INT64),

@@ -34,6 +34,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 #: every reason a message is refused for (the ``reason`` label of the counter)
 REASONS = ("not_kombu", "too_large", "content_type", "not_json", "too_deep", "not_task",
            "missing_field", "wrong_type", "bad_value", "unknown_task")
@@ -90,12 +92,28 @@ def decode_body(body: bytes | str | None, content_type: str | None,
     if headers and "compression" in headers:
         raise Rejected("content_type", f"compressed ({headers['compression']!r})")
     try:
-        value = json.loads(body)
+        value = _loads(body)
     except RecursionError:
         raise Rejected("too_deep", "nested too deep to decode") from None
     except ValueError as exc:  # also UnicodeDecodeError
         raise Rejected("not_json", f"not JSON: {str(exc)[:200]}") from None
     check_shape(value)
+    return value
+
+
+def _loads(body: bytes | str) -> Any:
+    """JSON text → value. orjson (a fraction of the standard decoder's time) for what ax
+    publishes; the standard decoder wherever they could differ: text orjson refuses (its
+    error, or NaN, which the standard decoder accepts), a body with a payload (the user's
+    data: orjson turns an integer over 64 bits into a float) and a float among an object's
+    fields (a field that should be an integer is then refused for the reason it really has)."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body)
+    if type(value) is dict and ("payload" in value
+                                or any(type(v) is float for v in value.values())):
+        return json.loads(body)
     return value
 
 

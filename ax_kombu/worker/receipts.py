@@ -45,6 +45,8 @@ from ax_kombu.worker.results import Counters, HeldConnection
 log = logging.getLogger(__name__)
 
 _WIRE = len(WIRE_FIELDS)
+#: what a version-2 message says that its row says too (task_id and attempt fence the move)
+_SLIM_COMPARED = ("trace_id", "trigger_time", "priority")
 
 
 @dataclass(eq=False)
@@ -209,7 +211,12 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
                            bool(row.gated), row.order_key, row.shard_index, row.shard_total,
                            None, row.started_at)
         started[row.task_id] = task
-        if task[:_WIRE] != message[:_WIRE]:
+        if message.slim:  # version 2: the few fields it carries
+            if (task.trace_id, task.trigger_time, task.priority) != (
+                    message.trace_id, message.trigger_time, message.priority):
+                forged.append((delivery, [name for name in _SLIM_COMPARED
+                                          if getattr(task, name) != getattr(message, name)]))
+        elif task[:_WIRE] != message[:_WIRE]:
             forged.append((delivery, [name for name, mine, theirs
                                       in zip(WIRE_FIELDS, task, message, strict=False)
                                       if mine != theirs]))

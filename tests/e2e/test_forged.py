@@ -49,7 +49,7 @@ def test_a_forged_message_runs_the_stored_task_not_the_message(system: System,
     with connection(system.settings) as conn:
         declare_queues(conn, system.settings)
         queue = task_queues(system.settings)["default"]
-        Producer(conn.default_channel).publish(forgery.to_json(), exchange="",
+        Producer(conn.default_channel).publish(forgery.full_json(), exchange="",
                                                routing_key=queue.name,
                                                content_type="application/json",
                                                content_encoding="utf-8")

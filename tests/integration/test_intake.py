@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 
 from ax_kombu.broker import redis_pull as intake
 from ax_kombu.broker.connection import connection, declare_queues
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import TaskMessage, redis_envelope
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
 
@@ -150,11 +151,21 @@ def test_an_acked_message_stays_gone(
 
 
 def test_payloads_decode_exactly_as_json_does(
-        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None]) -> None:
-    """The envelope may go through orjson; the payload (user data) must not change type."""
+        puller: intake.Puller, publish: Callable[[list[TaskMessage]], None], conn: Any,
+        settings: Settings) -> None:
+    """What ax publishes (version 2) carries no payload; a version-1 message from an older
+    scheduler does, and the envelope and body may go through orjson, but that payload (user
+    data) must not change type."""
     payload = {"big": 2 ** 70, "neg": -(2 ** 65), "f": 0.1, "s": "é\u2028", "n": None}
     publish([message(1)._replace(payload=payload)])
-    puller.set_limit(1, 1)
-    eventually(lambda: len(puller.inbox) == 1, timeout=10.0, what="the message")
-    body = drained(puller)[0].body
-    assert body["payload"] == payload and isinstance(body["payload"]["big"], int)
+    full = message(2)._replace(payload=payload)
+    envelope = json.loads(redis_envelope(full, settings.queue_default))
+    envelope["body"] = full.full_json()
+    channel = conn.default_channel
+    with channel.conn_or_acquire() as client:
+        client.lpush(channel._q_for_pri(settings.queue_default, 0), json.dumps(envelope))
+    puller.set_limit(1, 2)
+    eventually(lambda: len(puller.inbox) == 2, timeout=10.0, what="the messages")
+    slim, old = sorted((p.body for p in drained(puller)), key=lambda b: b["task_id"])
+    assert "payload" not in slim and TaskMessage.from_body(slim).slim
+    assert old["payload"] == payload and isinstance(old["payload"]["big"], int)

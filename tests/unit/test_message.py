@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 
 from ax_kombu.broker.celery_wire import CeleryBound, CeleryFenced
-from ax_kombu.broker.messages import RawJson, TaskMessage, redis_envelope
+from ax_kombu.broker.messages import (
+    NOT_SENT,
+    SLIM_FIELDS,
+    RawJson,
+    TaskMessage,
+    redis_envelope,
+)
 from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.store.claims import _CLAIM_COLUMNS
 
@@ -29,9 +35,17 @@ def test_to_message_and_json_round_trip() -> None:
     fenced = to_message(row[:12] + ("w7", "celery_ax"), "node-1", 123)
     assert type(fenced) is CeleryFenced and fenced.fenced and fenced.route == "ax.worker.w7"
     assert isinstance(message.payload, RawJson)
-    body = json.loads(message.to_json())
-    assert body["payload"] == {"a": [1, "x"]} and body["callback_url"] == "http://127.0.0.1/x"
-    assert TaskMessage.from_body(body) == message._replace(payload={"a": [1, "x"]})
+    full = json.loads(message.full_json())  # version 1, as an older scheduler sent it
+    assert full["payload"] == {"a": [1, "x"]} and full["callback_url"] == "http://127.0.0.1/x"
+    assert TaskMessage.from_body(full) == message._replace(payload={"a": [1, "x"]})
+    assert not TaskMessage.from_body(full).slim
+    body = json.loads(message.to_json())  # version 2: only what the row cannot say
+    assert body == {"v": 2, "task_id": 5, "attempt": 2, "trigger_time": 100, "priority": "high",
+                    "trace_id": "tr", "dispatched_at": 123, "node": "node-1"}
+    slim = TaskMessage.from_body(body)
+    assert slim.slim and slim.payload is NOT_SENT and slim.callback_url is None
+    assert {f: getattr(slim, f) for f in SLIM_FIELDS} == {f: getattr(message, f)
+                                                          for f in SLIM_FIELDS}
     envelope = json.loads(redis_envelope(message, "q"))
     assert json.loads(envelope["body"]) == body
     assert envelope["properties"]["delivery_info"]["routing_key"] == "q"

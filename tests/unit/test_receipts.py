@@ -64,3 +64,17 @@ def test_a_stored_payload_that_is_not_json_is_marked_unreadable(lane: Lane) -> N
     started, _ = stored_tasks([Delivery(lane, m, message=None, generation=1)],
                               [row(m, payload="{not json")])
     assert type(started[9].payload) is UnreadablePayload
+
+
+def test_a_version_2_message_is_compared_on_the_fields_it_carries(lane: Lane) -> None:
+    stored = message(8)
+    genuine = TaskMessage.from_body(json.loads(stored.to_json()))
+    forged_message = TaskMessage.from_body(json.loads(
+        stored._replace(trace_id="evil", trigger_time=1).to_json()))
+    started, forged = stored_tasks([Delivery(lane, genuine, message=None, generation=1)],
+                                   [row(stored)])
+    assert started == {8: stored} and forged == []  # the row fills in all it did not carry
+    delivery = Delivery(lane, forged_message, message=None, generation=1)
+    started, forged = stored_tasks([delivery], [row(stored)])
+    assert started == {8: stored}
+    assert forged == [(delivery, ["trace_id", "trigger_time"])]
