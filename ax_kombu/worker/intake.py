@@ -149,6 +149,11 @@ class Intake:
         self._puller: redis_pull.Puller | None = None
         #: acks per lane not yet reported to the puller
         self._released = [0] * len(lanes)
+        #: RabbitMQ: this loop's acks per lane, sent together by flush_acks()
+        self._acks: dict[Lane, list[Delivery]] = {}
+        #: RabbitMQ: each lane's planned deliveries in arrival (delivery tag) order; the
+        #: acked ones are dropped from the left as flush_acks() finds them
+        self._arrived: dict[Lane, deque[Delivery]] = {lane: deque() for lane in lanes}
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -163,6 +168,7 @@ class Intake:
         self.global_qos = global_qos
         self._puller = puller
         self._released = [0] * len(self.lanes)
+        self._forget_acks()
         return self.generation
 
     def disconnected(self) -> None:
@@ -172,6 +178,7 @@ class Intake:
     def connection_lost(self) -> None:
         """After a lost connection: unacked messages are the broker's again."""
         self.generation += 1  # acks for the lost connection's messages are void from now on
+        self._forget_acks()
         while self.receipts.in_flight:
             batch = self.receipts.take(timeout_s=60.0)
             if batch is None:
@@ -191,6 +198,9 @@ class Intake:
         intake start after a small write, and the writers share the rest)."""
         if not self.receipts.full and (self.pending or any(lane.backlog and lane.free()
                                                            for lane in self.lanes)):
+            if self.global_qos:
+                for delivery in self.pending:
+                    self._arrived[delivery.lane].append(delivery)
             start, release, dupes = plan(self.lanes, self.pending)  # plan keeps no reference
             self.pending.clear()
             for k in range(0, max(1, len(start)), self._batch_size):
@@ -368,16 +378,58 @@ class Intake:
                 lane.apply(self.global_qos)
         for delivery in ended:
             self.ack(delivery)
+        self.flush_acks()
 
     def ack(self, delivery: Delivery) -> None:
-        """Ack a delivery's message once, if it came on the current connection."""
+        """Ack a delivery's message once, if it came on the current connection (on
+        RabbitMQ at the next :meth:`flush_acks`, which whoever acks calls before it waits)."""
         if delivery.acked or delivery.generation != self.generation:
             return
         delivery.acked = True
         delivery.lane.held -= 1
+        if self.global_qos:
+            self._acks.setdefault(delivery.lane, []).append(delivery)
+            return
         delivery.message.ack()
         if self._puller is not None:
             self._released[self.lanes.index(delivery.lane)] += 1
+
+    def flush_acks(self) -> None:
+        """RabbitMQ: send the acks :meth:`ack` collected, in as few frames as is safe.
+
+        A lane's deliveries share one channel, whose delivery tags grow in arrival order.
+        Every tag below the lane's oldest delivery still unacked is settled (acked or
+        rejected), so the acks below it go as ONE ``basic.ack`` with ``multiple`` (up to the
+        highest of them); an ack above it (a run still going holds an older message) goes
+        on its own. Nothing is kept for a later loop, so a connection that closes after
+        this loses no ack."""
+        for lane, acks in self._acks.items():
+            arrived = self._arrived[lane]
+            while arrived and arrived[0].acked:
+                arrived.popleft()
+            oldest = [d.message.delivery_tag for d in (arrived[0] if arrived else None,
+                                                       self._first_pending(lane)) if d]
+            below = min(oldest) if oldest else None
+            top: Delivery | None = None
+            for delivery in acks:
+                tag = delivery.message.delivery_tag
+                if below is not None and tag > below:
+                    delivery.message.ack()
+                elif top is None or tag > top.message.delivery_tag:
+                    top = delivery
+            if top is not None:
+                top.message.ack(multiple=True)
+        self._acks.clear()
+
+    def _first_pending(self, lane: Lane) -> Delivery | None:
+        """The lane's first delivery received and not planned yet (not in _arrived yet)."""
+        return next((d for d in self.pending if d.lane is lane and not d.acked), None)
+
+    def _forget_acks(self) -> None:
+        """A new connection: acks collected for the old one are void, tags start again."""
+        self._acks.clear()
+        for arrived in self._arrived.values():
+            arrived.clear()
 
     def give_room(self) -> None:
         """Tell the puller, once per loop, how much room the acks since the last call freed."""

@@ -76,6 +76,7 @@ class Shutdown:
             return
         for delivery in unstarted:
             intake.ack(delivery)
+        intake.flush_acks()
         self._stats.add("handed_back", len(unstarted))
         log.info("unstarted work handed back to READY", extra={"count": len(unstarted)})
 
