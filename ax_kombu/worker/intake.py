@@ -138,6 +138,9 @@ class Intake:
         self._batch_size = batch_size
         #: submitted to a pool and not settled yet
         self.running: set[Delivery] = set()
+        #: the latest trigger time of any run submitted (epoch ms): none is held once the
+        #: clock has passed it, so the hold watch need not look
+        self.latest_trigger = 0
         #: runs whose timeout passed while they were held (the lease stayed uncertain, say)
         #: and so never started: their rows are still RUNNING here at their attempt, and
         #: the node hands them back (:meth:`take_expired_holds`), or the recovery does
@@ -263,6 +266,8 @@ class Intake:
         with self._staged_lock:
             self._staged.add(delivery)
         self.running.add(delivery)
+        if delivery.task.trigger_time > self.latest_trigger:
+            self.latest_trigger = delivery.task.trigger_time
         # a run received before its trigger time waits in the stage, not in a thread
         hold_s = self._hold_s(delivery.task)
         if not delivery.lane.pool.try_submit(

@@ -260,11 +260,14 @@ class Worker:
             held_only: only staged runs held before a trigger time that is at most
                 ``HOLD_WATCH_AHEAD_MS`` away.
         """
-        deliveries = list(self.intake.running)
         if held_only:
             now = self.store.clock.local_ms()
-            deliveries = [d for d in deliveries
+            if self.intake.latest_trigger <= now:
+                return  # nothing is held (in a burst, thousands wait for a thread, not a time)
+            deliveries = [d for d in list(self.intake.running)
                           if now < d.task.trigger_time <= now + HOLD_WATCH_AHEAD_MS]
+        else:
+            deliveries = list(self.intake.running)
         running = {d.task.task_id: d for d in deliveries}
         if not running:
             return
