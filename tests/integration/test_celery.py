@@ -4,6 +4,7 @@ recorded after the publish, and the recovery of an unconfirmed one."""
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -287,8 +288,13 @@ def test_bootstep_fences_records_and_refuses(client: Client, redis_broker: dict[
     app.steps["worker"].add(axc.AxBootstep)
     assert axc.uses_bootstep(app)
     step = axc.AxBootstep(SimpleNamespace(app=app, hostname="w1@test"))
+    thresholds = gc.get_threshold()
     step.start(SimpleNamespace(app=app))
     try:
+        # the collector: what exists at start frozen, the oldest generation collected at
+        # every collection of the middle one (Celery's ETA path leaves cycles per task)
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (thresholds[0], thresholds[1], 1)
         ok = axc.enqueue(app, "app.tasks.send_email", args=("f@x",), client=client)
         bad = axc.enqueue(app, "app.tasks.boom", client=client)
         assert {r.processor_name for r in rows(client)} == {
@@ -325,3 +331,5 @@ def test_bootstep_fences_records_and_refuses(client: Client, redis_broker: dict[
         assert app.tasks["app.tasks.send_email"]("d@x") == "hi d@x"
     finally:
         step.fence.unregister()
+        gc.set_threshold(*thresholds)  # this test process, not a worker: as it was
+        gc.unfreeze()
