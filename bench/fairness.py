@@ -67,7 +67,10 @@ def run(settings: Settings, args: argparse.Namespace, scenario: str) -> dict[str
         rows = conn.execute(text("SELECT last_run_node, count(*) FROM ax_task "
                                  "WHERE status = 'SUCCESS' GROUP BY last_run_node")).all()
     client.close()
-    done = {node: n for node, n in rows}
+    done: dict[str, int] = {}
+    for node, n in rows:  # a worker's processes are nodes NAME.1, NAME.2 … (--processes auto)
+        name = next((w for w in SLOTS if node == w or node.startswith(f"{w}.")), node)
+        done[name] = done.get(name, 0) + n
     total = sum(done.values())
     return {f"{node}_share": round(done.get(node, 0) / max(1, total), 3) for node in SLOTS} | {
         "expected_w32_share": round(SLOTS["w32"] / sum(SLOTS.values()), 3), "success": total}
