@@ -26,8 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ax_kombu.store.engine import lost_connection
 from ax_kombu.worker.outcomes import refused, refused_alone
-from ax_kombu.worker.results import lost_connection
 
 if TYPE_CHECKING:
     from ax_kombu.celery.fence import End, Fence

@@ -15,7 +15,17 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import URL, Engine, create_engine, event, make_url, text
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    InternalError,
+    NoSuchModuleError,
+    OperationalError,
+    ProgrammingError,
+)
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ax_kombu.config import redact_url
 from ax_kombu.exceptions import ConfigurationError, StoreError
@@ -167,3 +177,15 @@ def current_revision(engine: Engine) -> str | None:
 
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
+
+
+def lost_connection(error: BaseException) -> bool:
+    """Whether a failed write is worth retrying as it is: the store could not be reached
+    or could not run the statement (a lost connection, a lock or statement timeout, a
+    missing table or privilege), none of which a smaller batch would change. Anything
+    else (a DataError or IntegrityError, a value the driver cannot send) is a refusal of
+    the batch's data."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, (OperationalError, InterfaceError, ProgrammingError, InternalError,
+                              DisconnectionError, PoolTimeout, OSError))

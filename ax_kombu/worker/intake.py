@@ -266,8 +266,7 @@ class Intake:
         with self._staged_lock:
             self._staged.add(delivery)
         self.running.add(delivery)
-        if delivery.task.trigger_time > self.latest_trigger:
-            self.latest_trigger = delivery.task.trigger_time
+        self.latest_trigger = max(self.latest_trigger, delivery.task.trigger_time)
         # a run received before its trigger time waits in the stage, not in a thread
         hold_s = self._hold_s(delivery.task)
         if not delivery.lane.pool.try_submit(

@@ -33,7 +33,7 @@ Guarantees:
 * **A clean stop loses nothing.** :meth:`ResultWriter.stop` writes everything put
   before it returns.
 * **No outcome stops the writer.** A write that fails because the store cannot be
-  reached or cannot run the statement (:func:`lost_connection`) is retried as it is,
+  reached or cannot run the statement (:func:`~ax_kombu.store.engine.lost_connection`) is retried as it is,
   with backoff. A batch the store refuses for its data is split in halves until the
   refused outcome is alone; that run is recorded FAILED with the refusal as its
   ``last_error`` (its retries are not used: the same outcome would be refused again),
@@ -64,16 +64,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import (
-    DBAPIError,
-    DisconnectionError,
-    InterfaceError,
-    InternalError,
-    OperationalError,
-    ProgrammingError,
-    SQLAlchemyError,
-)
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
@@ -81,6 +72,7 @@ from ax_kombu.core.backoff import Uniform, default_rng
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, transitions
+from ax_kombu.store.engine import lost_connection
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.store.transitions import Finish
 from ax_kombu.worker.outcomes import RunResult, decide, refused, refused_alone, stored_result
@@ -159,18 +151,6 @@ def _result_not_stored(result: RunResult, finish: Finish) -> bool:
 
 #: the attempt history's word for each way a run ends
 _OUTCOMES = {Status.SUCCESS: "SUCCESS", Status.FAILED: "FAILED", Status.DELAYED: "RETRY"}
-
-
-def lost_connection(error: BaseException) -> bool:
-    """Whether a failed write is worth retrying as it is: the store could not be reached
-    or could not run the statement (a lost connection, a lock or statement timeout, a
-    missing table or privilege), none of which a smaller batch would change. Anything
-    else (a DataError or IntegrityError, a value the driver cannot send) is a refusal of
-    the batch's data."""
-    if isinstance(error, DBAPIError) and error.connection_invalidated:
-        return True
-    return isinstance(error, (OperationalError, InterfaceError, ProgrammingError, InternalError,
-                              DisconnectionError, PoolTimeout, OSError))
 
 
 @functools.cache
