@@ -54,6 +54,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
 from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.lease import Lease
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
@@ -61,7 +62,6 @@ from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.claims import claim, still_held
 from ax_kombu.store.gates import Broadcast, claim_gated
-from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 

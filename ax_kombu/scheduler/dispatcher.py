@@ -12,7 +12,7 @@ back to the timing loop to be fired again.
 
 **Fenced by the live incarnation.** Each batch carries the incarnation that claimed it
 (:class:`Claimed`), and it is published only while the node's
-:class:`~ax_kombu.worker.control.Lease` covers that incarnation (a heartbeat sent within
+:class:`~ax_kombu.core.lease.Lease` covers that incarnation (a heartbeat sent within
 the silence window, less a margin, succeeded for it). A node paused past its silence
 window (SIGSTOP, a long GC, a frozen VM) finds its lease run out when it resumes: its
 dispatcher waits for the next beat, and if that beat finds the node declared dead — its
@@ -40,12 +40,12 @@ from ax_kombu.broker.celery_wire import CELERY_MESSAGES
 from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, worker_queue
+from ax_kombu.core.lease import Lease
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
 from ax_kombu.store.claims import Unbuildable, fail_unbuildable
 from ax_kombu.store.transitions import transition
-from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 

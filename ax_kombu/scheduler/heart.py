@@ -20,7 +20,7 @@ Contracts:
   holds, waits until the timing loop has dropped it, and registers anew (so what the
   next preload hands over is never dropped with the old wheel).
 * **The lease**: each beat that lands confirms the node's
-  :class:`~ax_kombu.worker.control.Lease` for the incarnation it beat (or registered)
+  :class:`~ax_kombu.core.lease.Lease` for the incarnation it beat (or registered)
   from the moment it was sent; the dispatcher publishes a batch only while the lease
   covers the incarnation that claimed it (:mod:`ax_kombu.scheduler.dispatcher`).
 """
@@ -32,11 +32,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.scheduler.stage import Stage
-from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ Guarantees:
   a claimed-but-unpublished batch returns via the ack timeout.
 * **Fenced**: a node told by its heartbeat that it was declared dead drops
   what it holds and registers anew; it publishes a claimed batch only while
-  its lease (its last landed beat, :class:`~ax_kombu.worker.control.Lease`)
+  its lease (its last landed beat, :class:`~ax_kombu.core.lease.Lease`)
   covers the incarnation that claimed it, so a node paused past its silence
   window publishes none of the claims it lost meanwhile
   (:mod:`~ax_kombu.scheduler.dispatcher`); a node just back from a database outage
@@ -86,6 +86,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
 from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher
@@ -100,7 +101,6 @@ from ax_kombu.store import Store, nodes, recovery
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
-from ax_kombu.worker.control import Lease
 
 log = logging.getLogger(__name__)
 

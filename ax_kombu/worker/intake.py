@@ -28,7 +28,7 @@ came back:
 
 **Before a run starts** (on its pool thread) it is checked once more, in
 memory: it must still be staged (not cancelled, not withdrawn by a stop) and
-the worker's :class:`~ax_kombu.worker.control.Lease` must cover the
+the worker's :class:`~ax_kombu.core.lease.Lease` must cover the
 incarnation that fenced it — a worker
 whose heartbeats stopped succeeding (cut off, or paused past its silence
 window) starts nothing it staged until a beat succeeds, and one declared dead
@@ -75,9 +75,10 @@ from typing import Any
 
 from ax_kombu.broker import redis_pull
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
-from ax_kombu.worker.control import Lease, StopFlags, Wakeup
+from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome
 from ax_kombu.worker.processors import Cancellation, Context, Resolver
@@ -287,7 +288,7 @@ class Intake:
 
     def _start(self, delivery: Delivery) -> Any:
         """A pool thread takes a staged run: hold it until its trigger time, make sure the
-        incarnation that fenced it is still certainly live (:class:`~ax_kombu.worker.control.Lease`:
+        incarnation that fenced it is still certainly live (:class:`~ax_kombu.core.lease.Lease`:
         a run fenced before the worker was declared dead never starts, even when its batch
         came back after the stage was withdrawn), then run it — unless it was cancelled or
         withdrawn meanwhile (the processor is then

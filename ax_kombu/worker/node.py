@@ -46,6 +46,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.connection import task_queues
 from ax_kombu.config import PRIORITIES, Settings, redact_url, worker_queue
+from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import StoreError
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
@@ -53,7 +54,7 @@ from ax_kombu.store.nodes import Heartbeat, default_node_id
 from ax_kombu.store.tasks import cancelled_among
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
-from ax_kombu.worker.control import Lease, StopFlags, Wakeup
+from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import OWN_LANE, Lane, parse_queues
 from ax_kombu.worker.processors import Resolver, split_names

@@ -10,7 +10,7 @@ attempt that incarnation was given, at the moment it is taken:
   a worker starts a message only at the row's current attempt; what the zombie held in
   its wheel was released when it was declared dead, and a peer claims it;
 * a **worker** starts a staged run only while its lease covers the incarnation that fenced
-  it (:class:`ax_kombu.worker.control.Lease`), and an outcome is written only where the
+  it (:class:`ax_kombu.core.lease.Lease`), and an outcome is written only where the
   row is still RUNNING at the run's attempt (:mod:`ax_kombu.store.transitions`).
 
 **Timing.** The issue measured a 25 s stop under the default liveness settings (5 s × 3 =

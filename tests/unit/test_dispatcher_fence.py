@@ -15,11 +15,11 @@ from sqlalchemy import select, update
 
 from ax_kombu.api import Client
 from ax_kombu.config import from_env
+from ax_kombu.core.lease import Lease
 from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher, to_message
 from ax_kombu.store import Store, recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.schema import tasks
-from ax_kombu.worker.control import Lease
 
 
 class Clock:

@@ -10,7 +10,8 @@ import pytest
 from kombu import Queue
 
 from ax_kombu.broker.messages import TaskMessage
-from ax_kombu.worker.control import Lease, StopFlags, Wakeup
+from ax_kombu.core.lease import Lease
+from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Delivery, Lane
 from ax_kombu.worker.receipts import Batch

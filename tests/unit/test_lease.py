@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from ax_kombu.worker.control import Lease
+from ax_kombu.core.lease import Lease
 
 
 class Clock:
