@@ -57,6 +57,11 @@ class TimingWheel(Generic[K]):
             self._res.append(self._res[-1] * size)
         self._slots: list[list[dict[K, None]]] = [[{} for _ in range(s)] for s in level_sizes]
         self._counts = [0] * len(level_sizes)
+        #: per level above 0, per slot: [the smallest tick of its keys, how many have it],
+        #: kept as keys come and go (absent: not known, counted when next asked for), so
+        #: the next due time of a crowded slot is not a walk over its keys every time the
+        #: earliest of them is removed (100,000 due at one instant, claimed in batches)
+        self._slot_min: list[dict[int, list[int]]] = [{} for _ in level_sizes]
         self._overdue: dict[K, None] = {}
         self._where: dict[K, _Entry] = {}
         self._tick = 0  # every tick <= _tick has been processed
@@ -96,6 +101,8 @@ class TimingWheel(Generic[K]):
         else:
             del self._slots[level][slot][key]
             self._counts[level] -= 1
+            if level:
+                self._forget_tick(level, slot, entry[4])
         if self._cache_ok and self._fire_ms(entry) == self._cache:
             self._cache_ok = False
         return True
@@ -147,7 +154,17 @@ class TimingWheel(Generic[K]):
         while delta >= res[level + 1]:
             level += 1
         slot = (tick // res[level]) % self._sizes[level]
-        self._slots[level][slot][key] = None
+        keys = self._slots[level][slot]
+        if level:
+            least = self._slot_min[level].get(slot)
+            if not keys:
+                self._slot_min[level][slot] = [tick, 1]
+            elif least is not None:
+                if tick < least[0]:
+                    least[0], least[1] = tick, 1
+                elif tick == least[0]:
+                    least[1] += 1
+        keys[key] = None
         self._counts[level] += 1
         entry = (due_ms, seq, level, slot, tick)
         self._where[key] = entry
@@ -190,6 +207,7 @@ class TimingWheel(Generic[K]):
         if not keys:
             return
         self._slots[level][slot] = {}
+        self._slot_min[level].pop(slot, None)
         self._counts[level] -= len(keys)
         place, where = self._place, self._where
         for key in keys:
@@ -215,10 +233,26 @@ class TimingWheel(Generic[K]):
             block = self._first_block(level, limit)
             if block is None:
                 continue
-            keys = self._slots[level][block % self._sizes[level]]
-            tick = block if level == 0 else min(self._where[key][4] for key in keys)
+            tick = block if level == 0 else self._least_tick(level, block % self._sizes[level])
             best = tick if best is None else min(best, tick)
         return None if best is None else self._start + best * self._tick_ms
+
+    def _least_tick(self, level: int, slot: int) -> int:
+        """The smallest tick of the keys in a non-empty slot above level 0."""
+        least = self._slot_min[level].get(slot)
+        if least is None:
+            ticks = [self._where[key][4] for key in self._slots[level][slot]]
+            least = self._slot_min[level][slot] = [min(ticks), 0]
+            least[1] = ticks.count(least[0])
+        return least[0]
+
+    def _forget_tick(self, level: int, slot: int, tick: int) -> None:
+        """A key of ``tick`` left a slot above level 0: its smallest tick may have changed."""
+        least = self._slot_min[level].get(slot)
+        if least is not None and tick == least[0]:
+            least[1] -= 1
+            if not least[1]:  # the last key at the smallest tick: counted again when asked
+                del self._slot_min[level][slot]
 
     def _round_up(self, due_ms: int) -> int:
         """``due_ms`` rounded up to the end of its tick."""

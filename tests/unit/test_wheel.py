@@ -354,3 +354,26 @@ def test_keys_of_any_hashable_type() -> None:
     wheel.add("task-2", 5)
     wheel.add(3, 4)
     assert wheel.advance(5) == [3, ("task", 1), "task-2"]
+
+
+def test_a_crowded_higher_slot_keeps_its_next_due_time_as_keys_leave() -> None:
+    """Many keys due at one instant beyond level 0 (a burst, claimed in batches): the next due
+    time stays theirs while any is left, then moves to the next tick of the slot; keys that
+    come back at an earlier tick take over."""
+    wheel: TimingWheel[int] = TimingWheel(START, 1, (8, 8, 8))
+    burst, later = START + 100, START + 103  # both in one level-2 slot (ticks 64..127)
+    for key in range(1_000):
+        wheel.add(key, burst)
+    for key in range(1_000, 1_010):
+        wheel.add(key, later)
+    for first in range(0, 990, 110):
+        for key in range(first, first + 110):
+            wheel.remove(key)
+        assert wheel.next_due_ms() == burst
+    for key in range(990, 1_000):
+        wheel.remove(key)
+    assert wheel.next_due_ms() == later
+    wheel.add(7, START + 98)  # back, earlier than what is left
+    assert wheel.next_due_ms() == START + 98
+    assert wheel.advance(START + 200) == [7, *range(1_000, 1_010)]
+    assert wheel.next_due_ms() is None
