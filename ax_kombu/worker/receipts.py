@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 _WIRE = len(WIRE_FIELDS)
 #: what a version-2 message says that its row says too (task_id and attempt fence the move)
 _SLIM_COMPARED = ("trace_id", "trigger_time", "priority")
+_slim_compared = operator.attrgetter(*_SLIM_COMPARED)
 
 
 @dataclass(eq=False)
@@ -212,8 +214,7 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
                            None, row.started_at)
         started[row.task_id] = task
         if message.slim:  # version 2: the few fields it carries
-            if (task.trace_id, task.trigger_time, task.priority) != (
-                    message.trace_id, message.trigger_time, message.priority):
+            if _slim_compared(task) != _slim_compared(message):
                 forged.append((delivery, [name for name in _SLIM_COMPARED
                                           if getattr(task, name) != getattr(message, name)]))
         elif task[:_WIRE] != message[:_WIRE]:
