@@ -129,6 +129,12 @@ def _as_int(name: str, value: Any, minimum: int, maximum: int) -> int:
     return int(value)
 
 
+def initial_status(trigger: int, now_ms: int) -> str:
+    """A new task's state: DELAYED while its trigger time is ahead, READY once due (a
+    label for ``ax inspect``: the preload and the claim treat both alike)."""
+    return (Status.DELAYED if trigger > now_ms else Status.READY).value
+
+
 def trigger_ms(now_ms: int, run_at: datetime | None, delay: Any) -> int:
     """The trigger time in epoch ms from exactly one of ``run_at`` / ``delay`` (or now).
 
@@ -389,7 +395,7 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
         "task_type": task_type,
         "trigger_time": trigger,
         "order_key": key, "order_seq": trigger if key is not None else None, "gate": gate,
-        "status": Status.CREATED.value,
+        "status": initial_status(trigger, now_ms),
         "priority": str(priority),
         "retry_count": 0,
         "max_retry": _as_int("max_retry", settings.default_max_retry if max_retry is None

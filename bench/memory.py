@@ -5,7 +5,7 @@ PostgreSQL (a scratch database) + Redis, the daemons as :mod:`bench.e2e` starts 
 
 1. The store is filled in steps (default to 10,000, then 100,000, then 1,000,000 future
    tasks), each step one bulk ``INSERT … SELECT generate_series`` made by the database
-   (CREATED tasks due 1–2 hours ahead, spread evenly) and an ``ANALYZE``. After each step
+   (DELAYED tasks due 1–2 hours ahead, spread evenly) and an ``ANALYZE``. After each step
    the daemons run for ``--settle`` seconds (default 12) before VmRSS and VmHWM are read
    from ``/proc``: with the recovery scan every ``--recovery-interval`` s (default 5 here,
    30 by default in ax) that is two recovery scans and about twelve preload rounds (one a
@@ -47,7 +47,7 @@ INSERT INTO ax_task (task_id, task_type, trigger_time, status, priority, retry_c
 SELECT :first + g, 'bench.future',
        CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT) + :hour
            + (g * CAST(:hour AS BIGINT)) / :n,
-       'CREATED', 'default', 0, 3, 60000, 'bench.future', '{"i": ' || (:first + g) || '}',
+       'DELAYED', 'default', 0, 3, 60000, 'bench.future', '{"i": ' || (:first + g) || '}',
        md5((:first + g)::text), md5((-(:first + g))::text), 0,
        CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)
   FROM generate_series(0, :n - 1) AS g

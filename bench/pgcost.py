@@ -27,15 +27,14 @@ Phases: *idle* (the daemons started, ``--idle`` s with no task), *enqueue* (N ta
 task is final: preload, claim, RUNNING, SUCCESS, and the daemons' idle work during the
 ``--lead`` wait).
 
-``--variants base,lean`` (alternating, ``--rounds`` each) tries index changes in the scratch
-database only (never in ax's migrations):
+``--variants base,ff80`` (alternating, ``--rounds`` each) tries storage changes in the
+scratch database only (never in ax's migrations):
 
 * ``base``: ax's schema as migrated.
-* ``lean``: ``ix_ax_task_type_status`` partial to DISPATCHING/RUNNING (what the cluster-wide
-  limits count) and ``ix_ax_task_status_trigger`` partial to the non-final states (what the
-  preload, recovery and ack-timeout scans ask for).
+* ``ff80``, ``ff60``: ``ax_task`` with that fillfactor (room on each page for a row's next
+  versions).
 
-    .venv/bin/python -m bench.pgcost [--n 20000] [--variants base,lean] [--rounds 2]
+    .venv/bin/python -m bench.pgcost [--n 20000] [--variants base,ff80] [--rounds 2]
                                      [-c high=8,default=256,slow=8]
 """
 
@@ -65,14 +64,9 @@ AUX = ("walwriter", "checkpointer", "background writer")
 
 VARIANTS: dict[str, list[str]] = {
     "base": [],
-    "lean": [
-        "DROP INDEX ix_ax_task_type_status",
-        ("CREATE INDEX ix_ax_task_type_status ON ax_task (task_type, status) "
-         "WHERE status IN ('DISPATCHING', 'RUNNING')"),
-        "DROP INDEX ix_ax_task_status_trigger",
-        ("CREATE INDEX ix_ax_task_status_trigger ON ax_task (status, trigger_time) "
-         "WHERE status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')"),
-    ],
+    # free room on every page, so that a row's next version can land beside it
+    "ff80": ["ALTER TABLE ax_task SET (fillfactor = 80)"],
+    "ff60": ["ALTER TABLE ax_task SET (fillfactor = 60)"],
 }
 
 # This database's WAL records in [a, b): per (resource manager, record type, relfilenode),

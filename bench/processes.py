@@ -80,7 +80,6 @@ def prepare(client: Client, n: int, loops: int) -> list[Any]:
     client.enqueue_many([{"task_type": TASK_TYPE, "payload": {"loops": loops, "i": i},
                           "run_at": run_at} for i in range(n)])
     with client.store.engine.begin() as conn:
-        conn.execute(text("UPDATE ax_task SET status = 'READY' WHERE status = 'CREATED'"))
         ids = [r[0] for r in conn.execute(text("SELECT task_id FROM ax_task ORDER BY task_id"))]
     rows: list[Any] = []
     for base in range(0, n, 1000):  # the scheduler's batch size

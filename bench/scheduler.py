@@ -116,7 +116,7 @@ def poll_baseline(settings: Settings, recorder: Recorder, n: int, deadline: floa
     client = Client(settings)
     claim_sql = text("""
         UPDATE ax_task SET status = 'DISPATCHING', attempt = attempt + 1
-         WHERE task_id IN (SELECT task_id FROM ax_task WHERE status = 'CREATED'
+         WHERE task_id IN (SELECT task_id FROM ax_task WHERE status IN ('DELAYED', 'READY')
                               AND trigger_time <= :now ORDER BY trigger_time LIMIT 1000
                               FOR UPDATE SKIP LOCKED)
         RETURNING task_id, trigger_time, priority, payload""")
@@ -162,7 +162,7 @@ def steady(settings: Settings, rate: int, duration: float) -> dict[str, Any]:
 
 
 def add_backlog(url: str, rows: int) -> None:
-    """``rows`` CREATED tasks due 1–2 days ahead, written by the database itself."""
+    """``rows`` DELAYED tasks due 1–2 days ahead, written by the database itself."""
     from ax_kombu.store.engine import make_engine
 
     engine = make_engine(url)
@@ -173,7 +173,7 @@ def add_backlog(url: str, rows: int) -> None:
                 created_at)
             SELECT g, 'bench.future',
                    (extract(epoch from now()) * 1000)::bigint + 86400000 + g % 86400000,
-                   'CREATED', 'default', 0, 3, 60000, 'bench.future', '{}', md5(g::text),
+                   'DELAYED', 'default', 0, 3, 60000, 'bench.future', '{}', md5(g::text),
                    md5(g::text), 0, 0
               FROM generate_series(1, :n) AS g"""), {"n": rows})
         conn.execute(text("ANALYZE ax_task"))

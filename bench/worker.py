@@ -58,8 +58,7 @@ def prepare(client: Client, n: int) -> None:
     for base in range(0, n, 20_000):
         client.enqueue_many([{"task_type": "bench.burst", "payload": {"i": i}, "run_at": run_at}
                              for i in range(base, min(n, base + 20_000))])
-    with client.store.engine.begin() as conn:  # what a scheduler's preload does first
-        conn.execute(text("UPDATE ax_task SET status = 'READY' WHERE status = 'CREATED'"))
+    with client.store.engine.begin() as conn:
         ids = [r[0] for r in conn.execute(text("SELECT task_id FROM ax_task ORDER BY task_id"))]
     publisher = Publisher(client.settings)
     try:

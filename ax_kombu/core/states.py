@@ -2,7 +2,7 @@
 
 ::
 
-    CREATED ─▶ DELAYED (future) | READY (due)   (preload)
+    (enqueue) ─▶ DELAYED (future) | READY (due)   (a preload only reads them)
     DELAYED | READY ─▶ DISPATCHING             (claimed by a scheduler node)
     DISPATCHING ─▶ RUNNING (a worker took it) | READY (publish failed, ack timeout,
                    worker pool full, an earlier incarnation's claim)
@@ -10,6 +10,9 @@
     RUNNING ─▶ SUCCESS | FAILED | DELAYED (retry with backoff, also "worker lost")
     FAILED | CANCELLED ─▶ READY              (manual retry: ``ax retry``)
     any non-final ─▶ CANCELLED
+
+CREATED is what producers wrote before migration 0011 (the preload then moved it to
+DELAYED/READY); such a row is claimed like a DELAYED one.
 
 Every change is one ``UPDATE … WHERE task_id … AND status IN (…)`` statement
 (:mod:`ax_kombu.store.transitions`, :mod:`ax_kombu.store.claims`);
@@ -44,10 +47,10 @@ S = Status
 FINAL = frozenset({S.SUCCESS, S.FAILED, S.CANCELLED})
 ACTIVE = frozenset(Status) - FINAL
 #: states a scheduler may claim from
-CLAIMABLE = (S.DELAYED, S.READY)
+CLAIMABLE = (S.CREATED, S.DELAYED, S.READY)
 
 TRANSITIONS: Mapping[Status, frozenset[Status]] = {
-    S.CREATED: frozenset({S.DELAYED, S.READY, S.CANCELLED}),
+    S.CREATED: frozenset({S.DELAYED, S.READY, S.DISPATCHING, S.CANCELLED}),
     S.DELAYED: frozenset({S.DISPATCHING, S.CANCELLED}),
     S.READY: frozenset({S.DISPATCHING, S.CANCELLED}),
     S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.FAILED, S.CANCELLED}),

@@ -7,21 +7,24 @@ Contracts:
   while the previous claim ran form the next batch, up to ``claim_batch``. A
   row moves to DISPATCHING for exactly one node, with a new attempt number, and
   only the claimed rows are handed to the dispatcher (sorted by trigger time).
-  Why claim rather than partition: any node may end up holding any task
-  (adoption after a node dies), and the database stays the one arbiter.
+  Why claim even though the schedulers split the ids between them (each preloads
+  its share, :mod:`ax_kombu.store.recovery`): while they see different sets of live
+  schedulers two may have the same task in memory, and the database stays the one
+  arbiter.
 * **Durable before it is handed on**: on PostgreSQL the statement runs in
   autocommit on the claimer's own connection (one round trip; the claim is
   committed when it returns). That connection is never returned to the pool,
   and is replaced after any error. On SQLite it runs in a ``BEGIN IMMEDIATE``
   transaction (see :mod:`ax_kombu.store.engine`).
-* **Skipped ids are not lost**: ids the claim did not move that this node
-  still holds (row locked by a racing claim) fire again shortly; those no
-  longer ours (cancelled, claimed elsewhere, released) are dropped.
+* **Skipped ids are not lost**: ids the claim did not move that are still
+  claimable (a Celery-bound task not due yet) fire again shortly; those no
+  longer claimable (cancelled, claimed elsewhere, parked) are dropped: if one
+  becomes claimable again, the preload reads it again.
 * **A lost reply is resumed, not dropped**: a claim that fails may have committed
   (the connection dropped after the commit, before the answer). Its batch is tried
   again, before anything else, as a *resume* with the same ``now``
-  (:func:`ax_kombu.store.claims.claim`): rows still DELAYED/READY are claimed, and
-  rows the lost statement moved — DISPATCHING, held by this node, ``dispatched_at`` =
+  (:func:`ax_kombu.store.claims.claim`): rows still claimable are claimed, and
+  rows the lost statement moved — DISPATCHING, ``last_run_node`` this node, ``dispatched_at`` =
   that ``now`` — come back at the attempt it gave them and are published, not left
   DISPATCHING until the ack timeout. Every claim of this claimer writes a
   ``dispatched_at`` later than the one before (:meth:`Claimer._claim_now`), so that
@@ -39,8 +42,8 @@ Contracts:
   unreachable, fired ids go back to the wheel for ``republish_delay_ms`` and
   nothing is claimed, so no task is moved to DISPATCHING that cannot be sent.
 * On :meth:`~ax_kombu.scheduler.stage.Stage.stop` the claimer ends after the
-  batch in hand; what is fired but unclaimed stays held by the node and is
-  released by its shutdown.
+  batch in hand; what is fired but unclaimed stays claimable in the store, for
+  the other schedulers' preload.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
-from ax_kombu.store.claims import claim, still_held
+from ax_kombu.store.claims import claim, still_claimable
 from ax_kombu.store.gates import Broadcast, claim_gated
 
 log = logging.getLogger(__name__)
@@ -216,15 +219,15 @@ class Claimer(Stage):
         self.pause(self._hold_s)
 
     def _keep_unclaimed(self, batch: list[int], rows: Sequence[Any]) -> None:
-        """Ids the claim skipped that are still ours: gated and due → the gated claim;
+        """Ids the claim skipped that are still claimable: gated and due → the gated claim;
         others fire again soon, a Celery-bound one not due yet at its trigger time (its
         time here is ``claim_lead_ms`` late, see :func:`ax_kombu.store.claims.fire_time`);
-        the rest (no longer ours) are dropped."""
+        the rest (claimed elsewhere, cancelled, parked) are dropped."""
         claimed = {r.task_id for r in rows}
         missing = [t for t in batch if t not in claimed]
         try:
             with self._store.engine.connect() as conn:
-                ours = still_held(conn, missing, self._node_id, celery_lag_ms=self._lead_ms)
+                ours = still_claimable(conn, missing, celery_lag_ms=self._lead_ms)
         except SQLAlchemyError as exc:
             self._timing.retry_later(missing)  # the next claim sorts out which are still ours
             self.db_failed("claim", exc)

@@ -9,19 +9,18 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
 * **Preload** — every ``preload_interval_ms`` (50 ms at most on a store
   without wake-ups, SQLite), at once on a producer's wake-up (PostgreSQL
   ``NOTIFY``, :class:`ax_kombu.store.notify.WakeListener`), and again straight
-  away while it keeps finding full batches: tasks due within
-  ``preload_window_ms`` — CREATED rows and rows nobody holds
-  (:func:`ax_kombu.store.recovery.preload`) — are handed to the timing loop;
-  one for stock Celery workers ``claim_lead_ms`` after its trigger time, so that it
-  fires when due and is never staged (:mod:`ax_kombu.store.claims`).
-  Memory is bounded by the window and ``max_held``, never by how many future
-  tasks exist; no preload starts before the last one is in the wheel, nor
-  while the wheel is being dropped (the node was declared dead).
-  A preload that failed may have committed without its reply reaching us, and
-  one that was in flight when the node was fenced may have handed rows to a
-  wheel being dropped: the next one also takes back every row the database
-  says this node holds (:func:`ax_kombu.store.recovery.held_by`), so none is
-  stranded.
+  away while it keeps finding full batches: this node's share of the claimable
+  tasks due within ``preload_window_ms`` is *read* (nothing is written:
+  :func:`ax_kombu.store.recovery.preload`) and handed to the timing loop; one for
+  stock Celery workers ``claim_lead_ms`` after its trigger time, so that it fires
+  when due and is never staged (:mod:`ax_kombu.store.claims`). Each round reads
+  ``ax_node`` for the live schedulers, which split the task ids between them;
+  when they change, the node reads its new share's whole window again, as it does
+  after the wheel was dropped (the node was fenced). Memory is bounded by the
+  window and ``max_held``, never by how many future tasks exist (a round may
+  overshoot ``max_held`` by the tasks tied at its last instant and those that
+  became claimable again); no preload starts before the last one is in the
+  wheel, nor while the wheel is being dropped.
 * **Recurring jobs** — every ``job_interval_ms``, before the preload: the
   occurrences due within ``job_lookahead_ms`` are written as tasks
   (:mod:`ax_kombu.scheduler.recurrence`), and the preload that follows takes
@@ -34,8 +33,10 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   landing for a whole window (:mod:`ax_kombu.scheduler.liveness`).
 * **Recovery** — every ``recovery_interval_s``: unstarted DISPATCHING tasks
   are re-dispatched with a doubling ack timeout (bounded, never to a queue
-  without consumer), due tasks held by nobody alive are released, and RUNNING
-  tasks of workers not alive are retried or failed. Whatever recovery frees
+  without consumer), and RUNNING tasks of workers not alive are retried or
+  failed; claimable tasks of the other schedulers' shares overdue by a silence
+  window are taken into this node's wheel too (a scheduler that beats but
+  cannot preload holds nothing up for longer). Whatever recovery frees
   triggers a preload at once.
 * **Pruning** — every ``PRUNE_INTERVAL_MS``: the ``ax_node`` rows of nodes
   stopped longer than ``node_retention_s`` ago are deleted
@@ -113,8 +114,11 @@ class Housekeeper(Stage):
         self._on_fenced = on_fenced
         self.liveness = Liveness(settings, store, heartbeat, info, self._fenced, self.wake)
         self._wake_pending = True
-        #: a preload failed, or the node was fenced: rows may be held without our knowing
-        self._reconcile = threading.Event()
+        #: the wheel was dropped (the node was fenced): read the whole share again
+        self._reread = threading.Event()
+        #: how far this node has read its share of the window, and which share
+        self._loaded = recovery.Loaded()
+        self._share = recovery.Share()
         self._poll_ms = settings.preload_interval_ms
         self._listener: WakeListener | None = None
         if store.engine.dialect.name == "postgresql":
@@ -149,12 +153,13 @@ class Housekeeper(Stage):
 
     def _fenced(self) -> None:
         """The node was declared dead (on the heartbeat's thread, before it registers
-        anew): drop what it holds, wait for the drop, reconcile at the next preload."""
+        anew): drop what it holds, wait for the drop, read it all again at the next
+        preload."""
         self._on_fenced()
         deadline = time.monotonic() + DROP_WAIT_S
         while self._timing.dropping and time.monotonic() < deadline and not self.stopping:
             time.sleep(0.005)
-        self._reconcile.set()
+        self._reread.set()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -237,7 +242,8 @@ class Housekeeper(Stage):
             self._wake_pending = True
 
     def _preload(self, now: int) -> None:
-        """Take the next due tasks into memory (at most ``preload_batch``, up to ``max_held``)."""
+        """Read the next due tasks of this node's share into memory (at most
+        ``preload_batch`` a round, up to ``max_held``)."""
         self._wake_pending = False
         settings = self._settings
         room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
@@ -246,21 +252,30 @@ class Housekeeper(Stage):
             return
         horizon = now + settings.preload_window_ms
         lag = settings.claim_lead_ms  # a stock Celery worker's task fires when due, unstaged
-        reconcile = self._reconcile.is_set()
-        self._reconcile.clear()  # set again by a fence while this preload runs
+        reread = self._reread.is_set()
+        self._reread.clear()  # set again by a fence while this preload runs
+        loaded = recovery.Loaded() if reread else self._loaded
         try:
             with self._store.engine.begin() as conn:
-                rows = recovery.preload(conn, self._node_id, now, horizon, room, lag)
-                if reconcile:  # re-adding an id the wheel has only reschedules it
-                    rows += recovery.held_by(conn, self._node_id, horizon, room,
-                                             celery_lag_ms=lag)
+                live = nodes.live_names(conn, "scheduler", now - settings.silence_ms)
+                share = recovery.Share.among(live, self._node_id)
+                if share != self._share:
+                    loaded = recovery.Loaded()
+                rows, loaded = recovery.preload(conn, loaded, horizon, room, share, lag)
         except BaseException:
             self._wake_pending = True  # try again after the back-off
-            self._reconcile.set()
+            if reread:
+                self._reread.set()
             raise
+        if share != self._share:
+            log.info("the live schedulers changed; reading this node's new share",
+                     extra={"node": self._node_id, "schedulers": share.of,
+                            "share": share.part})
+            self._share = share
+        self._loaded = loaded
         self._timing.hand(rows)
         metrics.preload_total.inc(len(rows))
-        self._next["preload"] = now if len(rows) == room else now + self._poll_ms
+        self._next["preload"] = now if loaded.until < horizon else now + self._poll_ms
 
     def _judge(self, now: int) -> None:
         """Declare silent nodes dead and recover their tasks (if this node is trusted)."""
@@ -270,6 +285,25 @@ class Housekeeper(Stage):
     def _recover(self, now: int) -> None:
         self._next["recovery"] = now + int(self._settings.recovery_interval_s * 1000)
         self.liveness.recover(now)
+        self._take_strays(now)
+
+    def _take_strays(self, now: int) -> None:
+        """Take into the wheel the other shares' tasks overdue by a silence window (see
+        :func:`ax_kombu.store.recovery.overdue_elsewhere`); the claim decides who sends
+        them."""
+        settings = self._settings
+        room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
+        if room <= 0 or self._share.of <= 1:
+            return
+        with self._store.engine.connect() as conn:
+            strays = recovery.overdue_elsewhere(conn, now - settings.silence_ms, self._share,
+                                                room, settings.claim_lead_ms)
+        if strays:
+            log.warning("took tasks of another scheduler's share that were overdue",
+                        extra={"node": self._node_id, "tasks": len(strays),
+                               "overdue_ms": settings.silence_ms})
+            metrics.recovered_total.labels("stray").inc(len(strays))
+            self._timing.hand(strays)
 
     def _prune(self, now: int) -> None:
         """Delete the rows of nodes stopped longer than ``node_retention_s`` ago."""

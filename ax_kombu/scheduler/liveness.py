@@ -5,8 +5,9 @@ Contracts:
 * **Fenced heartbeat.** Each beat is a compare-and-set on this process's live
   incarnation (:class:`ax_kombu.store.nodes.Heartbeat`). When a beat finds the
   incarnation declared dead, the node stops acting under it at once: it drops
-  every task it holds in memory (``on_fenced``), then registers a new
-  incarnation, which releases whatever the database still says it holds. If
+  every task it holds in memory (``on_fenced``; its next preload reads its whole
+  share again), then registers a new incarnation, which puts back what the old one
+  claimed and never published. If
   another live process has taken the name meanwhile, registering raises
   :class:`~ax_kombu.exceptions.NodeNameInUse` and the node stops (its thread
   is supervised: the process exits non-zero).
@@ -102,13 +103,12 @@ class Liveness:
         self._beating_since = now
         log.info("registered as a new incarnation", extra={
             "node": self._heartbeat.node_id, "incarnation": self._heartbeat.incarnation,
-            "released": took.released, "requeued": took.requeued, "running": took.running})
+            "requeued": took.requeued, "running": took.running})
         self._wake()
 
     def _judge(self, now: int) -> None:
         with self._store.engine.begin() as conn:
             dead = nodes.claim_dead(conn, self.silence_ms)
-            released = recovery.release_held(conn, dead)
             recovered = recovery.recover_running(conn, dead, now)
             if recovered:  # a gated run ended with its worker: wake what waited on it
                 gates.wake_stranded(conn)
@@ -118,13 +118,12 @@ class Liveness:
                         extra={"nodes": dead, "shards": len(resent)})
         if dead:
             log.warning("nodes stopped heartbeating; recovering their tasks",
-                        extra={"nodes": dead, "released": released, "running": len(recovered)})
-            metrics.recovered_total.labels("held").inc(released)
+                        extra={"nodes": dead, "running": len(recovered)})
             metrics.recovered_total.labels("running").inc(len(recovered))
             self._wake()
 
     def recover(self, now: int) -> None:
-        """The slow scan: unacked dispatches, orphaned held tasks, orphaned running tasks."""
+        """The slow scan: unacked dispatches, orphaned running tasks, stranded parked ones."""
         if not self.trusted(now):
             return
         silent_since = now - self.silence_ms
@@ -138,21 +137,19 @@ class Liveness:
                 self._settings.max_dispatches)
             idle = recovery.waiting_without_consumer(
                 conn, [p for p in PRIORITIES if p not in consumed])
-            orphans = recovery.release_orphans(conn, silent_since, silent_since)
             running = recovery.recover_orphan_running(conn, now, silent_since)
             stranded = gates.wake_stranded(conn)
         for priority in PRIORITIES:
             metrics.queue_waiting_without_consumer.labels(priority).set(idle.get(priority, 0))
         if stranded:
             log.info("woke parked tasks whose key or limit had room", extra={"woken": stranded})
-        if unacked or orphans or running:
+        if unacked or running:
             gave_up = sum(1 for _, status in unacked if status == "FAILED")
             log.warning("recovery found tasks to dispatch again",
                         extra={"ack_timeouts": len(unacked) - gave_up, "gave_up": gave_up,
-                               "orphans": orphans, "running": len(running)})
+                               "running": len(running)})
             metrics.ack_timeout_total.inc(len(unacked) - gave_up)
             metrics.redispatch_failed_total.inc(gave_up)
-            metrics.recovered_total.labels("orphan").inc(orphans)
             metrics.recovered_total.labels("running").inc(len(running))
             self._wake()
 

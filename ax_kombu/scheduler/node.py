@@ -5,9 +5,10 @@ another's I/O. This module is the node's lifecycle: it builds the stages,
 registers the node, starts them, and stops them in order. The stages, on the
 database clock:
 
-1. **Preload** (:mod:`~ax_kombu.scheduler.housekeeper`): tasks due within
-   ``preload_window_ms`` are taken into memory, periodically and at once on a
-   producer's wake-up; memory is bounded by the window and ``max_held``.
+1. **Preload** (:mod:`~ax_kombu.scheduler.housekeeper`): this node's share of
+   the tasks due within ``preload_window_ms`` is read into memory (a read: the
+   rows are not written), periodically and at once on a producer's wake-up;
+   memory is bounded by the window and ``max_held``.
 2. **Timing wheel** (:mod:`~ax_kombu.scheduler.timing`; the thread that calls
    :meth:`Scheduler.run`): an 8 s millisecond wheel in front of a delay
    queue; due ids fire ``claim_lead_ms`` early, in trigger order, as a slot
@@ -24,9 +25,9 @@ database clock:
    certainly reach the broker goes back to READY; the claimer stops claiming
    until the broker answers again, then they go out with a new attempt.
 5. **Recovery** (:mod:`~ax_kombu.scheduler.housekeeper`): every heartbeat,
-   the tasks of dead nodes are released and a dead worker's RUNNING tasks
-   retried or failed; every ``recovery_interval_s``, unacknowledged
-   dispatches go back to READY and due tasks held by nobody alive are released.
+   a dead worker's RUNNING tasks are retried or failed; every
+   ``recovery_interval_s``, unacknowledged dispatches go back to READY and the
+   RUNNING tasks of workers not alive are recovered.
    A housekeeping step that fails is logged, counted and backed off alone.
 6. **Heartbeat** (:mod:`~ax_kombu.scheduler.heart`): on a thread and a database
    connection of its own, so no housekeeping step, failing or slow, delays a beat.
@@ -42,11 +43,14 @@ Guarantees:
   row publishes it, and a worker runs a message only if its attempt is the
   row's current one.
 * **Nothing lost**: a task is always in the database in a state some node
-  acts on. If a node is killed (even ``kill -9``), its held tasks are adopted
-  within ``heartbeat_misses × heartbeat_interval_s`` (+ one interval) by the
-  other nodes, and at once if it is restarted under the same name (a new
-  incarnation takes over what the old one held: :mod:`ax_kombu.store.nodes`);
-  a claimed-but-unpublished batch returns via the ack timeout.
+  acts on. The preload writes nothing: the live schedulers split the claimable
+  tasks between them by id (:mod:`ax_kombu.store.recovery`), so if a node is
+  killed (even ``kill -9``) its share is read by the others once its heartbeat
+  is ``heartbeat_misses × heartbeat_interval_s`` old (+ one preload round), and
+  at once after a clean stop (it wakes them). A claimed-but-unpublished batch
+  returns at once if the node is restarted under the same name (a new
+  incarnation takes over what the old one claimed: :mod:`ax_kombu.store.nodes`),
+  else via the ack timeout.
 * **Fenced**: a node told by its heartbeat that it was declared dead drops
   what it holds and registers anew; it publishes a claimed batch only while
   its lease (its last landed beat, :class:`~ax_kombu.core.lease.Lease`)
@@ -63,13 +67,12 @@ Guarantees:
 Signals (installed by the CLI; the handler only calls
 :meth:`Scheduler.request_stop`, which sets a flag and wakes the timing loop):
 the first TERM/INT is a warm stop — stop claiming, publish what is claimed,
-release the rest to other nodes, exit 0. A second one (or a QUIT) is a cold
+leave the rest to the other nodes, exit 0. A second one (or a QUIT) is a cold
 stop: exit now; claimed-but-unpublished tasks come back through the ack
 timeout. The timing loop acts on the flag: :meth:`Scheduler.shutdown` stops
-the housekeeper and the claimer, waits for the housekeeper (a preload in
-progress must land in the wheel before the release), then the claimer, then
-(warm only) the dispatcher's queue, releases what the node still holds and
-says goodbye. A stop turning cold ends every wait.
+the housekeeper and the claimer, waits for them, then (warm only) for the
+dispatcher's queue, and says goodbye (the node's row is marked stopped and the
+other schedulers woken: their next preload reads the share this node had). A stop turning cold ends every wait.
 """
 
 from __future__ import annotations
@@ -97,9 +100,10 @@ from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.retention import Retention
 from ax_kombu.scheduler.stage import HandOff
 from ax_kombu.scheduler.timing import TimingLoop
-from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store import Store, nodes
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreLessor
+from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 
 log = logging.getLogger(__name__)
@@ -259,11 +263,10 @@ class Scheduler:
     # -- stopping ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Finish: publish what is claimed (unless cold), release held tasks, say goodbye."""
+        """Finish: publish what is claimed (unless cold), say goodbye."""
         self.housekeeper.stop()
         self.claimer.stop()
         self.retention.stop()
-        # the housekeeper first: a preload still running must land before the release below
         self._join(self.housekeeper)
         self._join(self.claimer)
         self._join(self.retention)
@@ -278,16 +281,16 @@ class Scheduler:
         self._beat_engine.dispose()
 
     def _release(self) -> None:
-        """Hand what this node still holds back to the others and deregister."""
+        """Deregister, and wake the other schedulers: this node's share is theirs now."""
         try:
             with self.store.engine.begin() as conn:
-                released = recovery.release_held(conn, [self.node_id])
-            self.heartbeat.stop()
+                self.heartbeat.stop(conn)
+                wake_schedulers(conn, int(self.store.clock.local_ms()))
             self.ids.release()
-            log.info("scheduler stopped", extra={"node": self.node_id, "released": released})
+            log.info("scheduler stopped", extra={"node": self.node_id})
         except SQLAlchemyError:
-            log.warning("could not release held tasks; other nodes will recover them",
-                        exc_info=True)
+            log.warning("could not deregister; the other schedulers take this node's share "
+                        "once its heartbeat is silent", exc_info=True)
 
     def _join(self, thread: threading.Thread) -> None:
         """Wait for ``thread`` unless (or until) the stop turns cold."""

@@ -47,13 +47,13 @@ from ax_kombu.config import Settings
 from ax_kombu.core import cron
 from ax_kombu.core.gating import SERIAL_PREFIX
 from ax_kombu.core.ids import LeasedIds
-from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability import metrics
 from ax_kombu.recurring import STRATEGIES
 from ax_kombu.store import Store
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.validation import initial_status
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ class Materialiser:
              ) -> dict[str, Any]:
         return {
             "task_id": task_id, "task_type": job.task_type,
-            "trigger_time": trigger, "status": Status.CREATED.value, "priority": job.priority,
+            "trigger_time": trigger, "status": initial_status(trigger, now_ms),
+            "priority": job.priority,
             "retry_count": 0, "max_retry": job.max_retry, "timeout_ms": job.timeout_ms,
             "processor_name": job.processor_name, "callback_url": job.callback_url,
             "payload": job.payload, "biz_key": None,

@@ -1,4 +1,5 @@
-"""The claim: due DELAYED/READY tasks → DISPATCHING for one scheduler node, attempt + 1.
+"""The claim: due claimable tasks (DELAYED, READY; CREATED from older producers) →
+DISPATCHING for one scheduler node, attempt + 1.
 
 The one statement behind exactly-once dispatch per attempt: a row moves for
 exactly one claimer, and every claim carries a new attempt number (the fencing
@@ -15,7 +16,7 @@ its message, so the same statement claims it only once its trigger time is at or
 the claimer's ``now`` (its reading of the database clock). So it is published no earlier
 than its trigger time on the scheduler's database clock (the publish follows the claim),
 and until then it is DELAYED/READY: ``cancel`` still wins, and a scheduler that dies
-holding it leaves it to the recovery scan, not to the ack timeout.
+with it in memory leaves it to the others' preload, not to the ack timeout.
 
 A lost reply: a claim whose statement committed but whose answer never arrived (the
 connection dropped) is repeated as a *resume*, with the same ``node`` and ``now``: the
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, bindparam, text
 
-from ax_kombu.store.schema import CELERY_RUNNERS
+from ax_kombu.store.schema import CELERY_RUNNERS, CLAIMABLE
 from ax_kombu.store.transitions import _execute_batch, storable
 
 
@@ -104,11 +105,10 @@ _CLAIM = """
                                 WHEN """ + celery_staged() + f""" THEN :now + {CELERY_STAGE_MS}
                                 ELSE :due_before END""" + """{gate}
  RETURNING """ + _CLAIM_COLUMNS
-_CLAIMABLE = "status IN ('DELAYED', 'READY')"
-_RESUME = {"moves": "(status IN ('DELAYED', 'READY') OR (status = 'DISPATCHING' "
+_RESUME = {"moves": f"({CLAIMABLE} OR (status = 'DISPATCHING' "
                     "AND last_run_node = :node AND dispatched_at = :now))",
            "bump": " + CASE WHEN status = 'DISPATCHING' THEN 0 ELSE 1 END"}
-_FRESH = {"moves": _CLAIMABLE, "bump": " + 1"}
+_FRESH = {"moves": CLAIMABLE, "bump": " + 1"}
 # The ordinary claim leaves gated tasks to the gated claim (ax_kombu.store.gates): those with
 # a gate, or of a type with a limit (one primary-key probe of the small ax_limit table).
 _UNGATED = (" AND gate IS NULL AND NOT EXISTS "
@@ -194,23 +194,24 @@ def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str
     return [r[0] for r in rows]
 
 
-_STILL_HELD = """
+_STILL_CLAIMABLE = """
     SELECT task_id, """ + fire_time() + """,
            gate IS NOT NULL OR EXISTS (SELECT 1 FROM ax_limit AS l
                                         WHERE l.task_type = ax_task.task_type) AS gated
       FROM ax_task
-     WHERE task_id IN :ids AND status IN ('DELAYED', 'READY') AND last_run_node = :node"""
-_STILL_HELD_SQL = text(_STILL_HELD).bindparams(bindparam("ids", expanding=True))
+     WHERE task_id IN :ids AND """ + CLAIMABLE + """
+       AND (last_run_node IS NULL OR last_run_node <> '~parked')"""
+_STILL_CLAIMABLE_SQL = text(_STILL_CLAIMABLE).bindparams(bindparam("ids", expanding=True))
 
 
-def still_held(conn: Connection, task_ids: Sequence[int], node: str, *,
-               celery_lag_ms: int = 0) -> list[tuple[int, int, bool]]:
-    """Of ``task_ids`` (ids a claim skipped), those ``node`` still holds, unclaimed:
+def still_claimable(conn: Connection, task_ids: Sequence[int], *,
+                    celery_lag_ms: int = 0) -> list[tuple[int, int, bool]]:
+    """Of ``task_ids`` (ids a claim skipped), those still claimable and not parked:
     ``(task_id, trigger_time, gated)`` — gated ones go to the gated claim
-    (:mod:`ax_kombu.store.gates`), the others were locked by a racing claim, or are
-    for stock Celery workers and not due yet. Such a task's time is its trigger time
-    plus ``celery_lag_ms`` (:func:`fire_time`)."""
+    (:mod:`ax_kombu.store.gates`), the others were locked by a racing claim that
+    failed, or are for stock Celery workers and not due yet. Such a task's time is its
+    trigger time plus ``celery_lag_ms`` (:func:`fire_time`)."""
     if not task_ids:
         return []
-    params = {"ids": list(task_ids), "node": node, "celery_lag": celery_lag_ms}
-    return [(r[0], r[1], bool(r[2])) for r in conn.execute(_STILL_HELD_SQL, params)]
+    params = {"ids": list(task_ids), "celery_lag": celery_lag_ms}
+    return [(r[0], r[1], bool(r[2])) for r in conn.execute(_STILL_CLAIMABLE_SQL, params)]

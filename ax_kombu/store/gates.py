@@ -40,13 +40,14 @@ from ax_kombu.core.gating import Candidate, Decision, Running, decide
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
-from ax_kombu.store.schema import limits, tasks
+from ax_kombu.store.schema import CLAIMABLE, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.validation import fingerprint
 
-#: the pseudo-node that holds parked tasks (never a live node: recovery releases them too)
+#: the pseudo-node that holds parked tasks (never a live node; the preload skips them)
 PARKED = "~parked"
 _WAITING = ("CREATED", "DELAYED", "READY")
+_UNPARKED = f"(last_run_node IS NULL OR last_run_node <> '{PARKED}')"
 _ACTIVE = ("DISPATCHING", "RUNNING")
 _LOCK_BASE = 0x6178_4700_0000  # "axG": apart from tasks.py's advisory locks
 
@@ -57,8 +58,7 @@ def _expanding(sql: str, *names: str) -> Any:
 
 _CANDIDATES = _expanding(
     "SELECT task_id, task_type, trigger_time, gate, order_key, job, scheduled_at FROM ax_task "
-    "WHERE task_id IN :ids AND status IN ('DELAYED', 'READY') AND last_run_node = :node "
-    "AND trigger_time <= :due", "ids")
+    f"WHERE task_id IN :ids AND {CLAIMABLE} AND {_UNPARKED} AND trigger_time <= :due", "ids")
 _LIMITS = _expanding("SELECT task_type, max_running FROM ax_limit WHERE task_type IN :types",
                      "types")
 _ACTIVE_BY_TYPE = _expanding(
@@ -80,7 +80,7 @@ _UNFINISHED = _expanding(
     "AND status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')", "jobs")
 _PARK = _expanding(
     "UPDATE ax_task SET status = 'READY', last_run_node = :parked WHERE task_id IN :ids "
-    "AND status IN ('DELAYED', 'READY') AND last_run_node = :node", "ids")
+    f"AND {CLAIMABLE} AND {_UNPARKED}", "ids")
 _WAKE_KEY = text(
     "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
     "WHERE order_key = :key AND last_run_node = :parked AND status = 'READY' "
@@ -118,17 +118,17 @@ class Broadcast(NamedTuple):
 def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
                 due_before: int, broadcast: Broadcast | None = None
                 ) -> tuple[list[Row[Any]], Decision]:
-    """Claim what may start of ``task_ids`` (gated tasks this node holds), park what must
+    """Claim what may start of ``task_ids`` (gated tasks this node fired), park what must
     wait, cancel what its job's strategy drops, expand a ``shards="workers"`` task into one
     shard per live worker (``broadcast``; without it, or without a live worker, such a
-    task stays held and unclaimed). Call inside a transaction.
+    task stays unclaimed). Call inside a transaction.
 
     Returns:
         The claimed rows (as :func:`ax_kombu.store.claims.claim` returns them) and the
         decision taken.
     """
     found = [Candidate(*r) for r in conn.execute(
-        _CANDIDATES, {"ids": list(task_ids), "node": node, "due": due_before})]
+        _CANDIDATES, {"ids": list(task_ids), "due": due_before})]
     if not found:
         return [], Decision()
     keys = {c.order_key for c in found if c.order_key is not None}
@@ -147,7 +147,7 @@ def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: in
             start += _expand(conn, c.task_id, node, now_ms, broadcast)
     rows = claim(conn, start, node, now_ms, due_before, gated=True)
     if decision.wait:
-        conn.execute(_PARK, {"ids": decision.wait, "node": node, "parked": PARKED})
+        conn.execute(_PARK, {"ids": decision.wait, "parked": PARKED})
     return rows, decision
 
 
@@ -159,7 +159,7 @@ _SHARD_ZERO = text("UPDATE ax_task SET gate = NULL, shard_index = 0, shard_total
 def _expand(conn: Connection, task_id: int, node: str, now_ms: int,
             broadcast: Broadcast | None) -> list[int]:
     """One shard per live worker of the task's queue: the task becomes shard 0 (for the
-    first worker), copies of it the others, each held by ``node``; returns their ids
+    first worker), copies of it the others, claimed by ``node`` next; returns their ids
     (none: no live worker yet, the task waits)."""
     if broadcast is None:
         return []
@@ -174,6 +174,8 @@ def _expand(conn: Connection, task_id: int, node: str, now_ms: int,
                                            f"{row['fingerprint']}"))
               for i, (new_id, worker) in enumerate(
                   zip(broadcast.new_ids(len(workers) - 1), workers[1:], strict=True), start=1)]
+    for copy in copies:
+        del copy["armed"]  # the database stamps a new claimable row (migration 0011)
     if copies:
         conn.execute(insert(tasks), copies)
     return [task_id, *[c["task_id"] for c in copies]]

@@ -5,8 +5,7 @@ new **incarnation** of it (a number unique to that start). The row says which
 incarnation is live. Contracts:
 
 * **Registration takes over from the earlier incarnation** in one transaction:
-  what it held is released for adoption (DELAYED/READY), what it had claimed
-  but no worker started goes back to READY (a new attempt fences its message),
+  what it had claimed but no worker started goes back to READY (a new attempt fences its message),
   and what it was running is retried, or FAILED "worker lost" when no retries
   remain. A process whose registration returns has nothing left over from an
   earlier life under its name.
@@ -112,7 +111,6 @@ def pid_running(pid: int) -> bool:
 class TakeOver(NamedTuple):
     """What a registration recovered from the earlier incarnation of its name."""
 
-    released: int
     requeued: int
     running: int
 
@@ -120,9 +118,6 @@ class TakeOver(NamedTuple):
 _REQUEUE_DISPATCHING = text(
     "UPDATE ax_task SET status = 'READY', last_run_node = NULL "
     "WHERE status = 'DISPATCHING' AND last_run_node = :node")
-_RELEASE_HELD = text(
-    "UPDATE ax_task SET last_run_node = NULL "
-    "WHERE status IN ('DELAYED', 'READY') AND last_run_node = :node")
 
 
 class Heartbeat:
@@ -204,22 +199,24 @@ class Heartbeat:
                 .values(heartbeat_at=db_now_ms(conn), info=_info_json(info))).rowcount
         return bool(moved)
 
-    def stop(self) -> None:
-        """Mark this incarnation stopped (a clean exit)."""
-        with self.engine.begin() as conn:
-            conn.execute(update(nodes).where(nodes.c.node_id == self.node_id,
-                                             nodes.c.incarnation == self.incarnation)
-                         .values(stopped_at=db_now_ms(conn)))
+    def stop(self, conn: Connection | None = None) -> None:
+        """Mark this incarnation stopped (a clean exit); in ``conn``'s transaction if given."""
+        if conn is None:
+            with self.engine.begin() as own:
+                self.stop(own)
+            return
+        conn.execute(update(nodes).where(nodes.c.node_id == self.node_id,
+                                         nodes.c.incarnation == self.incarnation)
+                     .values(stopped_at=db_now_ms(conn)))
 
 
 def _take_over(conn: Connection, node: str, now_ms: int, keep: Sequence[int]) -> TakeOver:
     """Recover what tasks an earlier incarnation of ``node`` left (see the module docstring)."""
     from ax_kombu.store.recovery import recover_running  # recovery imports this module
 
-    released = conn.execute(_RELEASE_HELD, {"node": node}).rowcount
     requeued = conn.execute(_REQUEUE_DISPATCHING, {"node": node}).rowcount
     running = recover_running(conn, [node], now_ms, keep=keep)
-    return TakeOver(int(released), int(requeued), len(running))
+    return TakeOver(int(requeued), len(running))
 
 
 def claim_dead(conn: Connection, max_silence_ms: int, kind: str | None = None) -> list[str]:
@@ -261,6 +258,15 @@ def live_nodes(conn: Connection, max_silence_ms: int) -> list[Row[Any]]:
         .order_by(nodes.c.kind, nodes.c.node_id)))
 
 
+def live_names(conn: Connection, kind: str, alive_after_ms: int) -> list[str]:
+    """The names of the ``kind`` nodes not stopped that heartbeated at or after
+    ``alive_after_ms`` (database time), sorted."""
+    return [r[0] for r in conn.execute(
+        select(nodes.c.node_id).where(nodes.c.kind == kind, nodes.c.stopped_at.is_(None),
+                                      nodes.c.heartbeat_at >= alive_after_ms)
+        .order_by(nodes.c.node_id))]
+
+
 def _worker_queues(conn: Connection, max_silence_ms: int) -> dict[str, set[str]]:
     """Each live worker's queues (from the ``queues`` in its heartbeat)."""
     found: dict[str, set[str]] = {}
@@ -287,5 +293,5 @@ def workers_consuming(conn: Connection, queue: str, max_silence_ms: int) -> list
 
 
 __all__ = ["HOST_ID_KEY", "Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
-           "default_node_id", "host_identity", "live_nodes", "pid_running", "prune_stopped",
+           "default_node_id", "host_identity", "live_names", "live_nodes", "pid_running", "prune_stopped",
            "same_pid_space", "workers_consuming"]

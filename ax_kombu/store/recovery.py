@@ -1,114 +1,203 @@
 """The scheduler's reads of the task table: the preload window and the recovery scans.
 
-Ownership: a DELAYED or READY row whose ``last_run_node`` names a scheduler
-is *held* by that scheduler (it is in that node's memory and that node will
-claim it when due). ``last_run_node IS NULL`` means nobody holds it, and the
-next preload of any scheduler adopts it. The preload takes CREATED rows and
-unheld rows in one index range each (``(status, trigger_time)``), bounded by
-the window and a row limit, never the whole table. On PostgreSQL the
-candidate rows are locked ``SKIP LOCKED``, so schedulers preloading at the
-same moment take disjoint sets; SQLite serialises writers, which gives the
-same. Every statement here is a compare-and-set: it re-checks the state it
-moves from.
+**The preload only reads.** A task is inserted DELAYED (READY when already due) and stays
+so, unwritten, until a claim moves it (:mod:`ax_kombu.store.claims`): the claim's
+compare-and-set is the one arbiter, so a row that two schedulers both have in memory is
+still dispatched once per attempt. To keep that rare and memory bounded, each scheduler
+reads only its **share**: the live schedulers, sorted by name, split the task ids between
+them (:class:`Share`; every scheduler reads ``ax_node`` each round). When the set of live
+schedulers changes, each one reads its new share's whole window again, so a scheduler that
+stopped or died is covered once the others see it gone (at its ``stopped_at``, or after
+its silence window).
+
+A preload round reads, for its share:
+
+* **the band** — every claimable row with ``loaded_until ≤ trigger_time < horizon``
+  (:func:`preload`; three ordered index ranges on ``(status, trigger_time)``, merged), at
+  most ``limit`` rows plus those tied with the last one, after which ``loaded_until``
+  moves up to the last trigger time read; and
+* **the changes** — rows below ``loaded_until`` that became claimable since the last
+  round: a retry, a requeue, ``ax retry``, a woken parked task, a task enqueued due soon.
+  The database stamps each claimable row version with the transaction that wrote it
+  (``armed``: migration 0011's default and triggers, whoever writes); a round notes what
+  its snapshot could see (:class:`Mark`) and the next asks for rows armed by a
+  transaction that snapshot could not (:func:`changed_since`). The mark is read before
+  the rows, so a transaction committing in between is read twice, never missed.
+
+A row read twice is harmless: re-adding an id the wheel holds only reschedules it, and a
+row already claimed is skipped by the claim. Every other statement here is a
+compare-and-set: it re-checks the state it moves from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, bindparam, text
 
 from ax_kombu.store.claims import celery_bound, fire_time
+from ax_kombu.store.schema import CLAIMABLE
 
-# PostgreSQL: the candidates are locked in a MATERIALIZED CTE, evaluated once, and joined
-# back by primary key only (rows it locked cannot change state meanwhile, so no recheck).
-# Written as ``WHERE task_id IN (subquery) AND status = …`` the planner, with stale
-# statistics on a young table, re-ran the locking subquery (or a join filter) for every
-# outer row: 3.6 s instead of a few ms for 4,000 rows.
-_PRELOAD_CREATED = {
-    "postgresql": """
-WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
-                         WHERE status = 'CREATED' AND trigger_time < :horizon
-                         ORDER BY trigger_time LIMIT :n FOR UPDATE SKIP LOCKED)
-UPDATE ax_task AS t
-   SET status = CASE WHEN t.trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
-       last_run_node = :node
-  FROM c WHERE t.task_id = c.task_id
-RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.runner"),
-    "sqlite": """
-UPDATE ax_task
-   SET status = CASE WHEN trigger_time <= :now THEN 'READY' ELSE 'DELAYED' END,
-       last_run_node = :node
- WHERE task_id IN (SELECT task_id FROM ax_task
-                    WHERE status = 'CREATED' AND trigger_time < :horizon
-                    ORDER BY trigger_time LIMIT :n)
-   AND status = 'CREATED'
-RETURNING task_id, """ + fire_time(),
+#: the pseudo-node of parked tasks (:data:`ax_kombu.store.gates.PARKED`): not preloaded
+_NOT_PARKED = "(last_run_node IS NULL OR last_run_node <> '~parked')"
+
+
+class Share(NamedTuple):
+    """Which task ids a scheduler preloads: those whose :func:`share_key` is ``part``
+    modulo ``of`` (``of`` = 1: all)."""
+
+    of: int = 1
+    part: int = 0
+
+    @classmethod
+    def among(cls, live: Sequence[str], node: str) -> Share:
+        """This node's share among the live scheduler names ``live`` (it counts itself
+        even when its own row looks silent)."""
+        names = sorted(set(live) | {node})
+        return cls(len(names), names.index(node))
+
+    def sql(self, others: bool = False) -> str:
+        """SQL: `` AND`` the row is in this share (``others``: in none of it)."""
+        if self.of <= 1:
+            return " AND 1 = 0" if others else ""
+        return f" AND {share_key()} % {self.of} {'<>' if others else '='} {self.part}"
+
+
+def share_key(column: str = "task_id") -> str:
+    """SQL: a number spreading snowflake ids evenly (their millisecond, node and sequence
+    fields summed; :mod:`ax_kombu.core.ids`), whatever rate the producers ran at."""
+    return (f"(({column} >> 22) + (({column} >> 12) & 1023) + ({column} & 4095))")
+
+
+#: the whole of the task ids: a scheduler alone
+ALL = Share()
+
+
+class Mark(NamedTuple):
+    """What a preload's reads could see: rows armed by a transaction at or after ``xmax``
+    or among ``xip`` (in progress then) were not visible, or not certainly."""
+
+    xmax: int
+    xip: tuple[int, ...] = ()
+
+
+class Loaded(NamedTuple):
+    """How far a scheduler has read its share: every claimable row due before
+    ``until`` as of ``mark`` (None, with ``until`` 0: nothing read yet)."""
+
+    until: int = 0
+    mark: Mark | None = None
+
+
+_MARK = {
+    "postgresql": "SELECT pg_snapshot_xmax(s)::text::bigint, "
+                  "ARRAY(SELECT x::text::bigint FROM pg_snapshot_xip(s) AS x) "
+                  "FROM pg_current_snapshot() AS s",
+    # one writer at a time: the counter's next value is the first one not yet seen
+    "sqlite": "SELECT n + 1, NULL FROM ax_armed",
 }
 
-_ADOPT_UNHELD = {
-    "postgresql": """
-WITH c AS MATERIALIZED (SELECT task_id FROM ax_task
-                         WHERE status IN ('DELAYED', 'READY') AND last_run_node IS NULL
-                           AND trigger_time < :horizon
-                         ORDER BY trigger_time LIMIT :n FOR UPDATE SKIP LOCKED)
-UPDATE ax_task AS t SET last_run_node = :node
-  FROM c WHERE t.task_id = c.task_id
-RETURNING t.task_id, """ + fire_time("t.trigger_time", "t.runner"),
-    "sqlite": """
-UPDATE ax_task SET last_run_node = :node
- WHERE task_id IN (SELECT task_id FROM ax_task
-                    WHERE status IN ('DELAYED', 'READY') AND last_run_node IS NULL
-                      AND trigger_time < :horizon
-                    ORDER BY trigger_time LIMIT :n)
-   AND status IN ('DELAYED', 'READY') AND last_run_node IS NULL
-RETURNING task_id, """ + fire_time(),
-}
+
+def _band_one(status: str, share: str, alias: str) -> str:
+    return (f"SELECT * FROM (SELECT task_id, trigger_time, {fire_time()} AS fire "
+            f"FROM ax_task WHERE status = '{status}' AND trigger_time >= :lo "
+            f"AND trigger_time < :hi AND {_NOT_PARKED}{share} "
+            f"ORDER BY trigger_time LIMIT :n) AS {alias}")
 
 
-# Every preload walks the (status, trigger_time) range of CREATED rows below the horizon,
-# where each task it ever moved on left a dead index entry (2,000 a second under a steady
-# load) until VACUUM. A plain index scan marks such entries dead as it passes them, so the
-# next preload skips them for free; a bitmap scan, which the planner picks on a young
-# table's small estimates, never does and visits them all again each time: 7–15 ms per
-# preload after 30 s at 2,000 tasks/s instead of about 1 ms. So, for this transaction only:
+def _band(share: str) -> str:
+    # three ordered ranges of (status, trigger_time), merged: an IN list would sort them all
+    parts = " UNION ALL ".join(_band_one(s, share, a) for s, a in
+                               (("CREATED", "c"), ("DELAYED", "d"), ("READY", "r")))
+    return f"SELECT task_id, trigger_time, fire FROM ({parts}) AS b ORDER BY trigger_time LIMIT :n"
+
+
+def _tied(share: str) -> str:
+    return (f"SELECT task_id, trigger_time, {fire_time()} FROM ax_task WHERE {CLAIMABLE} "
+            f"AND trigger_time = :at AND {_NOT_PARKED}{share}")
+
+
+def changed_since(mark: Mark, dialect: str) -> str:
+    """SQL: the row was armed by a transaction ``mark``'s snapshot did not see."""
+    if dialect == "postgresql" and mark.xip:
+        return "(armed >= :xmax OR armed = ANY(CAST(:xip AS BIGINT[])))"
+    return "armed >= :xmax"
+
+
+def _changed(mark: Mark, dialect: str, share: str) -> str:
+    return (f"SELECT task_id, trigger_time, {fire_time()} FROM ax_task WHERE {CLAIMABLE} "
+            f"AND {changed_since(mark, dialect)} AND trigger_time < :lo AND {_NOT_PARKED}"
+            f"{share} ORDER BY trigger_time LIMIT :n")
+
+
+# The band walks the (status, trigger_time) ranges of claimable rows, where each task the
+# claim moved on left a dead index entry (2,000 a second under a steady load) until
+# VACUUM. A plain index scan marks such entries dead as it passes them, so the next
+# preload skips them for free; a bitmap scan, which the planner picks on a young table's
+# small estimates, never does and visits them all again each time: 7–15 ms per preload
+# after 30 s at 2,000 tasks/s instead of about 1 ms. So, for this transaction only:
 _INDEX_SCAN_ONLY = "SET LOCAL enable_bitmapscan = off"
 
 
-def _sql(conn: Connection, forms: dict[str, str]) -> str:
-    return forms["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
+def _dialect(conn: Connection) -> str:
+    return "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
 
 
-def preload(conn: Connection, node: str, now_ms: int, horizon_ms: int,
-            limit: int, celery_lag_ms: int = 0) -> list[tuple[int, int]]:
-    """Take up to ``limit`` tasks due before ``horizon_ms`` for ``node``, oldest first.
+def read_mark(conn: Connection) -> Mark:
+    """What a read made now can see (read it *before* the rows: see the module docstring)."""
+    xmax, xip = conn.execute(text(_MARK[_dialect(conn)])).one()
+    return Mark(int(xmax), tuple(int(x) for x in xip or ()))
 
-    CREATED rows become DELAYED (or READY when already due); unheld
-    DELAYED/READY rows are adopted. Returns ``(task_id, trigger_time)`` pairs, a
-    Celery-bound task's time ``celery_lag_ms`` later
-    (:func:`ax_kombu.store.claims.fire_time`: the scheduler passes ``claim_lead_ms``,
-    so such a task fires at its trigger time, unstaged). On PostgreSQL, ``conn``
-    must be in a transaction (a planner setting is made for it alone).
+
+def preload(conn: Connection, loaded: Loaded, horizon_ms: int, limit: int,
+            share: Share = ALL, celery_lag_ms: int = 0
+            ) -> tuple[list[tuple[int, int]], Loaded]:
+    """One preload round for ``share``: the band ``[loaded.until, horizon_ms)`` (at most
+    ``limit`` rows and those tied with the last) and, below it, the rows armed since
+    ``loaded.mark``. Writes nothing.
+
+    Returns:
+        ``(task_id, time)`` pairs for the timing loop — a Celery-bound task's time
+        ``celery_lag_ms`` after its trigger time (:func:`ax_kombu.store.claims.fire_time`:
+        the scheduler passes ``claim_lead_ms``, so such a task fires when due, unstaged)
+        — and how far the share is now read. On PostgreSQL, ``conn`` must be in a
+        transaction (a planner setting is made for it alone).
     """
-    params = {"node": node, "now": now_ms, "horizon": horizon_ms, "n": limit,
-              "celery_lag": celery_lag_ms}
-    if conn.dialect.name == "postgresql":
+    dialect = _dialect(conn)
+    mark = read_mark(conn)
+    where = share.sql()
+    params: dict[str, Any] = {"lo": loaded.until, "hi": horizon_ms, "n": limit,
+                              "celery_lag": celery_lag_ms}
+    changed: list[Any] = []
+    if loaded.mark is not None and loaded.until > 0:  # first: it may need a bitmap scan
+        params.update(xmax=loaded.mark.xmax, xip=list(loaded.mark.xip))
+        changed = list(conn.execute(text(_changed(loaded.mark, dialect, where)), params))
+    if dialect == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
-    rows = [(r[0], r[1]) for r in conn.execute(text(_sql(conn, _PRELOAD_CREATED)), params)]
-    if len(rows) < limit:
-        params["n"] = limit - len(rows)
-        rows += [(r[0], r[1]) for r in conn.execute(text(_sql(conn, _ADOPT_UNHELD)), params)]
-    return rows
+    band = list(conn.execute(text(_band(where)), params))
+    until = max(horizon_ms, loaded.until)
+    if len(band) >= limit:  # the rest of the last instant too, then go on after it
+        last = band[-1][1]
+        band = [r for r in band if r[1] < last]
+        band += conn.execute(text(_tied(where)), {**params, "at": last})
+        until = last + 1
+    if len(changed) >= limit:  # read again, as band, from the last one on
+        until = min(until, changed[-1][1])
+    rows = [(r[0], r[2]) for r in band] + [(r[0], r[2]) for r in changed]
+    return rows, Loaded(until, mark)
 
 
-def release_held(conn: Connection, nodes: Sequence[str]) -> int:
-    """Let go of every DELAYED/READY task the given nodes hold; returns how many."""
-    if not nodes:
-        return 0
-    stmt = text("UPDATE ax_task SET last_run_node = NULL WHERE status IN ('DELAYED', 'READY') "
-                "AND last_run_node IN :nodes").bindparams(bindparam("nodes", expanding=True))
-    return int(conn.execute(stmt, {"nodes": list(nodes)}).rowcount)
+def overdue_elsewhere(conn: Connection, before_ms: int, share: Share, limit: int,
+                      celery_lag_ms: int = 0) -> list[tuple[int, int]]:
+    """Claimable tasks of the *other* shares due before ``before_ms``: a backstop for a
+    scheduler that beats but cannot preload (its database calls fail while its heartbeat's
+    do not), or a share nobody read while the schedulers disagreed on who is alive. At most
+    ``limit``, oldest first, as :func:`preload` returns them; none for a scheduler alone."""
+    if share.of <= 1:
+        return []
+    params = {"lo": 0, "hi": before_ms, "n": limit, "celery_lag": celery_lag_ms}
+    return [(r[0], r[2]) for r in conn.execute(text(_band(share.sql(others=True))), params)]
 
 
 #: the ack timeout doubles with each re-dispatch of a task, up to 2**MAX_BACKOFF_STEPS times
@@ -249,23 +338,6 @@ def recover_orphan_running(conn: Connection, now_ms: int,
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 
-def release_orphans(conn: Connection, due_before_ms: int, alive_after_ms: int) -> int:
-    """Let go of due DELAYED/READY tasks held by a node that is not alive; returns how many.
-
-    Catches what the dead-node path cannot: a holder whose node row is gone
-    or was stopped without releasing its tasks. Parked tasks (waiting for their order key
-    or limit, :mod:`ax_kombu.store.gates`) are not orphans: ``wake_stranded`` looks after them.
-    """
-    stmt = text("""
-        UPDATE ax_task SET last_run_node = NULL
-         WHERE status IN ('DELAYED', 'READY') AND trigger_time < :due_before
-           AND last_run_node IS NOT NULL AND last_run_node <> '~parked'
-           AND last_run_node NOT IN (SELECT node_id FROM ax_node
-                                      WHERE stopped_at IS NULL AND heartbeat_at >= :alive)""")
-    return int(conn.execute(stmt, {"due_before": due_before_ms,
-                                   "alive": alive_after_ms}).rowcount)
-
-
 _OLDEST_DUE = """
 SELECT min(t) FROM (
   SELECT (SELECT trigger_time FROM ax_task WHERE status = 'CREATED' AND trigger_time <= :now
@@ -289,19 +361,3 @@ def oldest_overdue_ms(conn: Connection, now_ms: int) -> int:
     ``(status, trigger_time)``."""
     oldest = conn.execute(text(_OLDEST_DUE), {"now": now_ms}).scalar()
     return max(0, now_ms - int(oldest)) if oldest is not None else 0
-
-
-def held_by(conn: Connection, node: str, horizon_ms: int, limit: int, *,
-            celery_lag_ms: int = 0) -> list[tuple[int, int]]:
-    """DELAYED/READY tasks ``node`` holds, due before ``horizon_ms``: ``(task_id, trigger_time)``,
-    a Celery-bound task's time ``celery_lag_ms`` later (as for :func:`preload`).
-
-    A preload whose commit reply was lost left rows held by the node that its
-    memory does not have; the node reconciles with this after such an error.
-    """
-    stmt = text(f"SELECT task_id, {fire_time()} FROM ax_task "
-                "WHERE status IN ('DELAYED', 'READY') "
-                "AND last_run_node = :node AND trigger_time < :horizon "
-                "ORDER BY trigger_time LIMIT :n")
-    return [(r[0], r[1]) for r in conn.execute(stmt, {"node": node, "horizon": horizon_ms,
-                                                      "n": limit, "celery_lag": celery_lag_ms})]

@@ -6,16 +6,17 @@ store and compare them the same way and nothing depends on a time zone.
 
 Indexes, each with its reason:
 
-* ``(status, trigger_time)`` — the preload and recovery scans ask "tasks in
-  status S due before T"; with status first the scan is one tight index range
-  and never walks the finished history (SPEC lists the pair as
-  ``(trigger_time, status)``; this order serves the same queries without
-  reading every old row).
-* ``(task_type, status)`` — per-type admin views and concurrency limits.
+* ``(status, trigger_time)`` over the live states — the preload and recovery
+  scans ask "tasks in status S due before T"; with status first the scan is one
+  tight index range and never walks the finished history (SPEC lists the pair as
+  ``(trigger_time, status)``; this order serves the same queries without reading
+  every old row). On PostgreSQL partial: a task's final version writes no entry.
+* ``(task_type, status)`` — the cluster-wide limits count a type's DISPATCHING and
+  RUNNING tasks; on PostgreSQL partial to those two states.
 * ``(fingerprint, trigger_time)`` — the duplicate check at enqueue.
-* ``(trigger_time)`` where unheld (``last_run_node IS NULL``, DELAYED/READY)
-  — the scheduler's adoption scan runs on every wake-up; without it, it
-  would read every task held in the window each time.
+* ``(armed)`` over claimable rows (CREATED, DELAYED, READY) — the preload asks "what
+  became claimable since my last read" (:func:`ax_kombu.store.recovery.preload`); one
+  entry per task on the plain path (PostgreSQL; SQLite indexes every version).
 * unique ``(job, scheduled_at)`` over occurrences of recurring jobs — exactly one task
   per occurrence, whichever scheduler writes it first (see :mod:`ax_kombu.store.jobs`);
   partial: one-off tasks (``job IS NULL``) write no entry there.
@@ -47,7 +48,11 @@ from sqlalchemy import (
 
 metadata = MetaData()
 
-_UNHELD = "last_run_node IS NULL AND status IN ('DELAYED', 'READY')"
+#: the states a scheduler claims from (:mod:`ax_kombu.store.claims`); CREATED only in rows
+#: written before migration 0011 or by older producers
+CLAIMABLE = "status IN ('CREATED', 'DELAYED', 'READY')"
+_LIVE = "status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')"
+_BUSY = "status IN ('DISPATCHING', 'RUNNING')"
 _OCCURRENCE = "job IS NOT NULL"
 _ORDERED = "order_key IS NOT NULL"
 _ACTIVE_JOB = "NOT paused AND next_fire_at IS NOT NULL"
@@ -94,6 +99,10 @@ tasks = Table(
     #: the fencing token: +1 on every claim; a worker acts only on its own attempt.
     Column("attempt", Integer, nullable=False, server_default="0"),
     Column("last_run_node", String(128)),
+    #: which transaction last left the row claimable (PostgreSQL: its id; SQLite: a
+    #: counter), written by the database itself: a column default and triggers
+    #: (migration 0011); what the preload's change read asks for
+    Column("armed", BigInteger),
     Column("created_at", BigInteger, nullable=False),
     Column("dispatched_at", BigInteger),
     Column("started_at", BigInteger),
@@ -132,11 +141,11 @@ tasks = Table(
           postgresql_where=text("biz_key IS NOT NULL")),
     CheckConstraint("(processor_name IS NULL) <> (callback_url IS NULL)",
                     name="ck_ax_task_one_target"),
-    Index("ix_ax_task_status_trigger", "status", "trigger_time"),
-    Index("ix_ax_task_type_status", "task_type", "status"),
+    Index("ix_ax_task_status_trigger", "status", "trigger_time",
+          postgresql_where=text(_LIVE)),
+    Index("ix_ax_task_type_status", "task_type", "status", postgresql_where=text(_BUSY)),
     Index("ix_ax_task_fingerprint", "fingerprint", "trigger_time"),
-    Index("ix_ax_task_unheld", "trigger_time",
-          postgresql_where=text(_UNHELD), sqlite_where=text(_UNHELD)),
+    Index("ix_ax_task_armed", "armed", postgresql_where=text(CLAIMABLE)),
     Index("uq_ax_task_occurrence", "job", "scheduled_at", unique=True,
           postgresql_where=text(_OCCURRENCE), sqlite_where=text(_OCCURRENCE)),
     Index("ix_ax_task_order", "order_key", "order_seq", "task_id",

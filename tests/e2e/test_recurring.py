@@ -33,6 +33,7 @@ from sqlalchemy import text
 from ax_kombu.core import cron
 from ax_kombu.scheduler.recurrence import ON_TIME_MS
 from ax_kombu.store.engine import make_engine
+from ax_kombu.store.recovery import Share
 
 from .recurring_tasks import LEDGER_ENV
 from .system import CLOCK_TOLERANCE_MS, REPO, Daemon, System, pct, stop_all
@@ -323,14 +324,19 @@ def test_killing_a_scheduler_midway_misses_and_repeats_no_occurrence(cluster: Cl
 
 
 def holder(cluster: Cluster, schedulers: list[Daemon]) -> tuple[Daemon, int] | None:
-    """The scheduler holding the most undispatched occurrences, if any holds one."""
-    held = dict(cluster.query(
-        "SELECT last_run_node, COUNT(*) FROM ax_task WHERE job IS NOT NULL "
-        "AND status IN ('DELAYED', 'READY') AND last_run_node IS NOT NULL "
-        "GROUP BY last_run_node"))
-    counts = [(held.get(d.name, 0), d) for d in schedulers]
+    """The scheduler whose share (:class:`ax_kombu.store.recovery.Share`) has the most
+    undispatched occurrences, if any has one."""
+    live = [d.name for d in schedulers]
+    counts = [(int(cluster.query(f"SELECT COUNT(*) FROM ax_task WHERE {UNDISPATCHED}"
+                                 f"{Share.among(live, d.name).sql()}")[0][0]), d)
+              for d in schedulers]
     count, busiest = max(counts, key=lambda c: c[0])
     return (busiest, count) if count else None
+
+
+#: an occurrence written and not yet claimed (nor parked by its job's strategy)
+UNDISPATCHED = ("job IS NOT NULL AND status IN ('DELAYED', 'READY') "
+                "AND (last_run_node IS NULL OR last_run_node <> '~parked')")
 
 
 # -- the embedded default ------------------------------------------------------------------------

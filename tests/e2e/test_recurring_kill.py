@@ -31,9 +31,19 @@ import pytest
 from sqlalchemy import text
 
 from ax_kombu.store.engine import make_engine
+from ax_kombu.store.recovery import Share
 
 from .system import Daemon
-from .test_recurring import HEARTBEAT, Cluster, Tick, _drop_jobs, brief, holder, now_ms
+from .test_recurring import (
+    HEARTBEAT,
+    UNDISPATCHED,
+    Cluster,
+    Tick,
+    _drop_jobs,
+    brief,
+    holder,
+    now_ms,
+)
 
 #: the jobs: name → schedule() arguments
 JOBS: dict[str, dict[str, Any]] = {
@@ -113,12 +123,12 @@ def _with_lock_timeout(url: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}options=-c%20lock_timeout%3D200"
 
 
-def _held_by(cluster: Cluster, node: str) -> dict[str, set[int]]:
-    """The occurrences ``node`` wrote and holds, not yet claimed, by job."""
+def _held_by(cluster: Cluster, node: str, live: list[str]) -> dict[str, set[int]]:
+    """The occurrences in ``node``'s share among the schedulers ``live``, not yet claimed,
+    by job."""
     out: dict[str, set[int]] = {}
-    for row in cluster.query("SELECT job, scheduled_at FROM ax_task WHERE job IS NOT NULL "
-                             "AND status IN ('DELAYED', 'READY') AND last_run_node = :n",
-                             n=node):
+    for row in cluster.query(f"SELECT job, scheduled_at FROM ax_task WHERE {UNDISPATCHED}"
+                             f"{Share.among(live, node).sql()}"):
         out.setdefault(row.job, set()).add(int(row.scheduled_at))
     return out
 
@@ -143,7 +153,7 @@ def test_what_a_killed_scheduler_held_runs_while_the_survivors_housekeeping_fail
                                           "a scheduler holds upcoming occurrences")
         cluster.kill(victim)
         kill_at = now_ms()
-        held = _held_by(cluster, victim.name)
+        held = _held_by(cluster, victim.name, [d.name for d in schedulers])
         assert held, "the killed scheduler held nothing"
 
         def held_ran(ticks: dict[str, list[Tick]]) -> bool:

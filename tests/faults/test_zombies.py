@@ -37,6 +37,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from ax_kombu.store.recovery import Share
+
 from .cluster import DEAD_WINDOW_MS, Cluster
 from .judge import EARLY_TOLERANCE_MS, conclude, judge
 from .ledger import Run
@@ -54,13 +56,31 @@ LEAD_ENV = {"claim_lead_ms": 1000}
 RATE = 100
 
 
-def held_by(cluster: Cluster, name: str) -> dict[str, dict[int, int]]:
-    """What node ``name`` holds in the table, by status: task id -> attempt."""
+def held_by(cluster: Cluster, name: str, live: list[str]) -> dict[str, dict[int, int]]:
+    """What scheduler ``name`` has in the table, by status: task id -> attempt. DISPATCHING:
+    what it claimed; DELAYED/READY: the claimable tasks of its share among the schedulers
+    ``live`` (:class:`ax_kombu.store.recovery.Share`), which its wheel holds once read."""
     out: dict[str, dict[int, int]] = {}
     for r in cluster.query("SELECT task_id, status, attempt FROM ax_task WHERE last_run_node = :n "
-                           "AND status IN ('DELAYED', 'READY', 'DISPATCHING')", n=name):
+                           "AND status = 'DISPATCHING'", n=name):
+        out.setdefault(r.status, {})[r.task_id] = r.attempt
+    for r in cluster.query("SELECT task_id, status, attempt FROM ax_task WHERE status IN "
+                           "('DELAYED', 'READY') AND (last_run_node IS NULL OR last_run_node "
+                           f"<> '~parked'){Share.among(live, name).sql()}"):
         out.setdefault(r.status, {})[r.task_id] = r.attempt
     return out
+
+
+#: the schedulers of the scheduler test
+PAIR = ["s0", "s1"]
+
+
+def _waiting(cluster: Cluster, task_ids: list[int]) -> list[int]:
+    """Those of ``task_ids`` still claimable, or DISPATCHING by s0: not yet taken over."""
+    return [r.task_id for r in cluster.query(
+        "SELECT task_id FROM ax_task WHERE task_id = ANY(:ids) AND (status IN "
+        "('DELAYED', 'READY') OR (status = 'DISPATCHING' AND last_run_node = 's0'))",
+        ids=task_ids)]
 
 
 def logged_runs(daemon_log: Path, message: str) -> set[tuple[int, int]]:
@@ -140,10 +160,10 @@ def broker_proxy(redis_broker: dict[str, str]) -> Iterator[HoldingProxy]:
 def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
                                                              broker_proxy: HoldingProxy) -> None:
     """s0 reaches Redis through a proxy. Under a steady load (tasks due 1–4 s ahead), once
-    s0 holds tasks in its wheel (DELAYED/READY, held by s0), the proxy holds s0's bytes
+    s0 holds tasks in its wheel (DELAYED/READY in its share), the proxy holds s0's bytes
     for half a second: its publish hangs, and what it claims meanwhile stays claimed and
     unpublished (DISPATCHING by s0, in its dispatcher's inbox). Then s0 is SIGSTOPped. s1
-    declares it dead, releases its wheel, re-dispatches its unpublished claims at a new
+    declares it dead, reads its share, re-dispatches its unpublished claims at a new
     attempt (ack timeout); the workers run them. s0 is SIGCONTed, and its bytes pass again:
     its dispatcher publishes the claims it lost, its wheel fires, its claimer claims,
     until its first beat finds it fenced.
@@ -174,7 +194,7 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
     load = Producer(cluster, rate=RATE, duration=5, lead=(1.0, 4.0)).start()
     try:
         t0 = time.monotonic()
-        poll(lambda: time.monotonic() - t0 > 1.5 and len(held_by(cluster, "s0").get(
+        poll(lambda: time.monotonic() - t0 > 1.5 and len(held_by(cluster, "s0", PAIR).get(
             "DELAYED", {})) >= 20, 10, 0.05)
         broker_proxy.passing.clear()  # s0's publish hangs; its claims pile up unpublished
         time.sleep(0.5)
@@ -182,14 +202,14 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
         stop_at = now_ms()
         try:
             time.sleep(0.2)  # a claim sent just before the stop is committed by now
-            held = held_by(cluster, "s0")  # exact: s0 is frozen
+            held = held_by(cluster, "s0", PAIR)  # exact: s0 is frozen
             wheel = {**held.get("DELAYED", {}), **held.get("READY", {})}
             claimed = held.get("DISPATCHING", {})
             in_flight = _in_flight(cluster, "s0", claimed)
             assert wheel and claimed, (f"s0 held {len(wheel)} tasks in its wheel and "
                                        f"{len(claimed)} claimed when stopped\n{cluster.tails()}")
             taken = poll(lambda: cluster.node("s0").stopped_at is not None
-                         and not any(held_by(cluster, "s0").values()), 15, 0.1)
+                         and not _waiting(cluster, [*wheel, *claimed]), 15, 0.1)
             taken_at = now_ms()
             assert taken, f"s0's tasks were not taken over while it was stopped\n{cluster.tails()}"
             time.sleep(max(0.0, (stop_at + SCHEDULER_PAUSE_MS - now_ms()) / 1000))

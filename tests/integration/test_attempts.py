@@ -74,7 +74,7 @@ def test_a_result_is_stored_within_its_bound_and_the_task_succeeds_either_way(
 
 def test_wait_gives_up_after_its_timeout(dispatch: Dispatch) -> None:
     task_id = dispatch.enqueue("t.noop", {}, delay=3600)
-    with pytest.raises(WaitTimeout, match="still READY"):
+    with pytest.raises(WaitTimeout, match="still DELAYED"):
         dispatch.client.wait(task_id, timeout=0.2)
 
 

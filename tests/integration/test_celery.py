@@ -126,10 +126,9 @@ def test_install_routes_delayed_calls_to_ax_and_the_rest_to_celery(client: Clien
 
 
 def claimed_messages(client: Client, node: str = "sched-test") -> list[TaskMessage]:
-    """Preload and claim every task now, as a scheduler would; their messages."""
+    """Claim every task now, as a scheduler would; their messages."""
     with client.store.engine.begin() as conn:
         now = client.store.now_ms() + 3_600_000
-        recovery.preload(conn, node, now, now, 100_000)
         ids = [r[0] for r in conn.execute(text("SELECT task_id FROM ax_task"))]
         claimed = claim(conn, ids, node, client.store.now_ms(), due_before=now)
     at = client.store.now_ms()
@@ -188,7 +187,8 @@ def test_a_celery_bound_task_is_claimed_only_when_due_and_cancel_wins_until_then
     now = min(trigger.values()) - 150
     node = "sched-test"
     with client.store.engine.begin() as conn:
-        times = dict(recovery.preload(conn, node, now, now + 10_000, 100, celery_lag_ms=lead))
+        times = dict(recovery.preload(conn, recovery.Loaded(), now + 10_000, 100,
+                                      celery_lag_ms=lead)[0])
         assert times == {bound: trigger[bound] + lead, plain: trigger[plain]}
         assert [r.task_id for r in claim(conn, [bound, plain], node, now, now + lead)] == [plain]
         assert claim(conn, [bound], node, trigger[bound] - 1, trigger[bound] + lead) == []

@@ -13,7 +13,6 @@ from sqlalchemy import Engine, event
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
-from ax_kombu.store import recovery
 from ax_kombu.store.claims import claim
 
 from .harness import collecting, scheduler_running
@@ -34,7 +33,6 @@ def test_a_resumed_claim_returns_what_the_lost_one_moved_and_nothing_else(
                                                 for i in range(6)])]
     now = client.store.now_ms() + 1000
     with client.store.engine.begin() as conn:
-        recovery.preload(conn, "s1", now, now + 10_000, 100)
         lost = claim(conn, ids[:4], "s1", now)  # its reply "lost": the caller never saw it
         assert sorted(r.task_id for r in lost) == ids[:4]
         # another claim of the node (a later now) and a claim of another node

@@ -3,8 +3,8 @@ the gated claim starts what may start and parks the rest, a run's end wakes the 
 limits, order keys (hold_failed / skip_failed), job strategies, shards, bad input, and
 racing gated claims on PostgreSQL.
 
-Tasks are made "held and due" as a scheduler makes them: ``recovery.preload`` inside a
-transaction, at an explicit ``now`` (no clock, no sleep).
+Tasks are read as a scheduler reads them (``recovery.preload``, which writes nothing) and
+claimed at an explicit ``now`` (no clock, no sleep).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Row, delete, func, select
+from sqlalchemy import Row, delete, func, select, update
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
@@ -25,6 +25,7 @@ from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.store import Store, claims, gates, recovery, transitions
 from ax_kombu.store import jobs as job_store
+from ax_kombu.store.recovery import Share
 from ax_kombu.store.schema import limits, tasks
 from ax_kombu.validation import build_row
 
@@ -57,9 +58,10 @@ def enqueue(client: Client, task_type: str, n: int, *, first: int = 0,
     return [int(t) for t in out]
 
 
-def preload(client: Client, now: int = NOW, node: str = NODE) -> list[int]:
+def preload(client: Client, now: int = NOW) -> list[int]:
     with client.store.engine.begin() as conn:
-        return sorted(t for t, _ in recovery.preload(conn, node, now, now + 10_000, 10_000))
+        rows, _ = recovery.preload(conn, recovery.Loaded(), now + 10_000, 10_000)
+    return sorted(t for t, _ in rows)
 
 
 def claim_plain(client: Client, ids: Sequence[int], now: int = NOW) -> list[int]:
@@ -129,7 +131,7 @@ def test_the_ordinary_claim_leaves_gated_tasks_to_the_gated_claim(client: Client
     assert preload(client) == sorted(everything)
     assert claim_plain(client, everything) == [plain]
     with client.store.engine.connect() as conn:
-        held = claims.still_held(conn, everything, NODE)
+        held = claims.still_claimable(conn, everything)
     assert sorted(held) == sorted([(keyed, T0 + 1, True), (limited, T0 + 2, True)])
     assert claimed_ids(client, [keyed, limited]) == sorted([keyed, limited])
     rows = state(client, everything)
@@ -139,15 +141,20 @@ def test_the_ordinary_claim_leaves_gated_tasks_to_the_gated_claim(client: Client
     assert all(r.attempt == 1 and r.last_run_node == NODE for r in rows.values())
 
 
-def test_the_gated_claim_leaves_tasks_not_due_or_not_held(client: Client) -> None:
+def test_the_gated_claim_leaves_tasks_not_due_or_parked(client: Client) -> None:
     client.set_limit("limited", 5)
     (due,) = enqueue(client, "limited", 1)
     (later,) = enqueue(client, "limited", 1, first=120_000)
-    assert preload(client) == [due]  # `later` is beyond the preload horizon
-    rows, decision = claim_gated(client, [due, later], node="sched-b")
-    assert rows == [] and decision == Decision()  # sched-a holds `due`
-    assert claimed_ids(client, [due, later]) == [due]
-    assert state(client, [later])[later].status == "CREATED"
+    (waiting,) = enqueue(client, "limited", 1, first=1)
+    with client.store.engine.begin() as conn:  # parked by an earlier gated claim
+        conn.execute(update(tasks).where(tasks.c.task_id == waiting)
+                     .values(status="READY", last_run_node=gates.PARKED))
+    assert preload(client) == [due]  # `later` is beyond the horizon, `waiting` is parked
+    rows, decision = claim_gated(client, [later, waiting])
+    assert rows == [] and decision == Decision()
+    assert claimed_ids(client, [due, later, waiting]) == [due]
+    assert state(client, [later])[later].status == "READY"  # due by the real clock, unclaimed
+    assert parked(client, [waiting]) == [waiting]
 
 
 # -- limits ------------------------------------------------------------------------------------
@@ -238,18 +245,15 @@ def test_set_limit_refuses_bad_input_and_writes_nothing(client: Client) -> None:
     assert client.limits() == {"b": 1, "mail": 1_000_000}
 
 
-def test_parked_tasks_are_not_orphans_and_the_stranded_scan_wakes_only_what_has_room(
-        client: Client) -> None:
+def test_the_stranded_scan_wakes_only_what_has_room(client: Client) -> None:
     """The backstop for a wake that never came: runs ended without a worker's wake (its
-    worker died) leave room that wake_stranded gives to parked tasks; the orphan scan
-    leaves '~parked' alone (it is not a node)."""
+    worker died) leave room that wake_stranded gives to parked tasks."""
     client.set_limit("mail", 2)
     ids = enqueue(client, "mail", 5)
     keyed = enqueue(client, "acct", 3, first=5, order_key="k")
     preload(client)
     assert claimed_ids(client, ids + keyed) == [*ids[:2], keyed[0]]
     with client.store.engine.begin() as conn:
-        assert recovery.release_orphans(conn, NOW + 1, NOW - 10_000) == 0
         assert gates.wake_stranded(conn) == 0  # every limit full, every key busy
     end_run(client, ids[0], ended=[])  # as if the worker died after writing: no wake
     end_run(client, keyed[0], ended=[])
@@ -530,7 +534,7 @@ def test_racing_gated_claims_never_exceed_the_limit(pg_url: str, tmp_path: Path)
         client.set_limit("batch", 5)
         for rnd in range(25):
             ids = enqueue(client, "batch", 8, first=rnd * 100)
-            held = {node: preload_n(client, node, 4) for node in ("n1", "n2")}
+            held = {f"n{k + 1}": preload_share(client, Share(2, k)) for k in range(2)}
             assert sorted(held["n1"] + held["n2"]) == ids
             claimed = race(stores, held)
             assert active(client, "batch") <= 5, f"round {rnd}"
@@ -567,9 +571,10 @@ def race(stores: Sequence[Store], held: dict[str, list[int]]) -> dict[str, list[
     return claimed
 
 
-def preload_n(client: Client, node: str, n: int) -> list[int]:
+def preload_share(client: Client, share: Share) -> list[int]:
     with client.store.engine.begin() as conn:
-        return sorted(t for t, _ in recovery.preload(conn, node, NOW, NOW + 10_000, n))
+        rows, _ = recovery.preload(conn, recovery.Loaded(), NOW + 10_000, 10_000, share)
+    return sorted(t for t, _ in rows)
 
 
 def settle(client: Client, ids: Sequence[int]) -> None:

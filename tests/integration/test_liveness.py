@@ -98,10 +98,7 @@ def test_a_new_incarnation_takes_over_what_the_dead_one_left(client: Client) -> 
     old.register({})
     with client.store.engine.begin() as conn:  # that process was kill -9'd
         conn.execute(update(node_table).values(pid=dead_pid()))
-    held = [int(client.enqueue("t", {"held": i}, delay=60)) for i in range(2)]
-    with client.store.engine.begin() as conn:
-        conn.execute(update(tasks).where(tasks.c.task_id.in_(held))
-                     .values(status="DELAYED", last_run_node="w0"))
+    waiting = [int(client.enqueue("t", {"waiting": i}, delay=60)) for i in range(2)]
     dispatching = claimed(client, "w0", 2, kind="dispatching")
     running = claimed(client, "s", 3, kind="running")
     with client.store.engine.begin() as conn:
@@ -110,9 +107,9 @@ def test_a_new_incarnation_takes_over_what_the_dead_one_left(client: Client) -> 
     new = nodes.Heartbeat(client.store, "w0", "worker")
     took = new.register({})
 
-    assert took == nodes.TakeOver(released=2, requeued=2, running=3)
-    after = statuses(client, held + dispatching + running)
-    assert all(after[t] == ("DELAYED", None) for t in held)
+    assert took == nodes.TakeOver(requeued=2, running=3)
+    after = statuses(client, waiting + dispatching + running)
+    assert all(after[t] == ("DELAYED", None) for t in waiting)  # nothing to take over
     assert all(after[t] == ("READY", None) for t in dispatching)
     assert all(after[t] == ("DELAYED", None) for t in running)  # retried (max_retry 3)
     assert new.incarnation > old.incarnation and new.beat({}) and not old.beat({})

@@ -57,6 +57,9 @@ class Scheduler:
         self.ids.release()
         self.store.close()
 
+#: an occurrence written and not dispatched: DELAYED, or READY when written due
+UNDISPATCHED = (Status.DELAYED, Status.READY)
+
 
 def _client(settings: Settings) -> Iterator[Client]:
     c = Client(settings)
@@ -162,7 +165,6 @@ def define(client: Client, now_ms: int, name: str, task_type: str = "tick",
 def dispatch(client: Client, task_id: int, now_ms: int, *, run: bool = False) -> None:
     """Claim an occurrence as a scheduler would (→ DISPATCHING), and with ``run`` start it."""
     with client.store.engine.begin() as conn:
-        transitions.transition(conn, [task_id], [Status.CREATED], Status.READY)
         (claimed,) = claims.claim(conn, [task_id], "node-a", now_ms)
         if run:
             assert transitions.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
@@ -258,7 +260,7 @@ def test_a_new_payload_replaces_the_undispatched_future_occurrences_on_the_same_
     assert sorted(new) == [a + k * 1000 for k in range(1, 6)]  # not re-anchored
     for t in (a + 3000, a + 4000, a + 5000):
         assert new[t].payload == {"v": 2} and new[t].task_id != old[t].task_id
-        assert new[t].trigger_time == t and new[t].status is Status.CREATED
+        assert new[t].trigger_time == t and new[t].status in UNDISPATCHED
 
 
 def test_a_new_interval_restarts_the_schedule_from_now(client: Client,
@@ -335,7 +337,7 @@ def test_passes_write_one_task_per_occurrence(client: Client, scheduler: Schedul
     for v in views:
         assert v.scheduled_at is not None
         assert v.job == "beat" and v.trigger_time == v.scheduled_at
-        assert v.status is Status.CREATED and v.attempt == 0
+        assert v.status in UNDISPATCHED and v.attempt == 0
         assert (v.task_type, v.payload, v.priority, v.max_retry, v.timeout_ms) == (
             "metrics.flush", {"shard": 3}, "high", 2, 4000)
         assert v.fingerprint == job_store.occurrence_fingerprint("beat", v.scheduled_at)
@@ -445,8 +447,8 @@ def test_fire_once_runs_the_latest_missed_occurrence_once(client: Client,
     assert times(views, a) == [1000, 2000, 3000, 4000, 8000, 9000, 10_000, 11_000, 12_000]
     assert_misfire_cancelled(views[:4], now)
     catch_up = [v for v in views if v.trigger_time == now != v.scheduled_at]
-    assert [(v.scheduled_at, v.status) for v in catch_up] == [(a + 8000, Status.CREATED)]
-    assert all(v.trigger_time == v.scheduled_at and v.status is Status.CREATED
+    assert [(v.scheduled_at, v.status) for v in catch_up] == [(a + 8000, Status.READY)]
+    assert all(v.trigger_time == v.scheduled_at and v.status in UNDISPATCHED
                for v in views[5:])
     assert job_row(client, "beat").next_fire_at == a + 13_000
     assert scheduler.run(now + STEP) == 0  # settled: the next pass is on time again
@@ -475,7 +477,7 @@ def test_fire_all_runs_the_latest_missed_oldest_first_up_to_misfire_max(
     catch_up = views[4:7]
     # catch-ups trigger at the pass, 1 ms apart: dispatched oldest first
     assert [v.trigger_time for v in catch_up] == [now, now + 1, now + 2]
-    assert all(v.status is Status.CREATED for v in catch_up)
+    assert all(v.status in UNDISPATCHED for v in catch_up)
     assert all(v.trigger_time == v.scheduled_at for v in views[7:])
 
 
@@ -487,7 +489,7 @@ def test_fire_all_under_the_cap_keeps_the_written_ones_and_adds_the_rest(
     assert scheduler.run(now) == 4 + 4
     views = occurrences(client, "beat")
     assert times(views, a) == list(range(1000, 12_001, 1000))
-    assert all(v.status is Status.CREATED for v in views)
+    assert all(v.status in UNDISPATCHED for v in views)
     assert {v.task_id for v in views[:4]} == written  # kept: run as catch-ups
     # all eight catch-ups trigger at the pass, oldest first, the written ones included
     assert [v.trigger_time for v in views[:8]] == [now + i for i in range(8)]

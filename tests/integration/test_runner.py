@@ -107,7 +107,8 @@ def test_the_claim_reads_the_stored_runner_not_the_name(client: Client) -> None:
     trigger = {i: client.get(i).trigger_time for i in (named, bound)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
-        times = dict(recovery.preload(conn, "s1", now, now + 10_000, 10, celery_lag_ms=LEAD_MS))
+        times = dict(recovery.preload(conn, recovery.Loaded(), now + 10_000, 10,
+                                      celery_lag_ms=LEAD_MS)[0])
         assert times == {named: trigger[named], bound: trigger[bound] + LEAD_MS}
         claimed = claim(conn, [named, bound], "s1", now, due_before=now + LEAD_MS)
         assert [(r.task_id, r.runner) for r in claimed] == [(named, "ax")]
@@ -173,7 +174,6 @@ def test_an_unbuildable_message_fails_its_task_and_the_batch_is_published(
     ids = [*plain, bad, good]
     now = client.store.now_ms() + 1000
     with client.store.engine.begin() as conn:
-        recovery.preload(conn, "s1", now, now + 10_000, 100)
         rows = claim(conn, ids, "s1", now)
     assert len(rows) == len(ids)
     returned: list[list[int]] = []

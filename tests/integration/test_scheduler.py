@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -134,11 +135,11 @@ def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings
     assert client.get(alive).status is Status.RUNNING  # alive: never rescued by age
 
 
-def test_a_preload_whose_commit_reply_was_lost_strands_nothing(
+def test_a_preload_that_fails_loses_nothing(
         cfg: Settings, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first preload commits in the database but its caller sees an error (as when the
-    connection breaks after COMMIT): the rows are held by the node without being in its
-    memory. The next preload must take them back, or they would never be dispatched."""
+    """The first preload reads every task, then its connection breaks before the caller
+    gets the rows (as when the reply is lost). A read changed nothing, and the node's
+    record of what it has read did not move: the next round reads them again."""
     from sqlalchemy.exc import OperationalError
 
     from ax_kombu.store import recovery
@@ -146,13 +147,12 @@ def test_a_preload_whose_commit_reply_was_lost_strands_nothing(
     real_preload = recovery.preload
     lost: list[int] = []
 
-    def preload_reply_lost(conn: object, node: str, *args: object) -> list[tuple[int, int]]:
-        if lost:
-            return real_preload(conn, node, *args)  # type: ignore[arg-type]
-        with client.store.engine.begin() as own:  # commits, whatever happens to `conn`
-            rows = real_preload(own, node, *args)  # type: ignore[arg-type]
-        lost.extend(task_id for task_id, _ in rows)
-        raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+    def preload_reply_lost(conn: Any, *args: Any) -> Any:
+        rows, loaded = real_preload(conn, *args)
+        if not lost and rows:
+            lost.extend(task_id for task_id, _ in rows)
+            raise OperationalError("SELECT", {}, Exception("server closed the connection"))
+        return rows, loaded
 
     monkeypatch.setattr(recovery, "preload", preload_reply_lost)
     ids = [int(i) for i in client.enqueue_many(
@@ -160,5 +160,7 @@ def test_a_preload_whose_commit_reply_was_lost_strands_nothing(
     with collecting(cfg) as got, scheduler_running(cfg):
         assert got.wait_for(lambda: len(got.got) >= 20, timeout=30), \
             f"only {len(got.got)} of 20 dispatched"
-    assert sorted(lost) == sorted(ids)  # the first preload did take every one
+    assert sorted(lost) == sorted(ids)  # the first preload did read every one
     assert sorted(got.ids()) == sorted(ids)
+
+

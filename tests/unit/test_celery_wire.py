@@ -30,7 +30,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store import recovery
-from ax_kombu.store.claims import CELERY_STAGE_MS, claim, still_held
+from ax_kombu.store.claims import CELERY_STAGE_MS, claim, still_claimable
 
 celery = pytest.importorskip("celery")
 
@@ -210,22 +210,21 @@ def client(cfg: Settings) -> Any:
 
 def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> None:
     """Claimed with a lead, an ax task due within it moves, a Celery-bound one does not; it
-    fires ``claim_lead_ms`` late in the wheel's terms (preload, still_held), so when due."""
+    fires ``claim_lead_ms`` late in the wheel's terms (preload, still_claimable), so when
+    due."""
     plain = int(client.enqueue("plain", {"i": 1}, delay=0.1))
     bound = int(client.enqueue_to("celery", "app.tasks.x", {"args": [], "kwargs": {}},
                                   delay=0.1, processor=processor_for("q")))
     trigger = {i: client.get(i).trigger_time for i in (plain, bound)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
-        times = dict(recovery.preload(conn, "s1", now, now + 10_000, 10,
-                                      celery_lag_ms=LEAD_MS))
-        assert times == {plain: trigger[plain], bound: trigger[bound] + LEAD_MS}
+        rows, _ = recovery.preload(conn, recovery.Loaded(), now + 10_000, 10,
+                                   celery_lag_ms=LEAD_MS)
+        assert dict(rows) == {plain: trigger[plain], bound: trigger[bound] + LEAD_MS}
         claimed = claim(conn, [plain, bound], "s1", now, due_before=now + LEAD_MS)
         assert [r.task_id for r in claimed] == [plain]
-        assert still_held(conn, [bound], "s1", celery_lag_ms=LEAD_MS) == [
+        assert still_claimable(conn, [plain, bound], celery_lag_ms=LEAD_MS) == [
             (bound, trigger[bound] + LEAD_MS, False)]
-        assert recovery.held_by(conn, "s1", now + 10_000, 10, celery_lag_ms=LEAD_MS) == [
-            (bound, trigger[bound] + LEAD_MS)]
         assert claim(conn, [bound], "s1", trigger[bound] - 1, trigger[bound] + LEAD_MS) == []
         (row,) = claim(conn, [bound], "s1", trigger[bound], trigger[bound] + LEAD_MS)
         assert (row.task_id, row.attempt) == (bound, 1)
@@ -242,9 +241,9 @@ def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> 
     trigger = {i: client.get(i).trigger_time for i in (fenced, stock)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
-        times = dict(recovery.preload(conn, "s1", now, now + 10_000, 10,
-                                      celery_lag_ms=LEAD_MS))
-        assert times == {fenced: trigger[fenced] + LEAD_MS - CELERY_STAGE_MS,
+        rows, _ = recovery.preload(conn, recovery.Loaded(), now + 10_000, 10,
+                                   celery_lag_ms=LEAD_MS)
+        assert dict(rows) == {fenced: trigger[fenced] + LEAD_MS - CELERY_STAGE_MS,
                          stock: trigger[stock] + LEAD_MS}
         claimed = claim(conn, [fenced, stock], "s1", now, due_before=now + LEAD_MS)
         assert [(r.task_id, r.runner) for r in claimed] == [(fenced, "celery_ax")]

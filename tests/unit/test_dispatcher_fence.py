@@ -17,7 +17,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.core.lease import Lease
 from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher, to_message
-from ax_kombu.store import Store, recovery
+from ax_kombu.store import Store
 from ax_kombu.store.claims import claim
 from ax_kombu.store.schema import tasks
 
@@ -107,7 +107,6 @@ def test_a_failed_publish_gives_back_only_the_attempt_it_carried(tmp_path: Path)
         lost, ours = (int(client.enqueue("t", {"i": i})) for i in range(2))
         now = client.store.now_ms() + 1000
         with client.store.engine.begin() as conn:
-            recovery.preload(conn, "s0", now, now + 10_000, 100)
             rows = claim(conn, [lost, ours], "s0", now)
             conn.execute(update(tasks).where(tasks.c.task_id == lost)
                          .values(status="READY"))  # s0 declared dead: its claim went back

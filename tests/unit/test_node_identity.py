@@ -95,7 +95,7 @@ def test_a_row_without_an_identity_waits_for_its_heartbeat(store: Store) -> None
         Heartbeat(store, "w", "worker").register({})
     with store.engine.begin() as conn:  # silent for longer than the window: free
         conn.execute(update(node_table).values(heartbeat_at=0))
-    assert Heartbeat(store, "w", "worker").register({}).released == 0
+    assert Heartbeat(store, "w", "worker").register({}).requeued == 0
 
 
 def test_in_this_pid_space_a_gone_pid_frees_the_name_at_once(store: Store) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from ax_kombu.api import Client
 from ax_kombu.broker.messages import TaskMessage
@@ -17,6 +18,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store.clock import DbClock
+from ax_kombu.store.schema import nodes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,21 +107,29 @@ def test_tasks_are_claimed_and_published_up_to_the_lead_ahead_never_more(
         assert all(a <= 0 for a in ahead), ahead
 
 
-def test_a_warm_stop_releases_the_tasks_it_holds(cfg: Settings, client: Client) -> None:
+def test_the_tasks_a_scheduler_reads_are_not_written_and_a_warm_stop_deregisters(
+        cfg: Settings, client: Client) -> None:
+    """The preload is a read: tasks in the wheel stay DELAYED and unheld in the store, so a
+    stop has nothing to hand back; it marks the node stopped, and the others' next preload
+    covers its share."""
     ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": 90}
                                for i in range(50)])
+    before = {i: client.get(i) for i in ids}
     published = Published()
     scheduler, thread = running(cfg, published)
     try:
-        assert poll(lambda: all(client.get(i).status is Status.DELAYED for i in ids))
-        assert client.get(ids[0]).last_run_node == "sched-unit"
+        assert poll(lambda: len(scheduler.timer) == 50)
+        assert {(client.get(i).status, client.get(i).last_run_node) for i in ids} == {
+            (Status.DELAYED, None)}
     finally:
         scheduler.request_stop()
         thread.join(30)
     assert not thread.is_alive()
     assert published.messages == []
-    assert {(client.get(i).status, client.get(i).last_run_node) for i in ids} == {
-        (Status.DELAYED, None)}
+    assert {i: client.get(i) for i in ids} == before
+    with client.store.engine.connect() as conn:
+        (row,) = conn.execute(select(nodes.c.stopped_at).where(nodes.c.node_id == "sched-unit"))
+    assert row.stopped_at is not None
 
 
 def test_the_local_clock_reading_never_asks_the_database() -> None:

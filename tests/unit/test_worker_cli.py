@@ -124,7 +124,7 @@ def test_status_names_a_queue_without_consumer_and_what_waits_for_it(tmp_path: P
 
 
 def test_status_shows_limits_and_what_waits_for_a_key_or_a_limit(tmp_path: Path) -> None:
-    from ax_kombu.store import gates, recovery
+    from ax_kombu.store import gates
 
     url = f"sqlite:///{tmp_path / 'ax.db'}"
     client = Client(from_env({}, database_url=url))
@@ -132,7 +132,6 @@ def test_status_shows_limits_and_what_waits_for_a_key_or_a_limit(tmp_path: Path)
     ids = [int(client.enqueue("sms.send", {"i": i})) for i in range(3)]
     with client.store.engine.begin() as conn:
         now = client.store.now_ms() + 10
-        recovery.preload(conn, "s0", now, now + 1000, 100)
         gates.claim_gated(conn, ids, "s0", now, now)  # one claimed, two parked
     client.close()
     result = CliRunner().invoke(cli_main, ["--db", url, "status", "--no-broker"])
