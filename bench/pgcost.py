@@ -67,7 +67,16 @@ VARIANTS: dict[str, list[str]] = {
     # free room on every page, so that a row's next version can land beside it
     "ff80": ["ALTER TABLE ax_task SET (fillfactor = 80)"],
     "ff60": ["ALTER TABLE ax_task SET (fillfactor = 60)"],
+    # (status, trigger_time) without RUNNING: what scans it asks for claimable and
+    # DISPATCHING rows; RUNNING is looked up by node (recovery) through (task_type, status)
+    "st4": ["DROP INDEX ix_ax_task_status_trigger",
+            ("CREATE INDEX ix_ax_task_status_trigger ON ax_task (status, trigger_time) "
+             "WHERE status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING')")],
 }
+VARIANTS["st4ff80"] = VARIANTS["st4"] + VARIANTS["ff80"]
+VARIANTS["st4ff60"] = VARIANTS["st4"] + VARIANTS["ff60"]
+VARIANTS["ff70"] = ["ALTER TABLE ax_task SET (fillfactor = 70)"]
+VARIANTS["st4ff70"] = VARIANTS["st4"] + VARIANTS["ff70"]
 
 # This database's WAL records in [a, b): per (resource manager, record type, relfilenode),
 # with the commit records of the transactions that wrote here; and where reading stopped.

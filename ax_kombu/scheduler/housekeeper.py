@@ -295,7 +295,7 @@ class Housekeeper(Stage):
         room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
         if room <= 0 or self._share.of <= 1:
             return
-        with self._store.engine.connect() as conn:
+        with self._store.engine.begin() as conn:
             strays = recovery.overdue_elsewhere(conn, now - settings.silence_ms, self._share,
                                                 room, settings.claim_lead_ms)
         if strays:

@@ -6,13 +6,18 @@ store and compare them the same way and nothing depends on a time zone.
 
 Indexes, each with its reason:
 
-* ``(status, trigger_time)`` over the live states — the preload and recovery
-  scans ask "tasks in status S due before T"; with status first the scan is one
-  tight index range and never walks the finished history (SPEC lists the pair as
+* ``(status, trigger_time)`` — the preload and recovery scans ask "tasks in
+  status S due before T"; with status first the scan is one tight index range
+  and never walks the finished history (SPEC lists the pair as
   ``(trigger_time, status)``; this order serves the same queries without reading
-  every old row). On PostgreSQL partial: a task's final version writes no entry.
-* ``(task_type, status)`` — the cluster-wide limits count a type's DISPATCHING and
-  RUNNING tasks; on PostgreSQL partial to those two states.
+  every old row). On PostgreSQL partial to the waiting and finished states, and:
+* ``(task_type, status)`` partial to the in-flight ones (DISPATCHING, RUNNING) — the
+  cluster-wide limits count a type's; the ack-timeout and dead-worker scans read it
+  whole (as many entries as tasks in flight). The two split the states, so each of a
+  task's four row versions writes one entry, not two (migration 0011). SQLite keeps
+  both full: it uses a partial index only for a query that repeats its ``WHERE``.
+  A query over states of both kinds reads each state apart
+  (:func:`ax_kombu.store.stats.schedule_delays`).
 * ``(fingerprint, trigger_time)`` — the duplicate check at enqueue.
 * ``(armed)`` over claimable rows (CREATED, DELAYED, READY) — the preload asks "what
   became claimable since my last read" (:func:`ax_kombu.store.recovery.preload`); one
@@ -26,6 +31,9 @@ Indexes, each with its reason:
   (NULL biz_keys never conflict, on both databases). On PostgreSQL a partial
   index over rows that have a biz_key: a task without one (most) writes no
   entry there on each of its status changes.
+
+On PostgreSQL ``ax_task`` has a fillfactor of 70 (migration 0011): a row's next version
+usually lands on its page, and is logged as what changed.
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ metadata = MetaData()
 #: the states a scheduler claims from (:mod:`ax_kombu.store.claims`); CREATED only in rows
 #: written before migration 0011 or by older producers
 CLAIMABLE = "status IN ('CREATED', 'DELAYED', 'READY')"
-_LIVE = "status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')"
+_WAITING_OR_DONE = ("status IN ('CREATED', 'DELAYED', 'READY', 'SUCCESS', 'FAILED', "
+                    "'CANCELLED')")
 _BUSY = "status IN ('DISPATCHING', 'RUNNING')"
 _OCCURRENCE = "job IS NOT NULL"
 _ORDERED = "order_key IS NOT NULL"
@@ -142,7 +151,7 @@ tasks = Table(
     CheckConstraint("(processor_name IS NULL) <> (callback_url IS NULL)",
                     name="ck_ax_task_one_target"),
     Index("ix_ax_task_status_trigger", "status", "trigger_time",
-          postgresql_where=text(_LIVE)),
+          postgresql_where=text(_WAITING_OR_DONE)),
     Index("ix_ax_task_type_status", "task_type", "status", postgresql_where=text(_BUSY)),
     Index("ix_ax_task_fingerprint", "fingerprint", "trigger_time"),
     Index("ix_ax_task_armed", "armed", postgresql_where=text(CLAIMABLE)),

@@ -51,12 +51,19 @@ _DISPATCHED = ("DISPATCHING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED")
 
 def schedule_delays(conn: Connection, since_ms: int) -> Delays | None:
     """The schedule delay of tasks due since ``since_ms`` and dispatched (their latest
-    attempt), from the ``(status, trigger_time)`` index; at most :data:`MAX_RUNS`, newest
-    first. None: nothing was dispatched."""
-    query = (select(tasks.c.dispatched_at - tasks.c.trigger_time)
-             .where(tasks.c.status.in_(_DISPATCHED), tasks.c.trigger_time >= since_ms,
+    attempt); at most :data:`MAX_RUNS`, newest first. None: nothing was dispatched.
+
+    One ordered read per status, merged: on PostgreSQL the in-flight states and the
+    finished ones are in different partial indexes (:mod:`ax_kombu.store.schema`), and
+    no one index serves an ``IN`` list that spans both."""
+    parts = [select((tasks.c.dispatched_at - tasks.c.trigger_time).label("d"),
+                    tasks.c.trigger_time.label("t"))
+             .where(tasks.c.status == status, tasks.c.trigger_time >= since_ms,
                     tasks.c.dispatched_at.is_not(None))
-             .order_by(tasks.c.trigger_time.desc()).limit(MAX_RUNS))
+             .order_by(tasks.c.trigger_time.desc()).limit(MAX_RUNS)
+             for status in _DISPATCHED]
+    both = union_all(*(select(p.subquery()) for p in parts)).subquery()
+    query = select(both.c.d).order_by(both.c.t.desc()).limit(MAX_RUNS)
     delays = sorted(max(0, int(d)) for d in conn.execute(query).scalars())
     if not delays:
         return None

@@ -122,7 +122,7 @@ def test_the_shares_split_the_ids_and_cover_them(client: Client) -> None:
     assert all(10 <= len(part) <= 30 for part in shares), [len(p) for p in shares]
     assert Share.among(["b", "a", "c"], "b") == Share(3, 1)
     assert Share.among(["a"], "z") == Share(2, 1)  # it counts itself
-    with client.store.engine.connect() as conn:
+    with client.store.engine.begin() as conn:
         strays = recovery.overdue_elsewhere(conn, horizon, Share(3, 0), 1000)
         assert sorted(t for t, _ in strays) == sorted(shares[1] + shares[2])
         assert recovery.overdue_elsewhere(conn, horizon, recovery.ALL, 1000) == []

@@ -23,12 +23,17 @@ soon). So every row version that is claimable (CREATED, DELAYED or READY) carrie
   set it on insert and on each update that leaves a row claimable.
 
 Indexes: ``ix_ax_task_armed`` over claimable rows (one entry per task on the plain path);
-``ix_ax_task_unheld`` goes (nothing holds a row any more). On PostgreSQL,
-``ix_ax_task_status_trigger`` covers the live states only (the preload, recovery,
-ack-timeout and overdue scans; the history is listed by ``finished_at`` or the primary
-key) and ``ix_ax_task_type_status`` DISPATCHING/RUNNING only (what the cluster-wide limits
-count), so a task's last version writes neither. SQLite keeps full indexes: it uses a
-partial one only for a query that repeats its ``WHERE`` terms.
+``ix_ax_task_unheld`` goes (nothing holds a row any more). On PostgreSQL the status
+indexes split the states between them, so each of a task's four versions writes one
+entry, not two: ``ix_ax_task_status_trigger`` covers the waiting and the finished states
+(the preload, the overdue probe, the history by trigger time) and ``ix_ax_task_type_status``
+the in-flight ones, DISPATCHING and RUNNING (the cluster-wide limits; the ack-timeout and
+dead-worker scans read it whole, as many entries as tasks in flight). SQLite keeps full
+indexes: it uses a partial one only for a query that repeats its ``WHERE`` terms.
+
+``ax_task`` gets a fillfactor of 70 on PostgreSQL: a task's next version then usually lands
+on its own page, which PostgreSQL logs as the bytes that changed rather than the whole row
+(measured: docs/benchmarks.md, "PostgreSQL cost per task").
 
 No table rewrite: the column is added without a default, which is set afterwards for new
 rows only; existing claimable rows are found by the preload's first full read of its
@@ -49,11 +54,16 @@ branch_labels = None
 depends_on = None
 
 CLAIMABLE = "status IN ('CREATED', 'DELAYED', 'READY')"
-LIVE = "status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')"
+WAITING_OR_DONE = ("status IN ('CREATED', 'DELAYED', 'READY', 'SUCCESS', 'FAILED', "
+                   "'CANCELLED')")
 BUSY = "status IN ('DISPATCHING', 'RUNNING')"
 _UNHELD = "last_run_node IS NULL AND status IN ('DELAYED', 'READY')"
 
+#: free room on each page of ax_task, so that a row's next versions can land beside it
+FILLFACTOR = 70
+
 _PG_UP = [
+    f"ALTER TABLE ax_task SET (fillfactor = {FILLFACTOR})",
     "ALTER TABLE ax_task ALTER COLUMN armed SET DEFAULT (pg_current_xact_id()::text::bigint)",
     """CREATE FUNCTION ax_task_arm() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -63,7 +73,8 @@ END $$""",
     f"""CREATE TRIGGER ax_task_arm BEFORE UPDATE ON ax_task FOR EACH ROW
     WHEN (NEW.{CLAIMABLE}) EXECUTE FUNCTION ax_task_arm()""",
 ]
-_PG_DOWN = ["DROP TRIGGER IF EXISTS ax_task_arm ON ax_task",
+_PG_DOWN = ["ALTER TABLE ax_task RESET (fillfactor)",
+            "DROP TRIGGER IF EXISTS ax_task_arm ON ax_task",
             "DROP FUNCTION IF EXISTS ax_task_arm()"]
 
 _SQLITE_ARM = ("UPDATE ax_armed SET n = n + 1; "
@@ -91,7 +102,7 @@ def upgrade() -> None:
     op.drop_index("ix_ax_task_unheld", table_name="ax_task")
     op.drop_index("ix_ax_task_status_trigger", table_name="ax_task")
     op.create_index("ix_ax_task_status_trigger", "ax_task", ["status", "trigger_time"],
-                    postgresql_where=sa.text(LIVE))
+                    postgresql_where=sa.text(WAITING_OR_DONE))
     op.drop_index("ix_ax_task_type_status", table_name="ax_task")
     op.create_index("ix_ax_task_type_status", "ax_task", ["task_type", "status"],
                     postgresql_where=sa.text(BUSY))
