@@ -56,6 +56,13 @@ class Settings:
     #: per message). ax does not need it: a message lost between broker and worker leaves
     #: its task DISPATCHING, and the ack timeout dispatches it again.
     redis_ack_emulation: bool = False
+    #: RabbitMQ only: publish ax's messages persistent (delivery mode 2), so that they
+    #: survive a broker restart. Off by default, for the reason above: the database holds
+    #: every task, and a message the broker loses leaves its task DISPATCHING until the
+    #: ack timeout dispatches it again (the queue is then empty, so it is known lost);
+    #: persistence costs the broker a disk write per message. Celery-bound messages are
+    #: always persistent (a stock Celery worker's task has left the database's care).
+    rabbitmq_persistent: bool = False
     #: worker on Redis ≥ 6.2: pop messages in batches (ax_kombu.broker.redis_pull) instead of Kombu's
     #: consumer (one BRPOP per message). Off: the plain consumer, as on other brokers.
     redis_pull: bool = True

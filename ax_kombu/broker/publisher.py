@@ -18,6 +18,10 @@
   out, reported with its reason (:attr:`Sent.refused`), and the rest of the batch is
   published. It is never reported as unpublished (it would go back to READY and be
   claimed again for ever).
+* On RabbitMQ an ax message is transient unless ``AX_RABBITMQ_PERSISTENT`` says otherwise
+  (:attr:`ax_kombu.config.Settings.rabbitmq_persistent`): the database, not the broker,
+  keeps the task, and the ack timeout sends again what a restarted broker lost. A
+  Celery-bound message is always persistent.
 * Nothing is held here: every message is published when handed over. The scheduler
   hands a Celery-bound task over only once it is due (:mod:`ax_kombu.store.claims`).
 """
@@ -92,6 +96,8 @@ class Publisher:
         self.settings = settings
         self.confirm_timeout_s = confirm_timeout_s
         self._queues = {p: settings.queue_for(p) for p in PRIORITIES}
+        #: ax's own messages: transient unless asked (Settings.rabbitmq_persistent)
+        self._delivery_mode = 2 if settings.rabbitmq_persistent else 1
         self._conn: Connection | None = None
         self._producer: Producer | None = None
         self._confirms: _Confirms | None = None
@@ -167,8 +173,8 @@ class Publisher:
         self._producer.publish(message.to_json(),
                                routing_key=message.route or self._queues[message.priority],
                                exchange="", headers={"trace_id": message.trace_id},
-                               delivery_mode=2, content_type="application/json",
-                               content_encoding="utf-8")
+                               delivery_mode=self._delivery_mode,
+                               content_type="application/json", content_encoding="utf-8")
 
     def _send_celery(self, c: CeleryMessage) -> None:
         assert self._producer is not None and self._conn is not None

@@ -61,3 +61,19 @@ def test_malformed_bodies_are_refused() -> None:
         TaskMessage.from_body({"v": 1, "task_id": 5})
     with pytest.raises(ValueError):
         TaskMessage.from_body(["not", "a", "message"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("persistent", [False, True])
+def test_rabbitmq_messages_are_transient_unless_asked(amqp_broker: dict[str, str],
+                                                      persistent: bool) -> None:
+    """ax's messages on RabbitMQ: delivery mode 1 by default (the database keeps the task;
+    the ack timeout sends again what a restarted broker lost), 2 with
+    AX_RABBITMQ_PERSISTENT."""
+    settings = from_env({"AX_RABBITMQ_PERSISTENT": "1" if persistent else "0"}, **amqp_broker)
+    assert settings.rabbitmq_persistent is persistent
+    publisher = Publisher(settings)
+    assert publisher.publish([message(i, "default") for i in range(3)]) == []
+    publisher.close()
+    got = consume(settings, list(task_queues(settings).values()), 3)
+    assert [m.properties["delivery_mode"] for m in got] == [2 if persistent else 1] * 3
