@@ -12,6 +12,7 @@ directory, so two terminals in the same folder share them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ from typing import Any
 from ax_kombu.exceptions import ConfigurationError
 
 PRIORITIES = ("high", "default", "slow")
+#: what ``rabbitmq_queue_type`` may say
+RABBITMQ_QUEUE_TYPES = ("classic", "quorum")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, None: 1000}
@@ -63,6 +66,14 @@ class Settings:
     #: persistence costs the broker a disk write per message. Celery-bound messages are
     #: always persistent (a stock Celery worker's task has left the database's care).
     rabbitmq_persistent: bool = False
+    #: RabbitMQ only: the type ax's queues are declared with, ``classic`` or ``quorum``
+    #: (replicated over a cluster's nodes; every message in one is kept on disk, so
+    #: ``rabbitmq_persistent`` does not apply). A queue keeps the type it was first declared
+    #: with: changing it means deleting ax's queues while they are empty.
+    rabbitmq_queue_type: str = "classic"
+    #: a JSON object merged into Kombu's transport options for every transport (after ax's
+    #: own), e.g. ``{"master_name": "mymaster"}`` for ``sentinel://`` URLs
+    broker_transport_options: str = ""
     #: worker on Redis ≥ 6.2: pop messages in batches (ax_kombu.broker.redis_pull) instead of Kombu's
     #: consumer (one BRPOP per message). Off: the plain consumer, as on other brokers.
     redis_pull: bool = True
@@ -203,6 +214,11 @@ class Settings:
         if self.job_lookahead_ms > self.preload_window_ms:
             raise ConfigurationError(f"job_lookahead_ms ({self.job_lookahead_ms}) must not "
                                      f"exceed preload_window_ms ({self.preload_window_ms})")
+        if self.rabbitmq_queue_type not in RABBITMQ_QUEUE_TYPES:
+            raise ConfigurationError(f"rabbitmq_queue_type must be one of "
+                                     f"{', '.join(RABBITMQ_QUEUE_TYPES)}, got "
+                                     f"{self.rabbitmq_queue_type!r}")
+        self.transport_options()  # raises for one that is not a JSON object
         if len({self.queue_high, self.queue_default, self.queue_slow}) != 3:
             raise ConfigurationError("the high, default and slow queues need distinct names")
         self._validate_worker()
@@ -248,6 +264,23 @@ class Settings:
         """The worker pool size for the queue of ``priority``."""
         return {"high": self.pool_high, "default": self.pool_default,
                 "slow": self.pool_slow}[priority]
+
+    def transport_options(self) -> dict[str, Any]:
+        """``broker_transport_options`` as a dict (empty when unset).
+
+        Raises:
+            ConfigurationError: it is not a JSON object.
+        """
+        if not self.broker_transport_options.strip():
+            return {}
+        try:
+            value = json.loads(self.broker_transport_options)
+        except ValueError as exc:
+            raise ConfigurationError(f"broker_transport_options is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigurationError("broker_transport_options must be a JSON object, got "
+                                     f"{type(value).__name__}")
+        return value
 
     @property
     def is_sqlite(self) -> bool:

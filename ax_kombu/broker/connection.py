@@ -35,19 +35,31 @@ _KOMBU_EXTRA = {"redis": "redis", "rediss": "redis", "sentinel": "redis", "sqla"
 
 
 def connection(settings: Settings) -> Connection:
-    """A (lazy) Kombu connection to the configured broker."""
+    """A (lazy) Kombu connection to the configured broker: ax's transport options, then
+    ``AX_BROKER_TRANSPORT_OPTIONS`` over them."""
     register_transports()
     options: dict[str, Any] = {}
-    if settings.broker_url.startswith(("redis", "rediss")):
+    if settings.broker_url.startswith(("redis", "rediss", "sentinel")):
         options["global_keyprefix"] = settings.broker_key_prefix
         options["socket_timeout"] = 10
         options["ack_emulation"] = settings.redis_ack_emulation
+    options.update(settings.transport_options())
     return Connection(settings.broker_url, transport_options=options, connect_timeout=5)
+
+
+def queue_arguments(settings: Settings) -> dict[str, Any]:
+    """The arguments ax declares its queues with: on RabbitMQ, their type
+    (``AX_RABBITMQ_QUEUE_TYPE``; classic needs none)."""
+    if settings.rabbitmq_queue_type == "classic":
+        return {}
+    return {"x-queue-type": settings.rabbitmq_queue_type}
 
 
 def task_queues(settings: Settings) -> dict[str, Queue]:
     """The kombu Queue for each priority."""
-    return {p: Queue(settings.queue_for(p), routing_key=settings.queue_for(p), durable=True)
+    arguments = queue_arguments(settings) or None
+    return {p: Queue(settings.queue_for(p), routing_key=settings.queue_for(p), durable=True,
+                     queue_arguments=arguments)
             for p in PRIORITIES}
 
 

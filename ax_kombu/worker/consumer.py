@@ -199,13 +199,15 @@ class Consumer:
             puller.start()
             return
         generation = self._intake.connected(global_qos, None)
+        # a quorum queue refuses a per-channel prefetch (NOT_IMPLEMENTED on basic.consume)
+        reconsume = global_qos and self._settings.rabbitmq_queue_type == "quorum"
         for lane in self._lanes:
             # on_message: Kombu hands over the message undecoded, so its size and content
             # type are judged before anything is decoded (_on_raw)
             consumer = _KombuConsumer(conn.channel(), queues=[lane.queue], accept=["json"],
                                       on_message=partial(self._admission.on_raw, lane, generation),
                                       on_decode_error=self._admission.on_decode_error)
-            lane.attach(consumer, global_qos)
+            lane.attach(consumer, global_qos, reconsume=reconsume)
 
     def _detach(self, conn: Any) -> None:
         """Drop the connection: stop the puller, forget the consumers, release it."""

@@ -36,6 +36,7 @@ thread-safe: only the worker's consuming thread touches a lane's consumer.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ FIRST_RUN_S = 1.0
 RUN_OVERHEAD_S = 0.001
 #: weight of the newest run in the lane's average run time
 RUN_EWMA = 0.05
+#: a lane whose prefetch is set by consuming anew (RabbitMQ quorum queues) changes it at
+#: most this often: each change is three round trips (cancel, qos, consume)
+RECONSUME_INTERVAL_S = 0.1
 
 
 @dataclass(eq=False, slots=True)
@@ -123,6 +127,11 @@ class Lane:
         self.pulled: Callable[[int], None] | None = None
         self.prefetch = 0
         self.consuming = False
+        #: RabbitMQ quorum queues: no per-channel prefetch, and a consumer's own is fixed
+        #: when it starts consuming, so a new prefetch means consuming anew
+        self.reconsume = False
+        #: monotonic time before which the prefetch is not changed by consuming anew
+        self._reconsume_at = 0.0
         #: messages received on the current connection and not acked yet
         self.held = 0
         #: runs whose message was acked (or lost with a connection) while they go on
@@ -186,17 +195,27 @@ class Lane:
                 self.consuming = False
             return
         if target != self.prefetch:
-            consumer.qos(prefetch_count=target, apply_global=global_qos)
+            if self.reconsume and self.consuming:
+                now = time.monotonic()
+                if now < self._reconsume_at:
+                    return  # the old prefetch a little longer: at most one change per interval
+                self._reconsume_at = now + RECONSUME_INTERVAL_S
+                consumer.cancel()  # what it received stays unacked on the channel, and is acked
+                self.consuming = False
+            consumer.qos(prefetch_count=target, apply_global=global_qos and not self.reconsume)
             self.prefetch = target
         if not self.consuming:
             consumer.consume()
             self.consuming = True
 
     def attach(self, consumer: Any, global_qos: bool,
-               pulled: Callable[[int], None] | None = None) -> None:
-        """Use ``consumer`` (on a new connection) from now on, or a puller's ``pulled``."""
+               pulled: Callable[[int], None] | None = None, *, reconsume: bool = False) -> None:
+        """Use ``consumer`` (on a new connection) from now on, or a puller's ``pulled``;
+        ``reconsume``: its queue takes no per-channel prefetch (a RabbitMQ quorum queue),
+        so a new prefetch is set by consuming anew (see :meth:`apply`)."""
         self.consumer = consumer
         self.pulled = pulled
+        self.reconsume = reconsume
         self.consuming = False
         self.prefetch = 0
         self.held = 0

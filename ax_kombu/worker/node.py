@@ -44,7 +44,7 @@ from typing import Any
 from kombu import Queue
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.broker.connection import task_queues
+from ax_kombu.broker.connection import queue_arguments, task_queues
 from ax_kombu.config import PRIORITIES, Settings, redact_url, worker_queue
 from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import StoreError
@@ -106,7 +106,9 @@ class Worker:
         # RabbitMQ drops the queue a day after its worker is last seen
         own = worker_queue(self.node_id)
         self.lanes.append(Lane(OWN_LANE, Queue(own, routing_key=own, durable=True,
-                                               expires=86_400.0),
+                                               expires=86_400.0,
+                                               queue_arguments=queue_arguments(settings)
+                                               or None),
                                settings.pool_own, settings.prefetch_multiplier, wakeup.poke,
                                horizon_s))
         #: set while consuming (tests wait for it)

@@ -98,3 +98,26 @@ def test_retention_is_off_unless_set_and_takes_a_duration() -> None:
 def test_bad_retention_settings_are_clear_errors(env: dict[str, str], words: str) -> None:
     with pytest.raises(ConfigurationError, match=words):
         from_env(env)
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"AX_RABBITMQ_QUEUE_TYPE": "stream"}, "rabbitmq_queue_type must be one of classic, quorum"),
+    ({"AX_BROKER_TRANSPORT_OPTIONS": "{master_name: x}"}, "not JSON"),
+    ({"AX_BROKER_TRANSPORT_OPTIONS": '["master_name"]'}, "must be a JSON object, got list"),
+])
+def test_broker_options_that_cannot_work_stop_at_start(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        from_env(env)
+
+
+def test_transport_options_are_merged_over_axs_own() -> None:
+    from ax_kombu.broker.connection import connection
+
+    settings = from_env({"AX_BROKER_TRANSPORT_OPTIONS":
+                         '{"master_name": "mymaster", "socket_timeout": 3}'},
+                        broker_url="sentinel://127.0.0.1:26379/0;sentinel://127.0.0.1:26380/0")
+    assert settings.transport_options() == {"master_name": "mymaster", "socket_timeout": 3}
+    options = connection(settings).transport_options
+    assert options["master_name"] == "mymaster" and options["socket_timeout"] == 3
+    assert options["global_keyprefix"] == ""  # ax's own for Redis, Sentinel included
+    assert from_env({}).transport_options() == {}

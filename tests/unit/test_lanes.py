@@ -99,3 +99,50 @@ def test_a_lane_plans_runs_into_its_stage_beyond_its_threads() -> None:
         assert release == fresh[2 + 2 * stage:]
     finally:
         lane.pool.close()
+
+
+class RecordingConsumer:
+    """What a lane asks of its Kombu consumer, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def qos(self, prefetch_count: int, apply_global: bool) -> None:
+        self.calls.append(("qos", str(prefetch_count), "global" if apply_global else "own"))
+
+    def consume(self) -> None:
+        self.calls.append(("consume",))
+
+    def cancel(self) -> None:
+        self.calls.append(("cancel",))
+
+
+def test_a_quorum_lane_changes_its_prefetch_by_consuming_anew_at_most_once_an_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quorum queue takes no per-channel prefetch, and a consumer's own is fixed when it
+    starts: the lane cancels, sets it and consumes again, at most once per interval."""
+    import ax_kombu.worker.lanes as lanes_module
+
+    clock = [100.0]
+    monkeypatch.setattr(lanes_module.time, "monotonic", lambda: clock[0])
+    lane = Lane("default", Queue("d"), size=4, multiplier=1, on_release=lambda: None)
+    try:
+        consumer = RecordingConsumer()
+        lane.attach(consumer, True, reconsume=True)
+        assert consumer.calls == [("qos", "4", "own"), ("consume",)]
+        lane.acked_running = 1  # a long run acked at start: one slot fewer
+        lane.apply(True)
+        assert consumer.calls[2:] == [("cancel",), ("qos", "3", "own"), ("consume",)]
+        lane.acked_running = 2
+        lane.apply(True)  # within the interval: the prefetch stays
+        assert len(consumer.calls) == 5 and lane.prefetch == 3
+        clock[0] += lanes_module.RECONSUME_INTERVAL_S
+        lane.apply(True)
+        assert consumer.calls[5:] == [("cancel",), ("qos", "2", "own"), ("consume",)]
+        classic = RecordingConsumer()  # a classic queue: the channel's prefetch, at once
+        lane.attach(classic, True)
+        lane.acked_running = 1
+        lane.apply(True)
+        assert classic.calls == [("qos", "2", "global"), ("consume",), ("qos", "3", "global")]
+    finally:
+        lane.pool.close()
