@@ -1,4 +1,5 @@
-"""Fixtures shared by the integration tests that drive a worker with hand-made dispatches."""
+"""Fixtures shared by the integration tests: a client on the test's store, and a dispatcher
+for the tests that drive a worker with hand-made dispatches."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from ax_kombu.api import Client
 from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.config import Settings
 
 if TYPE_CHECKING:
     from .test_worker import Dispatch
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[Client]:
+    """A client on this test's store (``settings``), closed afterwards."""
+    c = Client(settings)
+    yield c
+    c.close()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ claimer in a scheduler on PostgreSQL + Redis with the reply lost at the connecti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg2
@@ -12,19 +11,12 @@ import pytest
 from sqlalchemy import Engine, event
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings, from_env
+from ax_kombu.config import from_env
 from ax_kombu.store.claims import claim
 
 from .harness import collecting, scheduler_running
 
 pytestmark = [pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
 
 
 def test_a_resumed_claim_returns_what_the_lost_one_moved_and_nothing_else(

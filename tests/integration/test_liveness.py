@@ -5,26 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import select, update
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.store import claims, nodes, recovery, transitions
 from ax_kombu.store.schema import nodes as node_table
 from ax_kombu.store.schema import tasks
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
 
 
 def dead_pid() -> int:

@@ -7,7 +7,6 @@ one writer at a time)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,19 +14,11 @@ import pytest
 from sqlalchemy import text
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings
 from ax_kombu.store import recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.recovery import Loaded, Share
 
 pytestmark = [pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
 
 
 def _enqueue(client: Client, n: int, delay: float = 5.0, tag: str = "") -> list[int]:

@@ -32,13 +32,6 @@ pytestmark = [pytest.mark.timeout(120)]
 LEAD_MS = 400
 
 
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
-
-
 def runner_of(client: Client, task_id: int) -> str:
     with client.store.engine.connect() as conn:
         return str(conn.execute(text("SELECT runner FROM ax_task WHERE task_id = :id"),

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
 from ax_kombu.store import claims, transitions
 from ax_kombu.store.engine import db_now_precise_ms, make_engine
 from ax_kombu.store.schema import tasks
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
 
 
 def count(client: Client) -> int:
