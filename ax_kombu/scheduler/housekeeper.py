@@ -259,15 +259,15 @@ class Housekeeper(Stage):
             with self._store.engine.begin() as conn:
                 live = nodes.live_names(conn, "scheduler", now - settings.silence_ms)
                 share = recovery.Share.among(live, self._node_id)
-                if share != self._share:
-                    loaded = recovery.Loaded()
-                rows, loaded = recovery.preload(conn, loaded, horizon, room, share, lag)
+                moved = share != self._share
+                rows, loaded = recovery.preload(conn, recovery.Loaded() if moved else loaded,
+                                                horizon, room, share, lag)
         except BaseException:
             self._wake_pending = True  # try again after the back-off
             if reread:
                 self._reread.set()
             raise
-        if share != self._share:
+        if moved:
             log.info("the live schedulers changed; reading this node's new share",
                      extra={"node": self._node_id, "schedulers": share.of,
                             "share": share.part})

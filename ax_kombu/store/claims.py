@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, bindparam, text
 
-from ax_kombu.store.schema import CELERY_RUNNERS, CLAIMABLE
+from ax_kombu.store.schema import CELERY_RUNNERS, CLAIMABLE, UNPARKED
 from ax_kombu.store.transitions import _execute_batch, storable
 
 
@@ -199,8 +199,7 @@ _STILL_CLAIMABLE = """
            gate IS NOT NULL OR EXISTS (SELECT 1 FROM ax_limit AS l
                                         WHERE l.task_type = ax_task.task_type) AS gated
       FROM ax_task
-     WHERE task_id IN :ids AND """ + CLAIMABLE + """
-       AND (last_run_node IS NULL OR last_run_node <> '~parked')"""
+     WHERE task_id IN :ids AND """ + CLAIMABLE + " AND " + UNPARKED
 _STILL_CLAIMABLE_SQL = text(_STILL_CLAIMABLE).bindparams(bindparam("ids", expanding=True))
 
 

@@ -40,14 +40,11 @@ from ax_kombu.core.gating import Candidate, Decision, Running, decide
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
-from ax_kombu.store.schema import CLAIMABLE, limits, tasks
+from ax_kombu.store.schema import CLAIMABLE, PARKED, UNPARKED, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.validation import fingerprint
 
-#: the pseudo-node that holds parked tasks (never a live node; the preload skips them)
-PARKED = "~parked"
 _WAITING = ("CREATED", "DELAYED", "READY")
-_UNPARKED = f"(last_run_node IS NULL OR last_run_node <> '{PARKED}')"
 _ACTIVE = ("DISPATCHING", "RUNNING")
 _LOCK_BASE = 0x6178_4700_0000  # "axG": apart from tasks.py's advisory locks
 
@@ -58,7 +55,7 @@ def _expanding(sql: str, *names: str) -> Any:
 
 _CANDIDATES = _expanding(
     "SELECT task_id, task_type, trigger_time, gate, order_key, job, scheduled_at FROM ax_task "
-    f"WHERE task_id IN :ids AND {CLAIMABLE} AND {_UNPARKED} AND trigger_time <= :due", "ids")
+    f"WHERE task_id IN :ids AND {CLAIMABLE} AND {UNPARKED} AND trigger_time <= :due", "ids")
 _LIMITS = _expanding("SELECT task_type, max_running FROM ax_limit WHERE task_type IN :types",
                      "types")
 _ACTIVE_BY_TYPE = _expanding(
@@ -80,7 +77,7 @@ _UNFINISHED = _expanding(
     "AND status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')", "jobs")
 _PARK = _expanding(
     "UPDATE ax_task SET status = 'READY', last_run_node = :parked WHERE task_id IN :ids "
-    f"AND {CLAIMABLE} AND {_UNPARKED}", "ids")
+    f"AND {CLAIMABLE} AND {UNPARKED}", "ids")
 _WAKE_KEY = text(
     "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
     "WHERE order_key = :key AND last_run_node = :parked AND status = 'READY' "

@@ -5,8 +5,8 @@ new **incarnation** of it (a number unique to that start). The row says which
 incarnation is live. Contracts:
 
 * **Registration takes over from the earlier incarnation** in one transaction:
-  what it had claimed but no worker started goes back to READY (a new attempt fences its message),
-  and what it was running is retried, or FAILED "worker lost" when no retries
+  what it had claimed but no worker started goes back to READY (a new attempt fences
+  its message), and what it was running is retried, or FAILED "worker lost" when no retries
   remain. A process whose registration returns has nothing left over from an
   earlier life under its name.
 * **Two live processes never share a name**: registering a name whose live

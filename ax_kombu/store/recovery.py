@@ -37,10 +37,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, bindparam, text
 
 from ax_kombu.store.claims import celery_bound, fire_time
-from ax_kombu.store.schema import CLAIMABLE
-
-#: the pseudo-node of parked tasks (:data:`ax_kombu.store.gates.PARKED`): not preloaded
-_NOT_PARKED = "(last_run_node IS NULL OR last_run_node <> '~parked')"
+from ax_kombu.store.schema import CLAIMABLE, UNPARKED
 
 
 class Share(NamedTuple):
@@ -102,7 +99,7 @@ _MARK = {
 def _band_one(status: str, share: str, alias: str) -> str:
     return (f"SELECT * FROM (SELECT task_id, trigger_time, {fire_time()} AS fire "
             f"FROM ax_task WHERE status = '{status}' AND trigger_time >= :lo "
-            f"AND trigger_time < :hi AND {_NOT_PARKED}{share} "
+            f"AND trigger_time < :hi AND {UNPARKED}{share} "
             f"ORDER BY trigger_time LIMIT :n) AS {alias}")
 
 
@@ -115,7 +112,7 @@ def _band(share: str) -> str:
 
 def _tied(share: str) -> str:
     return (f"SELECT task_id, trigger_time, {fire_time()} FROM ax_task WHERE {CLAIMABLE} "
-            f"AND trigger_time = :at AND {_NOT_PARKED}{share}")
+            f"AND trigger_time = :at AND {UNPARKED}{share}")
 
 
 def changed_since(mark: Mark, dialect: str) -> str:
@@ -127,7 +124,7 @@ def changed_since(mark: Mark, dialect: str) -> str:
 
 def _changed(mark: Mark, dialect: str, share: str) -> str:
     return (f"SELECT task_id, trigger_time, {fire_time()} FROM ax_task WHERE {CLAIMABLE} "
-            f"AND {changed_since(mark, dialect)} AND trigger_time < :lo AND {_NOT_PARKED}"
+            f"AND {changed_since(mark, dialect)} AND trigger_time < :lo AND {UNPARKED}"
             f"{share} ORDER BY trigger_time LIMIT :n")
 
 
@@ -357,7 +354,7 @@ SELECT min(t) FROM (
            ORDER BY trigger_time LIMIT 1)
   UNION ALL
   SELECT (SELECT trigger_time FROM ax_task WHERE status = 'READY' AND trigger_time <= :now
-           AND (last_run_node IS NULL OR last_run_node <> '~parked')
+           AND """ + UNPARKED + """
            ORDER BY trigger_time LIMIT 1)
   UNION ALL
   SELECT (SELECT trigger_time FROM ax_task WHERE status = 'DISPATCHING' AND trigger_time <= :now

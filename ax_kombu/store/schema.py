@@ -59,6 +59,11 @@ metadata = MetaData()
 #: the states a scheduler claims from (:mod:`ax_kombu.store.claims`); CREATED only in rows
 #: written before migration 0011 or by older producers
 CLAIMABLE = "status IN ('CREATED', 'DELAYED', 'READY')"
+#: the pseudo-node of a task the gated claim parked until its key or limit has room
+#: (:mod:`ax_kombu.store.gates`): claimable, but read by no preload
+PARKED = "~parked"
+#: SQL: the row is not parked
+UNPARKED = f"(last_run_node IS NULL OR last_run_node <> '{PARKED}')"
 _WAITING_OR_DONE = ("status IN ('CREATED', 'DELAYED', 'READY', 'SUCCESS', 'FAILED', "
                     "'CANCELLED')")
 _BUSY = "status IN ('DISPATCHING', 'RUNNING')"
