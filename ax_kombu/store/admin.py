@@ -32,7 +32,7 @@ from ax_kombu.core.states import FINAL, S, Status
 from ax_kombu.exceptions import StoreError, ValidationError
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.schema import attempts, tasks
-from ax_kombu.store.tasks import keep_final_attempts, wake_schedulers
+from ax_kombu.store.tasks import forget_fingerprints, keep_final_attempts, wake_schedulers
 from ax_kombu.store.transitions import transition
 
 #: ``ax list --limit``: the default and the most one call returns
@@ -310,5 +310,7 @@ def _delete_batch(conn: Connection, status: Status, cutoff: int, batch: int) -> 
     """
     chosen = select(tasks.c.task_id).where(*_old(status, cutoff)).limit(batch)
     stmt = (delete(tasks).where(tasks.c.task_id.in_(chosen), *_old(status, cutoff))
-            .returning(tasks.c.task_id))
-    return [r[0] for r in conn.execute(stmt)]
+            .returning(tasks.c.task_id, tasks.c.fingerprint))
+    removed = [(r[0], r[1]) for r in conn.execute(stmt)]
+    forget_fingerprints(conn, removed)
+    return [r[0] for r in removed]

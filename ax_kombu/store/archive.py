@@ -76,7 +76,7 @@ from ax_kombu.store.admin import BATCH_MAX, _guarded, check_count
 from ax_kombu.store.archive_file import JsonlGzFile
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.schema import attempt_archive, attempts, task_archive, tasks
-from ax_kombu.store.tasks import final_attempt
+from ax_kombu.store.tasks import final_attempt, forget_fingerprints
 
 #: tasks moved per transaction unless told otherwise
 BATCH_DEFAULT = 1000
@@ -175,7 +175,8 @@ def _choose(conn: Connection, cutoff: int, after: int, size: int) -> list[int]:
 
 _IDS: BindParameter[list[int]] = bindparam("ids", expanding=True)
 _DELETE_ATTEMPTS = delete(attempts).where(attempts.c.task_id.in_(_IDS))
-_DELETE_TASKS = delete(tasks).where(tasks.c.task_id.in_(_IDS))
+_DELETE_TASKS = (delete(tasks).where(tasks.c.task_id.in_(_IDS))
+                 .returning(tasks.c.task_id, tasks.c.fingerprint))
 
 
 def _to_tables(conn: Connection, ids: Sequence[int]) -> int:
@@ -197,7 +198,8 @@ def _copy(conn: Connection, target: Table, source: Table) -> Any:
 
 def _delete(conn: Connection, ids: Sequence[int]) -> int:
     moved = conn.execute(_DELETE_ATTEMPTS, {"ids": list(ids)}).rowcount
-    conn.execute(_DELETE_TASKS, {"ids": list(ids)})
+    forget_fingerprints(conn, [(r[0], r[1]) for r in conn.execute(_DELETE_TASKS,
+                                                                 {"ids": list(ids)})])
     return int(moved)
 
 

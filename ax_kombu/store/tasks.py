@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, text
 
 from ax_kombu.observability import metrics
-from ax_kombu.store.schema import attempts, tasks
+from ax_kombu.store.schema import attempts, fingerprints, tasks
 
 #: column order used for COPY
 COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_count",
@@ -39,11 +39,15 @@ _LOCK_KEYS = text("SELECT count(pg_advisory_xact_lock(k)) FROM "
 _FIND_BIZ = (select(tasks.c.task_type, tasks.c.biz_key, tasks.c.task_id)
              .where(tasks.c.biz_key.in_(bindparam("keys", expanding=True))))
 
-_FIND_FP = (select(tasks.c.fingerprint, tasks.c.trigger_time, tasks.c.task_id)
-            .where(tasks.c.fingerprint.in_(bindparam("fps", expanding=True)),
-                   tasks.c.status != "CANCELLED",
-                   tasks.c.trigger_time > bindparam("lo"),
-                   tasks.c.trigger_time < bindparam("hi")))
+#: ``ax_fingerprint`` holds the pairs (written once, beside the task); the task itself says
+#: whether it still counts (not cancelled, not archived or purged)
+_FIND_FP = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
+                   fingerprints.c.task_id)
+            .join(tasks, tasks.c.task_id == fingerprints.c.task_id)
+            .where(fingerprints.c.fingerprint.in_(bindparam("fps", expanding=True)),
+                   fingerprints.c.trigger_time > bindparam("lo"),
+                   fingerprints.c.trigger_time < bindparam("hi"),
+                   tasks.c.status != "CANCELLED"))
 
 
 #: advisory locks are taken on hash buckets, not on every key: a batch of 100,000 tasks
@@ -124,8 +128,9 @@ def insert_tasks(engine: Engine, rows: Sequence[Mapping[str, Any]], window_ms: i
     """Insert ``rows`` (complete task rows) unless they duplicate a task.
 
     A row is a duplicate when a task with the same ``(task_type, biz_key)``
-    exists, or a non-cancelled task with the same fingerprint has a trigger
-    time less than ``window_ms`` away (``window_ms == 0`` turns that off).
+    exists, or a non-cancelled task with the same fingerprint was enqueued for a
+    trigger time less than ``window_ms`` away (``window_ms == 0`` turns that off; the
+    fingerprints are written all the same, so turning it on again sees every task).
     Rows earlier in the same batch count as existing.
 
     If a new task is due before ``wake_before_ms``, schedulers are woken
@@ -173,30 +178,52 @@ def wake_schedulers(conn: Connection, first_due_ms: int) -> None:
                      {"channel": WAKE_CHANNEL, "first": str(first_due_ms)})
 
 
+#: the columns of ``ax_fingerprint``, each read from the task row of the same name
+FP_COLUMNS = ("fingerprint", "trigger_time", "task_id")
+
+
 def _write(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
     if not rows:
         return
     if conn.dialect.name == "postgresql" and len(rows) > 20:
-        _copy(conn, rows)
+        _copy(conn, "ax_task", COLUMNS, rows)
+        _copy(conn, "ax_fingerprint", FP_COLUMNS, rows)
     else:
         conn.execute(insert(tasks), [{c: r.get(c) for c in COLUMNS} for r in rows])
+        conn.execute(insert(fingerprints), [{c: r[c] for c in FP_COLUMNS} for r in rows])
 
 
-def _copy(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+def _copy(conn: Connection, table: str, columns: Sequence[str],
+          rows: Sequence[Mapping[str, Any]]) -> None:
     """PostgreSQL COPY: several times faster than a multi-row INSERT.
 
     In COPY's CSV format an unquoted empty field is NULL; every text column
     ax writes here is validated non-empty, so ``None`` is the only empty field.
     """
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows([row.get(c) for c in COLUMNS] for row in rows)
+    csv.writer(buf, lineterminator="\n").writerows([row.get(c) for c in columns] for row in rows)
     buf.seek(0)
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
-        cursor.copy_expert(f"COPY ax_task ({', '.join(COLUMNS)}) FROM STDIN WITH (FORMAT csv)",
+        cursor.copy_expert(f"COPY {table} ({', '.join(columns)}) FROM STDIN WITH (FORMAT csv)",
                            buf)
     finally:
         cursor.close()
+
+
+_FORGET = (fingerprints.delete()
+           .where(fingerprints.c.fingerprint.in_(bindparam("fps", expanding=True)),
+                  fingerprints.c.task_id.in_(bindparam("ids", expanding=True))))
+
+
+def forget_fingerprints(conn: Connection, removed: Sequence[tuple[int, str]]) -> None:
+    """Delete the ``ax_fingerprint`` entries of tasks about to leave ``ax_task`` (archive,
+    purge), given as ``(task_id, fingerprint)``. A task has at most one entry, so the
+    two lists select exactly theirs; the fingerprint leads the key the delete finds them by.
+    (An entry left behind is harmless: the check joins the task, which is gone.)"""
+    if removed:
+        conn.execute(_FORGET, {"ids": sorted({r[0] for r in removed}),
+                               "fps": sorted({r[1] for r in removed})})
 
 
 def fetch_task(conn: Connection, task_id: int) -> Row[Any] | None:

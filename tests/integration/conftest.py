@@ -1,16 +1,22 @@
-"""Fixtures shared by the integration tests: a client on the test's store, and a dispatcher
-for the tests that drive a worker with hand-made dispatches."""
+"""Fixtures shared by the integration tests: a client on the test's store, a dispatcher
+for the tests that drive a worker with hand-made dispatches, and an empty database for the
+migration tests."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from sqlalchemy import Engine, text
 
 from ax_kombu.api import Client
 from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.config import Settings
+from ax_kombu.store.engine import make_engine
+
+from ..services import PG_ADMIN_URL, RUN_ID, pg_url_for
 
 if TYPE_CHECKING:
     from .test_worker import Dispatch
@@ -34,3 +40,25 @@ def dispatch(settings: Settings) -> Iterator[Dispatch]:
     d = Dispatch(settings)
     yield d
     d.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def empty_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """An engine on an empty database (no schema yet), on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'fresh.sqlite3'}")
+        yield engine
+        engine.dispose()
+        return
+    request.getfixturevalue("pg_database")  # skips when PostgreSQL is unavailable
+    name = f"ax_test_{RUN_ID}_empty"
+    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine = make_engine(pg_url_for(name))
+    yield engine
+    engine.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()

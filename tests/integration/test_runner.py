@@ -4,7 +4,6 @@ On SQLite and PostgreSQL (the ``store_url`` fixture)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,10 +21,8 @@ from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store import recovery
 from ax_kombu.store.claims import claim
-from ax_kombu.store.engine import make_engine, migrate
+from ax_kombu.store.engine import migrate
 from ax_kombu.store.schema import task_archive
-
-from ..services import PG_ADMIN_URL, RUN_ID, pg_url_for
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -183,28 +180,6 @@ def test_an_unbuildable_message_fails_its_task_and_the_batch_is_published(
 
 
 # -- migration 0009 ------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
-def empty_store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Engine]:
-    """An engine on an empty database (no schema yet)."""
-    if request.param == "sqlite":
-        engine = make_engine(f"sqlite:///{tmp_path / 'fresh.sqlite3'}")
-        yield engine
-        engine.dispose()
-        return
-    request.getfixturevalue("pg_database")  # skips when PostgreSQL is unavailable
-    name = f"ax_test_{RUN_ID}_m9"
-    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = make_engine(pg_url_for(name))
-    yield engine
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def test_migration_0009_backfills_the_runner_from_the_prefix_rule(empty_store: Engine) -> None:

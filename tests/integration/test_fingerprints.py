@@ -1,0 +1,115 @@
+"""The duplicate check's own table, ``ax_fingerprint`` (migration 0012): written once at
+enqueue, never by a status change; a task keeps counting as a duplicate through its life
+(until cancelled, archived or purged); migration 0012 carries existing tasks over.
+On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, inspect, text
+
+from ax_kombu.api import Client
+from ax_kombu.core.ids import compose
+from ax_kombu.core.states import Status
+from ax_kombu.store.admin import purge_finished
+from ax_kombu.store.archive import archive_finished
+from ax_kombu.store.engine import migrate
+from ax_kombu.store.tasks import insert_tasks
+
+
+def _entries(engine: Engine) -> list[tuple[str, int, int]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text(
+            "SELECT fingerprint, trigger_time, task_id FROM ax_fingerprint ORDER BY task_id"))]
+
+
+def _finish(engine: Engine, task_id: int, status: str, finished_at: int) -> None:
+    """The row as a worker leaves it (claimed, run, ended): three status changes."""
+    with engine.begin() as conn:
+        for step in ("DISPATCHING", "RUNNING", status):
+            conn.execute(text("UPDATE ax_task SET status = :s, attempt = 1, "
+                              "finished_at = :f WHERE task_id = :id"),
+                         {"s": step, "f": finished_at, "id": task_id})
+
+
+def test_each_task_gets_one_entry_that_its_status_changes_leave_alone(client: Client) -> None:
+    engine = client.store.engine
+    one = client.enqueue("push", {"a": 1}, delay=0)
+    many = client.enqueue_many([{"task_type": "push", "payload": {"n": i}, "delay": 60}
+                                for i in range(40)])  # > 20 rows: COPY on PostgreSQL
+    entries = _entries(engine)
+    view = client.get(one)
+    assert (view.fingerprint, view.trigger_time, int(one)) in entries
+    assert sorted(e[2] for e in entries) == sorted([int(one), *map(int, many)])
+    _finish(engine, one, "SUCCESS", client.store.now_ms())
+    assert _entries(engine) == entries
+
+
+def test_a_task_that_already_ran_still_makes_a_retried_enqueue_a_duplicate(
+        client: Client) -> None:
+    first = client.enqueue("coupon", {"user": 7}, delay=0)
+    _finish(client.store.engine, first, "SUCCESS", client.store.now_ms())
+    again = client.enqueue("coupon", {"user": 7}, delay=0)  # a producer retrying
+    assert again == first and again.duplicate
+
+
+def test_the_window_is_the_trigger_time_the_producer_asked_for(client: Client) -> None:
+    """A retry's backoff moves the row's trigger time; the duplicate check keeps to the
+    time the task was enqueued for."""
+    first = client.enqueue("push", {"x": 1}, delay=100)
+    asked = client.get(first).trigger_time
+    with client.store.engine.begin() as conn:
+        conn.execute(text("UPDATE ax_task SET trigger_time = trigger_time + 600000 "
+                          "WHERE task_id = :id"), {"id": first})
+    near_asked = client.enqueue("push", {"x": 1},
+                                run_at=datetime.fromtimestamp((asked + 10) / 1000, UTC))
+    assert near_asked == first and near_asked.duplicate
+
+
+def _row(task_id: int, fingerprint: str, trigger_time: int) -> dict[str, Any]:
+    """A complete task row, as written before the fingerprints had their own table."""
+    return {"task_id": task_id, "task_type": "t", "trigger_time": trigger_time,
+            "status": "DELAYED", "priority": "default", "retry_count": 0, "max_retry": 0,
+            "timeout_ms": 1000, "payload": "{}", "processor_name": "t", "callback_url": None,
+            "biz_key": None, "fingerprint": fingerprint, "trace_id": "x", "attempt": 0,
+            "created_at": 1, "runner": "ax"}
+
+
+def test_purge_and_archive_take_a_task_s_entry_with_it(client: Client) -> None:
+    engine = client.store.engine
+    old = client.store.now_ms() - 3_600_000
+    archived = compose(old, 0, 1)  # archive takes tasks by their id's time too
+    insert_tasks(engine, [_row(archived, "a" * 32, old)], window_ms=5_000)
+    gone, kept = (client.enqueue("t", {"i": i}, delay=0) for i in range(2))
+    _finish(engine, gone, "FAILED", old)
+    _finish(engine, archived, "SUCCESS", old)
+    assert purge_finished(engine, Status.FAILED, 60_000).tasks == 1
+    assert archive_finished(engine, 60_000).tasks == 1
+    assert [e[2] for e in _entries(engine)] == [int(kept)]
+    # the purged and archived tasks duplicate nothing any more
+    assert insert_tasks(engine, [_row(archived + 1, "a" * 32, old)], 5_000)[0][1] is True
+    assert client.enqueue("t", {"i": 0}, delay=0).created
+    assert client.enqueue("t", {"i": 1}, delay=0).duplicate
+
+
+def test_migration_0012_carries_the_existing_fingerprints_over(empty_store: Engine) -> None:
+    migrate(empty_store, "0011")
+    base = {"redispatches": 0, "gated": False}
+    rows = [{**_row(1, "a" * 32, 5_000), **base},
+            {**_row(2, "b" * 32, 5_000), **base, "status": "SUCCESS"},
+            {**_row(3, "c" * 32, 5_000), **base, "status": "CANCELLED"}]
+    columns = ", ".join(rows[0])
+    with empty_store.begin() as conn:  # as written before 0012
+        conn.execute(text(f"INSERT INTO ax_task ({columns}) VALUES "
+                          f"({', '.join(':' + k for k in rows[0])})"), rows)
+    migrate(empty_store)
+    assert _entries(empty_store) == [("a" * 32, 5_000, 1), ("b" * 32, 5_000, 2),
+                                     ("c" * 32, 5_000, 3)]
+    names = {i["name"] for i in inspect(empty_store).get_indexes("ax_task")}
+    assert "ix_ax_task_fingerprint" not in names
+    again = [_row(10 + r["task_id"], r["fingerprint"], 5_100) for r in rows]
+    found = insert_tasks(empty_store, again, window_ms=5_000)
+    # the pending and the finished task are duplicates; the cancelled one is not
+    assert found == [(1, False), (2, False), (13, True)]
