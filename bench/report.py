@@ -127,7 +127,7 @@ def report(results: list[dict[str, Any]], config: Config, args: argparse.Namespa
     name = f"{args.scenario}-{config.broker}"
     meta = {"command": command, "scenario": args.scenario, "broker": config.broker,
             "threads": config.threads, "ax_concurrency": config.ax_concurrency or "default",
-            "ax_set": list(config.ax_set),
+            "ax_set": list(config.ax_set), "ax_processes": config.ax_processes or "auto",
             "n": args.n, "rate": args.rate, "lead_s_at_least": args.lead,
             "started": started.isoformat(), "machine": machine(), "versions": versions(config),
             "ratios": rows}

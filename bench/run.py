@@ -236,6 +236,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(ax: its default pools, 16 for default)")
     parser.add_argument("--ax-concurrency", default="",
                         help="ax-worker -c, e.g. default=64 (default: ax's pools, 16 for default)")
+    parser.add_argument("--ax-processes", default="",
+                        help="ax-worker --processes (default: its own, auto)")
     parser.add_argument("--ax-set", action="append", default=[], metavar="SETTING=VALUE",
                         help="an ax setting for its daemons (AX_<SETTING>), e.g. claim_lead_ms=20")
     parser.add_argument("--timeout", type=float, default=180.0,
@@ -265,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         with broker(args, prefix) as url:
             config = Config(args.broker, url, args.redis_url, prefix, args.threads,
-                            Path(args.logs), args.ax_concurrency, tuple(args.ax_set))
+                            Path(args.logs), args.ax_concurrency, tuple(args.ax_set),
+                            args.ax_processes)
             for repeat in range(args.repeat):
                 for system in args.systems:
                     wait_quiet()

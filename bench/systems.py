@@ -83,6 +83,8 @@ class Config:
     #: ``SETTING=VALUE`` items for the ax daemons (``--ax-set claim_lead_ms=20`` →
     #: ``AX_CLAIM_LEAD_MS=20``), for A/B runs of one setting
     ax_set: tuple[str, ...] = ()
+    #: ax-worker ``--processes``; empty: its default (auto)
+    ax_processes: str = ""
 
 
 @dataclass
@@ -140,6 +142,8 @@ def ax_system(config: Config, key: str, tag: str) -> Iterator[Running]:
         worker = ["-Q", "high,default,slow", "-A", "bench.ax_tasks", "-l", "WARNING"]
         if config.ax_concurrency:
             worker += ["-c", config.ax_concurrency]
+        if config.ax_processes:
+            worker += ["--processes", config.ax_processes]
         specs = [("scheduler", f"{tag}-scheduler", ["-l", "WARNING"]),
                  ("worker", f"{tag}-worker", worker)]
         client = Client(settings)

@@ -72,6 +72,11 @@ class TaskMessage(NamedTuple):
     #: when the worker's start of this attempt was written (DB clock)
     started_at: int | None = None
 
+    def started(self, at_ms: int) -> TaskMessage:
+        """This message with ``started_at`` set (its last field: a third of ``_replace``'s
+        cost, once per run)."""
+        return tuple.__new__(type(self), (*self[:-1], at_ms))
+
     def body(self) -> dict[str, Any]:
         """The body as a dict (what a consumer receives after JSON decoding)."""
         body: dict[str, Any] = json.loads(self.to_json())
@@ -157,6 +162,10 @@ class TaskMessage(NamedTuple):
         if message.priority not in PRIORITIES:
             raise Rejected("bad_value", f"unknown priority {message.priority[:20]!r}")
         return message
+
+
+#: :meth:`TaskMessage.started` relies on it
+assert TaskMessage._fields[-1] == "started_at"
 
 
 class _NotSent:

@@ -309,8 +309,7 @@ class Intake:
         delivery.started = True
         metrics.start_delay.observe(-left_ms / 1000.0)
         # the real start (the RUNNING move wrote when it was fenced): the result records it
-        task = delivery.task = task._replace(started_at=max(task.trigger_time,
-                                                            int(self._now_ms())))
+        task = delivery.task = task.started(max(task.trigger_time, int(self._now_ms())))
         ctx = Context(task.task_id, task.attempt, task.trace_id, task.trigger_time,
                       task.task_type, task.retry_count, task.max_retry, task.timeout_ms,
                       cancel, time.monotonic() + task.timeout_ms / 1000.0, task.job,

@@ -192,6 +192,38 @@ class _Queued(NamedTuple):
     holds_room: bool
 
 
+class Room:
+    """A count of free places, as :class:`threading.Semaphore`, that wakes a waiter only when
+    one waits: CPython 3.11's ``Semaphore.release(n)`` notifies n times in a Python loop,
+    which for a batch of outcomes cost more than writing down that they are durable."""
+
+    def __init__(self, places: int) -> None:
+        self._free = places
+        self._waiting = 0
+        self._cond = threading.Condition(threading.Lock())
+
+    def take(self, timeout_s: float) -> bool:
+        """Take a place, waiting at most ``timeout_s`` for one; False if none came."""
+        with self._cond:
+            if self._free <= 0 and timeout_s > 0:
+                self._waiting += 1
+                try:
+                    self._cond.wait(timeout_s)
+                finally:
+                    self._waiting -= 1
+            if self._free <= 0:
+                return False
+            self._free -= 1
+            return True
+
+    def give(self, places: int) -> None:
+        """Free ``places`` places, waking as many waiters."""
+        with self._cond:
+            self._free += places
+            if self._waiting:
+                self._cond.notify(min(places, self._waiting))
+
+
 class ResultWriter:
     """Collects outcomes from any thread; one thread writes them in batches."""
 
@@ -204,7 +236,7 @@ class ResultWriter:
         self.rng = rng or default_rng()
         #: most outcomes put and not durable yet (see :meth:`put`)
         self.bound = 2 * settings.worker_batch_size
-        self._room = threading.Semaphore(self.bound)
+        self._room = Room(self.bound)
         self._inbox: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._abort = threading.Event()
@@ -235,10 +267,10 @@ class ResultWriter:
 
     def _wait_for_room(self) -> bool:
         """Take a place in the inbox, waiting while all are taken; False: taken none."""
-        if self._room.acquire(blocking=False):
+        if self._room.take(0.0):
             return True
         self.stats.add("outcome_waits")
-        while not self._room.acquire(timeout=0.1):
+        while not self._room.take(0.1):
             if self._abort.is_set() or not self._thread.is_alive():
                 return False
         return True
@@ -361,7 +393,7 @@ class ResultWriter:
         """A batch is done with: free its inbox places, tell who asked (if durable)."""
         held = sum(q.holds_room for q in batch)
         if held:
-            self._room.release(held)
+            self._room.give(held)
         if not durable:
             return
         for q in batch:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import from_env
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.worker.pools import Outcome
-from ax_kombu.worker.results import RunResult, decide
+from ax_kombu.worker.results import Room, RunResult, decide
 
 SETTINGS = from_env({}, retry_backoff_base_ms=1000, retry_backoff_max_ms=60_000,
                     retry_backoff_jitter=0.5)
@@ -65,3 +67,19 @@ def test_a_huge_error_is_truncated() -> None:
     outcome = Outcome(False, error=RuntimeError("x" * 10_000))
     finish = decide(RunResult(task(3, 3), outcome, 0), SETTINGS, random.Random(1))
     assert finish.error is not None and len(finish.error) == 2000
+
+
+def test_the_room_bounds_outcomes_and_wakes_a_waiter_when_a_batch_frees_places() -> None:
+    room = Room(2)
+    assert room.take(0.0) and room.take(0.0)
+    assert not room.take(0.0) and not room.take(0.01)  # full: no place comes
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(room.take(10.0)))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not room._waiting and time.monotonic() < deadline:
+        time.sleep(0.001)  # until it waits
+    room.give(3)
+    waiter.join(5)
+    assert got == [True]
+    assert room.take(0.0) and room.take(0.0) and not room.take(0.0)  # 3 freed, 1 taken
