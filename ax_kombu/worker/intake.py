@@ -80,7 +80,7 @@ from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
-from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.pools import Outcome, Pool, Submission
 from ax_kombu.worker.processors import Cancellation, Context, Resolver
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
 from ax_kombu.worker.results import Counters, ResultWriter
@@ -232,8 +232,7 @@ class Intake:
             delivery.task = started[delivery.task.task_id]
             delivery.fenced_by = batch.incarnation
         self._ack_long(running)
-        for delivery in running:
-            self._submit(delivery)
+        self._submit(running)
 
     def take_unstarted(self) -> list[Delivery]:
         """Remove and return what was received and not fenced: pending, backlogs, and
@@ -261,21 +260,32 @@ class Intake:
         for delivery in long_runs:
             self.ack(delivery)
 
-    def _submit(self, delivery: Delivery) -> None:
-        """Hand a fenced run to its pool: a free thread, or the stage (see lanes.py)."""
-        delivery.cancel = Cancellation()
+    def _submit(self, running: list[Delivery]) -> None:
+        """Hand fenced runs to their pools: a free thread, or the stage (see lanes.py); one
+        lock per pool for the whole batch."""
+        by_pool: dict[Pool, list[Delivery]] = {}
+        for delivery in running:
+            delivery.cancel = Cancellation()
+            by_pool.setdefault(delivery.lane.pool, []).append(delivery)
         with self._staged_lock:
-            self._staged.add(delivery)
-        self.running.add(delivery)
-        self.latest_trigger = max(self.latest_trigger, delivery.task.trigger_time)
-        # a run received before its trigger time waits in the stage, not in a thread
-        hold_s = self._hold_s(delivery.task)
-        if not delivery.lane.pool.try_submit(
-                partial(self._start, delivery), partial(self._done, delivery),
-                timeout_s=partial(self._timeout_s, delivery.task), labels=delivery.labels,
-                cancel=delivery.cancel, reserved=True,  # its room was reserved by plan()
-                start_at=time.monotonic() + hold_s if hold_s else 0.0):
-            self._done(delivery, Outcome(False, abandoned="the pool is closed"))  # stopping
+            self._staged.update(running)
+        self.running.update(running)
+        if running:
+            self.latest_trigger = max(self.latest_trigger,
+                                      max(d.task.trigger_time for d in running))
+        now = time.monotonic()
+        for pool, deliveries in by_pool.items():
+            jobs = []
+            for delivery in deliveries:
+                # a run received before its trigger time waits in the stage, not in a thread
+                hold_s = self._hold_s(delivery.task)
+                jobs.append(Submission(partial(self._start, delivery),
+                                       partial(self._done, delivery),
+                                       partial(self._timeout_s, delivery.task), delivery.labels,
+                                       delivery.cancel, now + hold_s if hold_s else 0.0))
+            if not pool.submit_reserved(jobs):  # its room was reserved by plan(); stopping
+                for delivery in deliveries:
+                    self._done(delivery, Outcome(False, abandoned="the pool is closed"))
 
     def _hold_s(self, task: TaskMessage) -> float:
         """How long until the task's trigger time (0 once due), on the database clock."""

@@ -37,7 +37,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -70,6 +70,17 @@ class Cancellable(Protocol):
 
 #: a job's timeout in seconds, or a function giving it when a thread takes the job
 Timeout = float | Callable[[], float] | None
+
+
+class Submission(NamedTuple):
+    """One job for :meth:`Pool.submit_reserved` (the arguments of :meth:`Pool.try_submit`)."""
+
+    fn: Callable[[], Any]
+    done: Done
+    timeout_s: Timeout
+    labels: Mapping[str, Any]
+    cancel: Cancellable | None
+    start_at: float
 
 
 @dataclass(eq=False, slots=True)
@@ -206,11 +217,31 @@ class Pool:
             taken = len(self._running) + len(self._staged)
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
-            self._staged.add(job)
-            heapq.heappush(self._heap, (start_at, next(self._seq), job))
+            self._stage(job)
             if self._idle:
                 self._work.notify()
         return True
+
+    def submit_reserved(self, jobs: Sequence[Submission]) -> bool:
+        """Stage ``jobs`` whose room the caller reserved (``try_submit``'s ``reserved``), under
+        one lock, waking as many idle threads as there are jobs; False, and none staged,
+        once the pool is closed. (A receipt batch starts hundreds of runs at once: one
+        lock and one wake-up for them all, not one each, while the threads take work.)"""
+        made = [_Job(j.fn, j.done, j.timeout_s, j.start_at, labels=j.labels, cancel=j.cancel)
+                for j in jobs]
+        with self._lock:
+            if self._closed:
+                return False
+            for job in made:
+                self._stage(job)
+            if self._idle:
+                self._work.notify(min(self._idle, len(made)))
+        return True
+
+    def _stage(self, job: _Job) -> None:
+        """Add ``job`` to the stage (the caller holds the lock)."""
+        self._staged.add(job)
+        heapq.heappush(self._heap, (job.start_at, next(self._seq), job))
 
     def release_cancelled(self) -> None:
         """Staged jobs whose cancellation signal is set are taken now, not at their start

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ax_kombu.worker.pools import Outcome, Pool
+from ax_kombu.worker.pools import Outcome, Pool, Submission
 from ax_kombu.worker.processors import Cancellation
 
 pytestmark = pytest.mark.timeout(30)
@@ -69,6 +69,22 @@ def test_submit_beyond_capacity_is_refused_and_free_slots_are_counted(
     assert [o.value for o in seen.of("a")] == [1] and [o.value for o in seen.of("b")] == [2]
     assert seen.of("c") == []
     pool.close()
+
+
+def test_reserved_jobs_submitted_together_all_run_in_start_order_and_wake_idle_threads(
+        gate: threading.Event) -> None:
+    pool, seen = Pool("t", 2), Outcomes()
+    order: list[str] = []
+    soon = time.monotonic() + 0.05
+    jobs = [Submission(lambda n=n: order.append(n), seen.done(n), None, {}, None, at)
+            for n, at in (("later", soon + 0.05), ("first", 0.0), ("soon", soon))]
+    assert pool.submit_reserved(jobs)  # beyond the 2 slots: the caller reserved their room
+    eventually(lambda: len(seen.items) == 3)
+    assert order[-1] == "later" and order.index("first") < order.index("soon")
+    assert all(o.ok for _, o in seen.items)
+    pool.close()
+    assert not pool.submit_reserved(jobs[:1])  # closed: nothing staged
+    assert len(seen.items) == 3
 
 
 def test_an_exception_is_the_jobs_outcome_and_the_thread_survives() -> None:
