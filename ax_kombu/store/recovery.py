@@ -293,18 +293,34 @@ def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dic
     return found
 
 
-_RECOVER_RUNNING = """
+#: a RUNNING row whose run never started: its worker keeps start marks (ax_node.start_marks,
+#: written before a processor is called: :mod:`ax_kombu.worker.marks`) and its id is not
+#: among them. NULL marks (a scheduler's or Celery worker's row, or none written yet)
+#: count every RUNNING task as started.
+UNSTARTED = ("EXISTS (SELECT 1 FROM ax_node m WHERE m.node_id = ax_task.last_run_node "
+             "AND m.start_marks IS NOT NULL "
+             "AND m.start_marks NOT LIKE '%,' || CAST(ax_task.task_id AS TEXT) || ',%')")
+
+#: a run that started and whose worker died counts a retry (FAILED when none is left); one
+#: that never started (held in the stage) gets a new attempt with no retry counted
+_RECOVER_RUNNING = f"""
 UPDATE ax_task
-   SET status = CASE WHEN retry_count < max_retry THEN 'DELAYED' ELSE 'FAILED' END,
-       retry_count = CASE WHEN retry_count < max_retry THEN retry_count + 1 ELSE retry_count END,
+   SET status = CASE WHEN retry_count < max_retry OR {UNSTARTED} THEN 'DELAYED'
+                     ELSE 'FAILED' END,
+       retry_count = CASE WHEN {UNSTARTED} THEN retry_count
+                          WHEN retry_count < max_retry THEN retry_count + 1
+                          ELSE retry_count END,
        -- a run staged before its trigger time and recovered before it: never earlier
-       trigger_time = CASE WHEN retry_count < max_retry AND trigger_time < :now THEN :now
-                           ELSE trigger_time END,
-       finished_at = CASE WHEN retry_count < max_retry THEN NULL ELSE :now END,
-       last_error = :error, last_run_node = NULL
- WHERE status = 'RUNNING' AND {which}
+       trigger_time = CASE WHEN (retry_count < max_retry OR {UNSTARTED}) AND trigger_time < :now
+                           THEN :now ELSE trigger_time END,
+       finished_at = CASE WHEN retry_count < max_retry OR {UNSTARTED} THEN NULL ELSE :now END,
+       last_error = CASE WHEN {UNSTARTED} THEN :unstarted_error ELSE :error END,
+       last_run_node = NULL
+ WHERE status = 'RUNNING' AND {{which}}
 RETURNING task_id, status
 """
+
+UNSTARTED_ERROR = "worker lost before the run started (it was staged)"
 
 _NOT_ALIVE = ("last_run_node NOT IN (SELECT node_id FROM ax_node WHERE stopped_at IS NULL "
               "AND heartbeat_at >= :alive)")
@@ -324,12 +340,21 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
         which += " AND task_id NOT IN :keep"
     stmt = text(_RECOVER_RUNNING.format(which=which)).bindparams(
         bindparam("nodes", expanding=True), *([bindparam("keep", expanding=True)] if keep else []))
-    params: dict[str, Any] = {"nodes": list(nodes), "now": now_ms, "error": "worker lost"}
+    params: dict[str, Any] = {"nodes": list(nodes), "now": now_ms, "error": "worker lost",
+                              "unstarted_error": UNSTARTED_ERROR}
     if keep:
         params["keep"] = list(keep)
-    _record_ended(conn, f"status = 'RUNNING' AND {which}", params, "LOST", "worker lost",
-                  *(["nodes", "keep"] if keep else ["nodes"]))
+    _record_lost(conn, f"status = 'RUNNING' AND {which}", params,
+                 *(["nodes", "keep"] if keep else ["nodes"]))
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+
+
+def _record_lost(conn: Connection, where: str, params: dict[str, Any], *expanding: str) -> None:
+    """The history of a dead worker's RUNNING rows: "worker lost", or, for a run its start
+    marks show never started, why it gets another attempt."""
+    _record_ended(conn, f"{where} AND NOT {UNSTARTED}", params, "LOST", "worker lost",
+                  *expanding)
+    _record_ended(conn, f"{where} AND {UNSTARTED}", params, "LOST", UNSTARTED_ERROR, *expanding)
 
 
 def recover_orphan_running(conn: Connection, now_ms: int,
@@ -340,8 +365,9 @@ def recover_orphan_running(conn: Connection, now_ms: int,
     A worker that is slow but heartbeating keeps its tasks: this never looks at age.
     """
     stmt = text(_RECOVER_RUNNING.format(which=_NOT_ALIVE))
-    params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms}
-    _record_ended(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", params, "LOST", "worker lost")
+    params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms,
+              "unstarted_error": UNSTARTED_ERROR}
+    _record_lost(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", params)
     return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 

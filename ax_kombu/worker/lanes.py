@@ -153,8 +153,12 @@ class Lane:
         size = self.pool.size
         if self.stage_horizon_s <= 0:
             return 0
-        can_finish = int(size * self.stage_horizon_s / (self.run_s + RUN_OVERHEAD_S))
-        return max(size, min(size * STAGE_PER_THREAD, can_finish))
+        return max(size, min(size * STAGE_PER_THREAD, self.can_finish(self.stage_horizon_s)))
+
+    def can_finish(self, horizon_s: float) -> int:
+        """How many runs the pool's threads finish within ``horizon_s`` at the measured
+        run time."""
+        return int(self.pool.size * horizon_s / (self.run_s + RUN_OVERHEAD_S))
 
     def timed(self, run_s: float) -> None:
         """One run of the lane took ``run_s`` (any thread; a lost update only slows the

@@ -8,7 +8,7 @@ import sys
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 
 from ax_kombu.api import Client
 from ax_kombu.core.states import Status
@@ -235,3 +235,52 @@ def test_a_staged_run_recovered_before_its_trigger_time_is_retried_no_earlier(
     assert sorted(t for t, _ in recovered) == sorted([soon, past])
     assert rows[soon].status == "DELAYED" and rows[soon].trigger_time == now + 60_000
     assert rows[past].status == "DELAYED" and rows[past].trigger_time == now  # retried now
+
+
+def test_only_runs_in_a_dead_workers_start_marks_count_as_run(client: Client) -> None:
+    """A dead worker's RUNNING rows: a task among its start marks may have started and
+    counts a retry (FAILED with none left); one not among them was only held, and gets a
+    new attempt with no retry counted, whatever max_retry says; a node without marks (a
+    scheduler's, a Celery worker's) counts every one, as before. The history says which."""
+    heart = nodes.Heartbeat(client.store, "w0", "worker")
+    heart.register({})
+    marked = claimed(client, "s", 2, kind="marked")
+    held = claimed(client, "s", 2, kind="held")
+    other = claimed(client, "s", 1, kind="celery")
+    with client.store.engine.begin() as conn:
+        conn.execute(update(tasks).values(max_retry=0))
+        transitions.start_many(conn, [(t, 1) for t in marked + held], "w0", client.store.now_ms())
+        transitions.start_many(conn, [(t, 1) for t in other], "celery@h", client.store.now_ms())
+        # the marks are ",id,id,": an id that is a suffix or prefix of a marked one is not it
+        assert heart.write_start_marks(conn, heart.incarnation,
+                                       f",{marked[0]},{marked[1]},{held[0]}1,9{held[1]},")
+        assert not heart.write_start_marks(conn, heart.incarnation + 1, ",")  # not live
+        recovered = dict(recovery.recover_running(conn, ["w0", "celery@h"], client.store.now_ms()))
+        rows = {r.task_id: r for r in conn.execute(
+            select(tasks.c.task_id, tasks.c.status, tasks.c.retry_count, tasks.c.last_error))}
+        history = dict(conn.execute(text("SELECT task_id, error FROM ax_attempt")).all())
+    assert recovered == {**dict.fromkeys(marked + other, "FAILED"), **dict.fromkeys(held, "DELAYED")}
+    assert all((rows[t].retry_count, rows[t].last_error) == (0, "worker lost")
+               for t in marked + other)
+    assert all((rows[t].retry_count, rows[t].last_error) == (0, recovery.UNSTARTED_ERROR)
+               for t in held)
+    assert history == {**dict.fromkeys(marked + other, "worker lost"),
+                       **dict.fromkeys(held, recovery.UNSTARTED_ERROR)}
+
+
+def test_a_new_incarnation_recovers_by_the_marks_of_the_one_it_replaces(client: Client) -> None:
+    """Registration reads the earlier incarnation's marks before it resets them."""
+    old = nodes.Heartbeat(client.store, "w0", "worker")
+    old.register({})
+    marked, held = claimed(client, "s", 1, kind="marked"), claimed(client, "s", 1, kind="held")
+    with client.store.engine.begin() as conn:
+        conn.execute(update(tasks).values(max_retry=0))
+        transitions.start_many(conn, [(t, 1) for t in marked + held], "w0", client.store.now_ms())
+        assert old.write_start_marks(conn, old.incarnation, f",{marked[0]},")
+        conn.execute(update(node_table).values(pid=dead_pid()))  # kill -9'd
+    new = nodes.Heartbeat(client.store, "w0", "worker")
+    new.register({})
+    after = statuses(client, marked + held)
+    assert after == {marked[0]: ("FAILED", None), held[0]: ("DELAYED", None)}
+    with client.store.engine.connect() as conn:
+        assert conn.execute(select(node_table.c.start_marks)).scalar() is None
