@@ -7,13 +7,16 @@ Enabled with one line where the Celery app is made::
 With it, a Celery worker takes part in ax as an ax-worker does, for the Celery-bound
 tasks it receives (those carrying the ``ax_task_id`` and ``ax_attempt`` headers):
 
-* **Staged, then fenced at the due instant**: ax publishes such a task up to 1 s
-  (:data:`ax_kombu.store.claims.CELERY_STAGE_MS`) before it is due, with Celery's own
-  ``eta`` header, so the Celery worker's timer holds it to the due instant
-  (:mod:`ax_kombu.broker.celery_wire`). When
-  it runs, before the task body, the row moves DISPATCHING → RUNNING by compare-and-set on
+* **Staged and fenced ahead, checked at the due instant**: ax publishes such a task up
+  to 1 s (:data:`ax_kombu.store.claims.CELERY_STAGE_MS`) before it is due, with Celery's
+  own ``eta`` header, so the Celery worker's timer holds it to the due instant
+  (:mod:`ax_kombu.broker.celery_wire`). When the message arrives (``task_received``, in
+  the main process) the row moves DISPATCHING → RUNNING by compare-and-set on
   ``(task_id, attempt)`` and on this worker's live ax incarnation, with ``last_run_node`` =
-  this worker's ax node (:mod:`ax_kombu.celery.fence`). A message whose attempt is not the
+  this worker's ax node, in batches on a thread of its own; when it runs, before the task
+  body, a read checks that the row is still RUNNING at that attempt here and the
+  incarnation still live (a message that arrived late is moved then, as one statement)
+  (:mod:`ax_kombu.celery.fence`). A message whose attempt is not the
   row's (stale, duplicated, cancelled meanwhile) or that no live incarnation may start is
   refused: Celery's ``Ignore`` — acked, the body never runs.
 * **Recorded end**: SUCCESS after the body returns; after an exception, FAILED when no
@@ -67,6 +70,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import bootsteps, signals
@@ -84,6 +88,8 @@ _MARK = "__ax_fenced__"
 _RECORD_BACKOFF_MAX_S = 5.0
 #: how long the step's stop waits for the ends of runs to be written
 FLUSH_S = 10.0
+#: a message due at least this far ahead has its RUNNING move written as it arrives
+AHEAD_MIN_S = 0.05
 
 __all__ = ["AxBootstep", "Fence", "fence_tasks", "fenced_call"]
 
@@ -120,7 +126,7 @@ def fenced_call(fence_of: Callable[[], Fence | None], original: Callable[..., An
         if fence is None or ids is None:
             return body()
         ax_id, attempt = ids
-        started = fence.start(ax_id, attempt)
+        started = fence.start(ax_id, attempt, ahead=request.eta is not None)
         if started is None:
             log.info("stale or duplicate ax message refused",
                      extra={"task_id": ax_id, "attempt": attempt, "celery_id": request.id})
@@ -239,6 +245,7 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         fence_tasks(worker.app, lambda: self.fence)
         uid = f"ax-bootstep-{id(self)}"
         signals.task_failure.connect(self._on_failure, weak=False, dispatch_uid=uid)
+        signals.task_received.connect(self._on_received, weak=False, dispatch_uid=uid)
         signals.task_revoked.connect(self._on_revoked, weak=False, dispatch_uid=uid)
 
     def start(self, worker: Any) -> None:
@@ -260,6 +267,18 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
     def _ours(self, sender: Any) -> bool:
         """A signal of this worker's main process about one of its app's tasks."""
         return os.getpid() == self._main_pid and getattr(sender, "app", None) is self._app
+
+    def _on_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        """An ax message due later arrived (main process, consumer thread): its RUNNING
+        move is written ahead, so the run at the due instant only reads it
+        (:meth:`~ax_kombu.celery.fence.Fence.prefence`)."""
+        if os.getpid() != self._main_pid or request is None:
+            return
+        if getattr(getattr(request, "task", None), "app", None) is not self._app:
+            return
+        ids = _ax_ids(getattr(request, "request_dict", None))
+        if ids is not None and _due_in_s(getattr(request, "eta", None)) > AHEAD_MIN_S:
+            self.fence.prefence(*ids)
 
     def _on_failure(self, sender: Any = None, task_id: str | None = None,
                     exception: BaseException | None = None, **_: Any) -> None:
@@ -303,6 +322,22 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         ax_id, attempt = ids
         fence = self.fence
         self.recorder.put(lambda: fence.cancel(ax_id, attempt, why))
+
+
+def _due_in_s(eta: Any) -> float:
+    """Seconds until a request's ``eta`` (a datetime, or ISO 8601 text); 0 without one."""
+    if eta is None:
+        return 0.0
+    if isinstance(eta, str):
+        try:
+            eta = datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0
+    if not isinstance(eta, datetime):
+        return 0.0
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=UTC)
+    return float((eta - datetime.now(UTC)).total_seconds())
 
 
 def _lost(exception: BaseException | None) -> bool:

@@ -14,6 +14,15 @@ Used by :class:`ax_kombu.celery.AxBootstep`. Contracts:
   not the one of their fork. A start refused because the node is not live waits (up to the
   silence window) for the next incarnation and tries once more; else the message is
   refused (ax's ack timeout dispatches the task again).
+* **Fenced ahead**: a message published ahead of its due instant (Celery's ``eta``) has
+  its RUNNING move written when the worker's main process receives it (:meth:`Fence.
+  prefence`), in batches, by a thread of its own, fenced as above; at the due instant the
+  run only *reads* that its row is RUNNING at its attempt on this node and that the
+  incarnation is still live (:meth:`Fence.fenced_ahead`): a commit's latency (a disk
+  flush, now and then 100 ms here) is paid a second early, not at the start. A message
+  whose move was not written ahead (late, or the move failed) is moved at the start, as
+  before. A worker that dies between the two has the task counted as run ("worker
+  lost", retried): its RUNNING row cannot tell.
 * **Never early**: a run whose trigger time is still ahead on the database clock (its
   message carried Celery's ``eta`` and the worker's clock is ahead) waits for it after the
   RUNNING move, which writes the trigger time as ``started_at``.
@@ -30,6 +39,7 @@ import atexit
 import logging
 import mmap
 import os
+import queue
 import struct
 import threading
 import time
@@ -37,7 +47,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, exists, select
 
 from ax_kombu.config import Settings
 from ax_kombu.core.backoff import backoff_ms, default_rng
@@ -65,6 +75,10 @@ log = logging.getLogger(__name__)
 _INT64 = struct.Struct("q")
 #: how often a refused start looks for the next incarnation
 _POLL_S = 0.05
+#: the most RUNNING moves one statement of the fencing-ahead thread makes
+_AHEAD_BATCH = 500
+#: how long a start waits for its move being written ahead in this process
+_AHEAD_WAIT_S = 1.0
 
 
 class End(NamedTuple):
@@ -126,6 +140,10 @@ class Fence:
         self.incarnation = SharedIncarnation()
         self._stop = threading.Event()
         self._writer: EndWriter | None = None
+        #: moves being written ahead in this process (the start waits for them)
+        self._ahead: dict[tuple[int, int], threading.Event] = {}
+        self._ahead_queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._ahead_thread: threading.Thread | None = None
 
     @property
     def store(self) -> Store:
@@ -199,12 +217,66 @@ class Fence:
 
     # -- the runs -------------------------------------------------------------------------
 
-    def start(self, task_id: int, attempt: int) -> Started | None:
+    def prefence(self, task_id: int, attempt: int) -> None:
+        """A message due later has arrived (the main process): write its RUNNING move
+        now, with the others arriving, on the fencing-ahead thread (module docstring)."""
+        key = (task_id, attempt)
+        with self._lock:
+            if self._ahead_thread is None or not self._ahead_thread.is_alive():
+                self._ahead_thread = threading.Thread(target=self._fence_ahead,
+                                                      name="ax-celery-fence-ahead", daemon=True)
+                self._ahead_thread.start()
+            self._ahead.setdefault(key, threading.Event())
+        self._ahead_queue.put(key)
+
+    def _fence_ahead(self) -> None:
+        while True:
+            batch = [self._ahead_queue.get()]
+            while len(batch) < _AHEAD_BATCH:
+                try:
+                    batch.append(self._ahead_queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                with self._one_statement() as conn:
+                    start_rows(conn, batch, self.node_id, self.store.now_ms(),
+                               incarnation=self.incarnation.get())
+            except Exception:  # the store failed: each run moves its row at its start
+                log.warning("ax: could not fence Celery runs ahead; they are fenced at start",
+                            exc_info=True, extra={"node": self.node_id})
+            finally:
+                with self._lock:
+                    for key in batch:
+                        event = self._ahead.pop(key, None)
+                        if event is not None:
+                            event.set()
+
+    def fenced_ahead(self, task_id: int, attempt: int, incarnation: int) -> Started | None:
+        """The row, if it was moved RUNNING at ``attempt`` on this node (ahead) and
+        ``incarnation`` is still this node's live one: a read, no write."""
+        live = exists().where(nodes.c.node_id == self.node_id,
+                              nodes.c.incarnation == incarnation, nodes.c.stopped_at.is_(None))
+        return self.running_here(task_id, attempt, live)
+
+    def start(self, task_id: int, attempt: int, ahead: bool = False) -> Started | None:
         """DISPATCHING → RUNNING for this attempt under the live incarnation, then wait
         for the trigger time if it is still ahead; None if the row is not at this attempt
-        or no live incarnation took it (refuse the message)."""
+        or no live incarnation took it (refuse the message). ``ahead``: the message was
+        published ahead of its due instant, so its move may have been written already
+        (:meth:`prefence`)."""
+        started = None
+        if ahead:
+            event = self._ahead.get((task_id, attempt))
+            if event is not None:
+                event.wait(_AHEAD_WAIT_S)
+            started = self.fenced_ahead(task_id, attempt, self.incarnation.get())
+            if started is not None:
+                self._hold_until(started.trigger_time)
+                return started
         incarnation = self.incarnation.get()
         started = self._start(task_id, attempt, incarnation)
+        if started is None and ahead:  # moved ahead by the main process meanwhile
+            started = self.fenced_ahead(task_id, attempt, incarnation)
         if started is None and not self._live(incarnation):
             newer = self._next_incarnation(incarnation)
             if newer is not None:
@@ -245,7 +317,7 @@ class Fence:
 
     def _hold_until(self, trigger_ms: int) -> None:
         """Sleep until ``trigger_ms`` on the database clock (a run never starts early)."""
-        wait_ms = trigger_ms - self.store.clock.local_ms()
+        wait_ms = trigger_ms - self.store.now_ms()  # measures the clock when due (a child)
         if wait_ms > 0:
             time.sleep(wait_ms / 1000)
 
@@ -320,14 +392,14 @@ class Fence:
                 gate_store.wake_next(conn, gated)
         return moved
 
-    def running_here(self, task_id: int, attempt: int) -> Started | None:
+    def running_here(self, task_id: int, attempt: int, *also: Any) -> Started | None:
         """The row of ``task_id`` if it is RUNNING at ``attempt`` on this node (as
-        :meth:`start` returned it), else None."""
+        :meth:`start` returned it) and ``also`` holds, else None."""
         with self.store.engine.connect() as conn:
             row = conn.execute(select(*[tasks.c[name] for name in Started._fields])
                                .where(tasks.c.task_id == task_id, tasks.c.attempt == attempt,
                                       tasks.c.status == Status.RUNNING.value,
-                                      tasks.c.last_run_node == self.node_id)).first()
+                                      tasks.c.last_run_node == self.node_id, *also)).first()
         if row is None:
             return None
         return Started(**{**row._asdict(), "gated": bool(row.gated)})
