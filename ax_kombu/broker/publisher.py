@@ -4,7 +4,8 @@
   ``Producer.batch()`` (one round trip for many messages); on RabbitMQ, the
   channel is put in publisher-confirm mode and the batch is published and
   then waited on as a whole, so a message counts as published only once the
-  broker has confirmed it; on any other transport, one ``publish`` each.
+  broker has confirmed it (after a nack the connection is made anew: see
+  :meth:`Publisher._confirmed`); on any other transport, one ``publish`` each.
   :meth:`Publisher.publish` reports which messages did *not* certainly reach
   the broker, so the caller can return their tasks to READY.
 * A Celery-bound task (a :class:`~ax_kombu.broker.celery_wire.CeleryBound` message: its
@@ -155,7 +156,7 @@ class Publisher:
         try:
             self.connect()
             if self._confirms is not None:
-                return Sent(self._publish_confirmed(built), refused)
+                return Sent(self._confirmed(built), refused)
             self._publish_plain(built)
             return Sent([], refused)
         except Exception as exc:
@@ -243,6 +244,18 @@ class Publisher:
         for queue, values in by_queue.items():
             pipe.lpush(channel._q_for_pri(queue, 0), *values)
         pipe.execute()
+
+    def _confirmed(self, built: Sequence[_Built]) -> list[TaskMessage]:
+        """Publish with confirms; after a nack the connection is dropped (made again on the
+        next call), so the next batch goes out on a new channel: on RabbitMQ 3.10 a channel
+        that published to a quorum queue while it had no leader (its node just died)
+        has every later publish nacked, even once a new leader is elected."""
+        failed = self._publish_confirmed(built)
+        if failed:
+            log.warning("publishes nacked by the broker; tasks go back to READY, the "
+                        "channel is replaced", extra={"count": len(failed)})
+            self.close()
+        return failed
 
     def _publish_confirmed(self, built: Sequence[_Built]) -> list[TaskMessage]:
         confirms, conn = self._confirms, self._conn

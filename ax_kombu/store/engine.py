@@ -50,14 +50,16 @@ def parse_database_url(url: str) -> URL:
     """Parse ``url`` into the SQLAlchemy URL ax will open, without loading anything.
 
     ``postgres://`` and ``postgresql://`` without a driver mean
-    ``postgresql+psycopg2://``; a driver given explicitly is kept.
+    ``postgresql+psycopg2://``; a driver given explicitly is kept. libpq's multi-host
+    form, ``postgresql://user@h1:p1,h2:p2/db?target_session_attrs=read-write``, is
+    accepted (see :func:`_hosts_to_query`).
 
     Raises:
         ConfigurationError: ``url`` is malformed, names a database other than
             PostgreSQL or SQLite, or an in-memory SQLite database.
     """
     try:
-        parsed = make_url(url)
+        parsed = make_url(_hosts_to_query(url))
     except ArgumentError:
         raise ConfigurationError(f"not a database URL: {redact_url(url)!r} ({_USE})") from None
     except ValueError:  # make_url raises it for one thing: a port that is not a number
@@ -74,6 +76,47 @@ def parse_database_url(url: str) -> URL:
         raise ConfigurationError("an in-memory SQLite database cannot be shared between "
                                  "processes; give a file path, e.g. sqlite:///ax.sqlite3")
     return parsed
+
+
+def _hosts_to_query(url: str) -> str:
+    """libpq's multi-host URL, ``postgresql://user@h1:p1,h2:p2/db?…``, in the form
+    SQLAlchemy parses, ``postgresql://user@/db?host=h1,h2&port=p1,p2&…``; any other URL
+    unchanged. libpq tries the hosts in turn; with ``target_session_attrs=read-write`` it
+    passes over a standby, so after a failover new connections reach the promoted one.
+    A host without a port gets libpq's default port; an IPv6 address goes in brackets.
+
+    Raises:
+        ConfigurationError: a host is empty, a port is not a number, or the query
+            names ``host`` or ``port`` as well.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.startswith("postgres"):
+        return url
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    userinfo, at, hosts = rest[:cut].rpartition("@")
+    if "," not in hosts:
+        return url
+    names, ports = zip(*(_host_and_port(url, entry) for entry in hosts.split(",")),
+                       strict=True)
+    path, _, query = rest[cut:].partition("?")
+    if any(pair.partition("=")[0] in ("host", "port") for pair in query.split("&")):
+        raise ConfigurationError(f"database URL {redact_url(url)!r} names hosts both before "
+                                 "the path and as host= or port= in the query; use one")
+    listed = "host=" + ",".join(names) + ("&port=" + ",".join(ports) if any(ports) else "")
+    return f"{scheme}://{userinfo}{at}{path or '/'}?{listed}{'&' if query else ''}{query}"
+
+
+def _host_and_port(url: str, entry: str) -> tuple[str, str]:
+    """``host[:port]`` or ``[v6 address][:port]`` of a multi-host URL: (host, port or "")."""
+    if entry.startswith("["):
+        name, bracket, port = entry[1:].partition("]")
+        port = port.removeprefix(":") if bracket and port[:1] in ("", ":") else "?"
+    else:
+        name, _, port = entry.partition(":")
+    if not name or not (port == "" or port.isdigit()):
+        raise ConfigurationError(f"malformed database URL {redact_url(url)!r}: {entry!r} is "
+                                 "not host, host:port or [v6 address]:port")
+    return name, port
 
 
 def check_database_url(url: str) -> None:
