@@ -17,9 +17,11 @@ Used by :class:`ax_kombu.celery.AxBootstep`. Contracts:
 * **Fenced ahead**: a message published ahead of its due instant (Celery's ``eta``) has
   its RUNNING move written when the worker's main process receives it (:meth:`Fence.
   prefence`), in batches, by a thread of its own, fenced as above; at the due instant the
-  run only *reads* that its row is RUNNING at its attempt on this node and that the
-  incarnation is still live (:meth:`Fence.fenced_ahead`): a commit's latency (a disk
-  flush, now and then 100 ms here) is paid a second early, not at the start. A message
+  run checks that it may start without a write: in the process that moved it (a thread
+  pool) by its :class:`~ax_kombu.core.lease.Lease` (its beats prove the incarnation live;
+  each beat also drops the moved runs whose task was cancelled since), in a prefork child
+  by one read of the row and the node (:meth:`Fence.fenced_ahead`). A commit's latency (a
+  disk flush, now and then 100 ms here) is paid up to a second early, not at the start. A message
   whose move was not written ahead (late, or the move failed) is moved at the start, as
   before. A worker that dies between the two has the task counted as run ("worker
   lost", retried): its RUNNING row cannot tell.
@@ -47,17 +49,18 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import Connection, exists, select
+from sqlalchemy import Connection, bindparam, exists, select
 
 from ax_kombu.config import Settings
 from ax_kombu.core.backoff import backoff_ms, default_rng
+from ax_kombu.core.lease import Lease
 from ax_kombu.core.states import Status
 from ax_kombu.store import Store
 from ax_kombu.store import gates as gate_store
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.nodes import Heartbeat
 from ax_kombu.store.schema import nodes, tasks
-from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.store.tasks import cancelled_among, wake_schedulers
 from ax_kombu.store.transitions import (
     Attempt,
     Finish,
@@ -79,6 +82,19 @@ _POLL_S = 0.05
 _AHEAD_BATCH = 500
 #: how long a start waits for its move being written ahead in this process
 _AHEAD_WAIT_S = 1.0
+#: how long the fencing-ahead thread gathers messages into one statement (they arrive
+#: well before they are due: a few milliseconds cost nothing, while a statement per
+#: message costs the worker's main process the GIL it needs to receive them)
+_AHEAD_GATHER_S = 0.01
+
+
+#: a row RUNNING at an attempt on a node whose incarnation is live (Fence.fenced_ahead)
+_FENCED_AHEAD = (
+    select(*[tasks.c[name] for name in Started._fields])
+    .where(tasks.c.task_id == bindparam("id"), tasks.c.attempt == bindparam("att"),
+           tasks.c.status == Status.RUNNING.value, tasks.c.last_run_node == bindparam("node"),
+           exists().where(nodes.c.node_id == bindparam("node"),
+                          nodes.c.incarnation == bindparam("inc"), nodes.c.stopped_at.is_(None))))
 
 
 class End(NamedTuple):
@@ -142,6 +158,12 @@ class Fence:
         self._writer: EndWriter | None = None
         #: moves being written ahead in this process (the start waits for them)
         self._ahead: dict[tuple[int, int], threading.Event] = {}
+        #: moved ahead by this process, not started yet: the row as the move returned it,
+        #: and the incarnation it was moved under
+        self._fenced: dict[tuple[int, int], tuple[Started, int]] = {}
+        #: how long this process may still start under its incarnation (its beats)
+        self.lease = Lease(settings.silence_ms / 1000.0
+                           - min(settings.heartbeat_interval_s, settings.silence_ms / 2000.0))
         self._ahead_queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
 
@@ -179,15 +201,23 @@ class Fence:
     def _register(self, info: dict[str, Any]) -> None:
         heartbeat = self.heartbeat
         assert heartbeat is not None
+        self.lease.revoke()
+        self._fenced.clear()  # moved under the incarnation this one recovers from
+        sent = time.monotonic()
         heartbeat.register(info, keep_running=sorted(self._running()))
         self.incarnation.set(heartbeat.incarnation)
+        self.lease.confirm(sent, heartbeat.incarnation)
 
     def _beat(self, info: dict[str, Any]) -> None:
         heartbeat = self.heartbeat
         assert heartbeat is not None
         while not self._stop.wait(self.settings.heartbeat_interval_s):
             try:
-                if not heartbeat.beat(info):
+                sent = time.monotonic()
+                if heartbeat.beat(info):
+                    self.lease.confirm(sent, heartbeat.incarnation)
+                    self._drop_cancelled()
+                else:
                     log.warning("this Celery worker was declared dead by ax; registering anew",
                                 extra={"node": self.node_id})
                     self._register(info)
@@ -232,15 +262,19 @@ class Fence:
     def _fence_ahead(self) -> None:
         while True:
             batch = [self._ahead_queue.get()]
-            while len(batch) < _AHEAD_BATCH:
+            gathered = time.monotonic() + _AHEAD_GATHER_S  # what arrives meanwhile goes too
+            while len(batch) < _AHEAD_BATCH and (left := gathered - time.monotonic()) > 0:
                 try:
-                    batch.append(self._ahead_queue.get_nowait())
+                    batch.append(self._ahead_queue.get(timeout=left))
                 except queue.Empty:
                     break
             try:
+                incarnation, attempts = self.incarnation.get(), dict(batch)
                 with self._one_statement() as conn:
-                    start_rows(conn, batch, self.node_id, self.store.now_ms(),
-                               incarnation=self.incarnation.get())
+                    moved = start_rows(conn, batch, self.node_id, self.store.now_ms(),
+                                       incarnation=incarnation)
+                for row in moved:
+                    self._fenced[(row.task_id, attempts[row.task_id])] = (row, incarnation)
             except Exception:  # the store failed: each run moves its row at its start
                 log.warning("ax: could not fence Celery runs ahead; they are fenced at start",
                             exc_info=True, extra={"node": self.node_id})
@@ -253,10 +287,12 @@ class Fence:
 
     def fenced_ahead(self, task_id: int, attempt: int, incarnation: int) -> Started | None:
         """The row, if it was moved RUNNING at ``attempt`` on this node (ahead) and
-        ``incarnation`` is still this node's live one: a read, no write."""
-        live = exists().where(nodes.c.node_id == self.node_id,
-                              nodes.c.incarnation == incarnation, nodes.c.stopped_at.is_(None))
-        return self.running_here(task_id, attempt, live)
+        ``incarnation`` is still this node's live one: one read (a statement built once,
+        in autocommit: no transaction to end), no write."""
+        with self._one_statement() as conn:
+            row = conn.execute(_FENCED_AHEAD, {"id": task_id, "att": attempt,
+                                               "node": self.node_id, "inc": incarnation}).first()
+        return None if row is None else Started(**{**row._asdict(), "gated": bool(row.gated)})
 
     def start(self, task_id: int, attempt: int, ahead: bool = False) -> Started | None:
         """DISPATCHING → RUNNING for this attempt under the live incarnation, then wait
@@ -264,11 +300,19 @@ class Fence:
         or no live incarnation took it (refuse the message). ``ahead``: the message was
         published ahead of its due instant, so its move may have been written already
         (:meth:`prefence`)."""
-        started = None
         if ahead:
-            event = self._ahead.get((task_id, attempt))
+            key = (task_id, attempt)
+            event = self._ahead.get(key)
             if event is not None:
                 event.wait(_AHEAD_WAIT_S)
+            fenced = self._fenced.pop(key, None)
+            if fenced is not None:  # moved by this process: its lease decides, no round trip
+                covered = self._covered(fenced[1])
+                if covered is False:
+                    return None  # moved under an incarnation declared dead since
+                if covered:
+                    self._hold_until(fenced[0].trigger_time)
+                    return fenced[0]
             started = self.fenced_ahead(task_id, attempt, self.incarnation.get())
             if started is not None:
                 self._hold_until(started.trigger_time)
@@ -284,6 +328,29 @@ class Fence:
         if started is not None:
             self._hold_until(started.trigger_time)
         return started
+
+    def _covered(self, incarnation: int) -> bool | None:
+        """Whether this process may start what it moved under ``incarnation`` (its
+        :class:`~ax_kombu.core.lease.Lease`), waiting up to the silence window while its
+        beats are not confirmed; None if still undecided then."""
+        deadline = time.monotonic() + self.settings.silence_ms / 1000.0
+        while (covered := self.lease.covers(incarnation)) is None:
+            if time.monotonic() >= deadline:
+                return None
+            self.lease.wait(incarnation, _POLL_S)
+        return covered
+
+    def _drop_cancelled(self) -> None:
+        """Forget the runs moved ahead whose task was cancelled since (``ax cancel``): their
+        start reads the row, and refuses the message."""
+        keys = list(self._fenced)
+        if not keys:
+            return
+        with self.store.engine.connect() as conn:
+            gone = set(cancelled_among(conn, [task_id for task_id, _ in keys]))
+        for key in keys:
+            if key[0] in gone:
+                self._fenced.pop(key, None)
 
     def _start(self, task_id: int, attempt: int, incarnation: int) -> Started | None:
         store = self.store
@@ -392,14 +459,14 @@ class Fence:
                 gate_store.wake_next(conn, gated)
         return moved
 
-    def running_here(self, task_id: int, attempt: int, *also: Any) -> Started | None:
+    def running_here(self, task_id: int, attempt: int) -> Started | None:
         """The row of ``task_id`` if it is RUNNING at ``attempt`` on this node (as
-        :meth:`start` returned it) and ``also`` holds, else None."""
+        :meth:`start` returned it), else None."""
         with self.store.engine.connect() as conn:
             row = conn.execute(select(*[tasks.c[name] for name in Started._fields])
                                .where(tasks.c.task_id == task_id, tasks.c.attempt == attempt,
                                       tasks.c.status == Status.RUNNING.value,
-                                      tasks.c.last_run_node == self.node_id, *also)).first()
+                                      tasks.c.last_run_node == self.node_id)).first()
         if row is None:
             return None
         return Started(**{**row._asdict(), "gated": bool(row.gated)})
@@ -415,6 +482,7 @@ class Fence:
     def cancel(self, task_id: int, attempt: int, why: str) -> bool:
         """A run revoked in Celery (before or while it ran): CANCELLED at this attempt, with
         ``why``; returns whether the row moved."""
+        self._fenced.pop((task_id, attempt), None)
         store = self.store
         now = store.now_ms()
         with store.engine.begin() as conn:

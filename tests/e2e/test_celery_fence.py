@@ -206,3 +206,32 @@ def test_staged_celery_tasks_run_once_each_never_before_due(
                for i in ids)
     print(f"\n{n} staged Celery tasks ({len(staged)} published ahead): start - due p50 "
           f"{pct(late, 50)} ms, p99 {pct(late, 99)} ms, min {min(late)} ms")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_task_cancelled_after_it_was_fenced_ahead_never_runs(
+        pg_url: str, redis_broker: dict[str, str], tmp_path: Path, pool: str) -> None:
+    """A message published ahead is moved RUNNING as it arrives (fenced ahead); ``ax
+    cancel`` before its due instant still wins: with threads the heartbeat drops the run
+    the process moved (its start then reads the row), a prefork child reads the row at
+    start. Either way the body never runs and the row stays CANCELLED. A task due at the
+    same time and not cancelled runs once."""
+    rig = Rig(pg_url, redis_broker, tmp_path, pool)
+    try:
+        cancelled = rig.enqueue(1, max_retry=0, first_sleep=0.0, delay=3.0)
+        kept = rig.enqueue(2, max_retry=0, first_sleep=0.0, delay=3.0)
+        rig.system.wait_for(lambda: {rig.row(t).status for t in (cancelled, kept)} == {"RUNNING"},
+                            10, "both moved RUNNING ahead of their due instant",
+                            detail=rig.system.statuses)
+        due = rig.row(cancelled).trigger_time
+        assert rig.system.client.store.now_ms() < due - 500  # the cancel comes well before
+        assert rig.system.client.cancel(cancelled)
+        rig.system.wait_for(lambda: rig.row(kept).status == "SUCCESS", 15, "the other task ran")
+        rig.system.wait_for(lambda: rig.system.client.store.now_ms() > due + 1000, 5,
+                            "a second past the due instant")
+        assert rig.row(cancelled).status == "CANCELLED"
+    finally:
+        rig.close()
+    assert rig.runs_of(cancelled) == []
+    assert len(rig.runs_of(kept)) == 1
