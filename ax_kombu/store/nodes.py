@@ -7,8 +7,8 @@ incarnation is live. Contracts:
 * **Registration takes over from the earlier incarnation** in one transaction:
   what it had claimed but no worker started goes back to READY (a new attempt fences
   its message), and what it was running is retried, or FAILED "worker lost" when no retries
-  remain; what a worker only held (not among its start marks, see
-  :mod:`ax_kombu.worker.marks`) gets a new attempt with no retry counted. A process whose registration returns has nothing left over from an
+  remain; what a worker only held (listed in its held runs, see
+  :mod:`ax_kombu.worker.holds`) gets a new attempt with no retry counted. A process whose registration returns has nothing left over from an
   earlier life under its name.
 * **Two live processes never share a name**: registering a name whose live
   incarnation is still heartbeating raises
@@ -161,7 +161,7 @@ class Heartbeat:
             now = db_now_ms(conn)
             self._check_free(conn, now)
             incarnation = max(now, self.incarnation + 1)
-            # before the upsert: the recovery reads the earlier incarnation's start marks
+            # before the upsert: the recovery reads the earlier incarnation's held runs
             took = _take_over(conn, self.node_id, now, keep_running)
             self._upsert(conn, now, incarnation, info)
         self.incarnation = incarnation
@@ -185,7 +185,7 @@ class Heartbeat:
                 info: Mapping[str, Any]) -> None:
         values = {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
                   "incarnation": incarnation, "started_at": now, "heartbeat_at": now,
-                  "stopped_at": None, "info": _info_json(info), "start_marks": None}
+                  "stopped_at": None, "info": _info_json(info), "held_runs": None}
         moved = conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
                              .values(**values)).rowcount
         if not moved:
@@ -201,14 +201,14 @@ class Heartbeat:
                 .values(heartbeat_at=db_now_ms(conn), info=_info_json(info))).rowcount
         return bool(moved)
 
-    def write_start_marks(self, conn: Connection, incarnation: int, marks: str) -> bool:
-        """Set this node's start marks (``,id,id,``; see :mod:`ax_kombu.worker.marks`) if
+    def write_held_runs(self, conn: Connection, incarnation: int, held: str) -> bool:
+        """Set this node's held runs (``,id,id,``; see :mod:`ax_kombu.worker.holds`) if
         ``incarnation`` is still its live one; False if not (declared dead, or replaced)."""
         return bool(conn.execute(
             update(nodes).where(nodes.c.node_id == self.node_id,
                                 nodes.c.incarnation == incarnation,
                                 nodes.c.stopped_at.is_(None))
-            .values(start_marks=marks)).rowcount)
+            .values(held_runs=held)).rowcount)
 
     def stop(self, conn: Connection | None = None) -> None:
         """Mark this incarnation stopped (a clean exit); in ``conn``'s transaction if given."""

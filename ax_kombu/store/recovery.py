@@ -293,13 +293,11 @@ def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dic
     return found
 
 
-#: a RUNNING row whose run never started: its worker keeps start marks (ax_node.start_marks,
-#: written before a processor is called: :mod:`ax_kombu.worker.marks`) and its id is not
-#: among them. NULL marks (a scheduler's or Celery worker's row, or none written yet)
-#: count every RUNNING task as started.
+#: a RUNNING row whose run never started: its worker listed it among its held runs
+#: (ax_node.held_runs, a run listed there does not start before a write without it:
+#: :mod:`ax_kombu.worker.holds`). Anything else counts as started.
 UNSTARTED = ("EXISTS (SELECT 1 FROM ax_node m WHERE m.node_id = ax_task.last_run_node "
-             "AND m.start_marks IS NOT NULL "
-             "AND m.start_marks NOT LIKE '%,' || CAST(ax_task.task_id AS TEXT) || ',%')")
+             "AND m.held_runs LIKE '%,' || CAST(ax_task.task_id AS TEXT) || ',%')")
 
 #: a run that started and whose worker died counts a retry (FAILED when none is left); one
 #: that never started (held in the stage) gets a new attempt with no retry counted

@@ -295,9 +295,9 @@ nodes = Table(
     Column("heartbeat_at", BigInteger, nullable=False),
     Column("stopped_at", BigInteger),
     Column("info", Text, nullable=False, server_default="{}"),
-    #: a worker's RUNNING tasks that may have started (``,id,id,``; NULL: all of them);
-    #: written before their processors are called (:mod:`ax_kombu.worker.marks`)
-    Column("start_marks", Text),
+    #: a worker's RUNNING tasks it holds and will not start before a later write
+    #: (``,id,id,``; :mod:`ax_kombu.worker.holds`): they never started
+    Column("held_runs", Text),
 )
 
 ID_SLOTS = 1024

@@ -46,10 +46,10 @@ held it is a running task like any other: ``ax cancel`` stops it before it
 starts; a stopping worker (warm or cold) withdraws the held runs that have not
 started (:meth:`Intake.withdraw_staged`) and hands them back; a worker killed
 meanwhile leaves them RUNNING on a dead node, and the recovery gives them
-another attempt (they never ran, so nothing ran twice). A run's processor is
-called only once its *start mark* is committed (:mod:`ax_kombu.worker.marks`:
-asked ahead, in batches, not per task), so the recovery tells the held ones
-from those that started: only a run that may have started counts a retry.
+another attempt (they never ran, so nothing ran twice). The runs a lane will not
+reach soon are written down as *held* (:mod:`ax_kombu.worker.holds`), so that
+recovery gives those a new attempt without counting a retry; a thread that
+reaches a held run has it released first (one commit).
 
 A message is acked only after its RUNNING move committed, and normally
 stays unacked while its task is staged or runs: the broker's prefetch (the
@@ -82,8 +82,8 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
 from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.holds import HOLD_AFTER_S, Holds
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
-from ax_kombu.worker.marks import MARK_LEAD_S, StartMarks
 from ax_kombu.worker.pools import Outcome, Pool, Submission
 from ax_kombu.worker.processors import Cancellation, Context, Resolver
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
@@ -91,8 +91,6 @@ from ax_kombu.worker.results import Counters, ResultWriter
 
 #: how long a staged run waits for the lease before looking at its signal again
 LEASE_WAIT_S = 0.1
-#: a lane's runs are start-marked ahead as far as its threads get in this time (marks.py)
-MARK_AHEAD_S = 0.25
 
 
 class Withdrawn(Exception):
@@ -118,19 +116,17 @@ class Intake:
         batch_size: the most RUNNING moves one receipt batch makes.
         now_ms: the database time a run's start is recorded at (default ``clock``); the
             result writer records its end on the same clock.
-        marks: a run starts only once it is durably start-marked (None: not kept, and a
-            dead worker's RUNNING tasks all count as started).
+        holds: where the runs a lane will not reach soon are written down as held (None:
+            none are, and a dead worker's RUNNING tasks all count as started).
     """
 
     def __init__(self, lanes: list[Lane], receipts: ReceiptWriter, results: ResultWriter,
                  resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags,
                  clock: Callable[[], float], lease: Lease, batch_size: int = 500,
                  now_ms: Callable[[], float] | None = None,
-                 marks: StartMarks | None = None) -> None:
+                 holds: Holds | None = None) -> None:
         self.lanes = lanes
-        self._marks = marks
-        #: per lane, planned runs not marked ahead (a thread that reaches one marks it)
-        self._unmarked: dict[Lane, deque[Delivery]] = {lane: deque() for lane in lanes}
+        self._holds = holds
         self.receipts = receipts
         self._results = results
         self._resolver = resolver
@@ -219,8 +215,6 @@ class Intake:
                     self._arrived[delivery.lane].append(delivery)
             start, release, dupes = plan(self.lanes, self.pending)  # plan keeps no reference
             self.pending.clear()
-            if self._marks is not None and start:
-                self._mark_ahead(start)
             for k in range(0, max(1, len(start)), self._batch_size):
                 first = k == 0
                 self._planned.append(Batch(start[k:k + self._batch_size],
@@ -241,9 +235,6 @@ class Intake:
         for delivery in batch.release + batch.dupes + refused:
             self.ack(delivery)
         account(batch, refused, self._stats)
-        if self._marks is not None:
-            for delivery in refused:
-                self._marks.forget(delivery.task.task_id)
         running = [d for d in batch.start if d.task.task_id in started]
         for delivery in running:  # from here on the task is the row, not the message
             delivery.task = started[delivery.task.task_id]
@@ -263,10 +254,6 @@ class Intake:
         self.pending.clear()
         for lane in self.lanes:
             lane.backlog.clear()
-            self._unmarked[lane].clear()
-        if self._marks is not None:
-            for delivery in unstarted:
-                self._marks.forget(delivery.task.task_id)
         return unstarted
 
     # -- running -------------------------------------------------------------------------------
@@ -332,11 +319,20 @@ class Intake:
             pass
         while (covered := self._lease.covers(delivery.fenced_by)) is None and not cancel:
             self._lease.wait(delivery.fenced_by, LEASE_WAIT_S)
-        if covered and not cancel and not self._marked(delivery):
-            covered = False  # its incarnation is no longer live: another node has it
         with self._staged_lock:
             withdrawn = delivery not in self._staged or covered is False
-            self._staged.discard(delivery)
+            held = delivery.held and not withdrawn
+            if not held:
+                self._staged.discard(delivery)
+        if held and not cancel:  # written down as held: released (committed) first
+            assert self._holds is not None
+            released = self._holds.release(task.task_id, delivery.fenced_by,
+                                           lambda: bool(cancel) or delivery not in self._staged)
+            with self._staged_lock:
+                withdrawn = not released or delivery not in self._staged
+                if released:
+                    delivery.held = False
+                    self._staged.discard(delivery)
         if withdrawn or cancel:
             raise Withdrawn(f"{cancel.reason or 'withdrawn'} before it started")
         delivery.started = True
@@ -353,63 +349,37 @@ class Intake:
         finally:
             delivery.lane.timed(time.monotonic() - began)
 
-    def _mark_ahead(self, start: list[Delivery]) -> None:
-        """Ask start marks (:mod:`ax_kombu.worker.marks`) for the planned runs that will
-        start soon, while their RUNNING move is written: per lane, as many as its free
-        threads take plus what its threads finish within MARK_AHEAD_S, earliest trigger
-        first; a run held for its trigger time is marked MARK_LEAD_S before it. The rest
-        wait for a thread to reach them (:meth:`_marked`)."""
-        assert self._marks is not None
-        by_lane: dict[Lane, list[Delivery]] = {}
-        for delivery in start:
-            by_lane.setdefault(delivery.lane, []).append(delivery)
-        now, db_now = time.monotonic(), self._clock()
+    def holdable(self) -> list[int]:
+        """Flag held the staged runs their lane's threads will not reach within
+        HOLD_AFTER_S (after its free threads, at its measured run time, earliest trigger
+        first), telling :class:`~ax_kombu.worker.holds.Holds` under the same lock as
+        :meth:`_start` takes them; return the held runs now within reach, to release early.
+        Called every :data:`~ax_kombu.worker.holds.SCAN_S` by the holds' thread."""
+        holds = self._holds
+        assert holds is not None
+        reach = {lane: lane.pool.free + lane.can_finish(HOLD_AFTER_S) for lane in self.lanes}
+        crowded = {lane for lane in self.lanes if lane.pool.staged > reach[lane]}
         soon: list[int] = []
-        later: dict[float, list[int]] = {}
-        for lane, deliveries in by_lane.items():
-            deliveries.sort(key=lambda d: d.task.trigger_time)
-            ahead = lane.pool.free + lane.can_finish(MARK_AHEAD_S)
-            for delivery in deliveries[:ahead]:
-                wait_s = (delivery.task.trigger_time - db_now) / 1000.0 - MARK_LEAD_S
-                if wait_s <= 0:
+        if not crowded and not holds.holding:
+            return soon
+        with self._staged_lock:
+            by_lane: dict[Lane, list[Delivery]] = {}
+            for delivery in self._staged:
+                if delivery.lane in crowded:
+                    by_lane.setdefault(delivery.lane, []).append(delivery)
+                elif delivery.held:
                     soon.append(delivery.task.task_id)
-                else:  # grouped by the 10 ms: one heap entry list per moment
-                    later.setdefault(round(now + wait_s, 2), []).append(delivery.task.task_id)
-            unmarked = self._unmarked[lane]
-            unmarked.extend(deliveries[ahead:])
-            if len(unmarked) > 2 * lane.window:  # runs that ended before a thread reached them
-                self._unmarked[lane] = deque(d for d in unmarked
-                                             if d in self.running or not d.acked)
-        self._marks.ask(soon)
-        for at, ids in later.items():
-            self._marks.ask(ids, at)
-
-    def _marked(self, delivery: Delivery) -> bool:
-        """Wait (pool thread) until the run is durably start-marked under the incarnation
-        that fenced it: True; False if that incarnation is no longer live. A run not marked
-        ahead is marked with the next unmarked ones of its lane."""
-        marks = self._marks
-        if marks is None:
-            return True
-        task_id = delivery.task.task_id
-        if marks.incarnation == delivery.fenced_by and task_id in marks.durable:
-            return True
-        lane = delivery.lane
-        ids = [task_id]
-        unmarked = self._unmarked[lane]
-        want = 1 + lane.can_finish(MARK_AHEAD_S)
-        while len(ids) < want:
-            try:
-                other = unmarked.popleft()
-            except IndexError:
-                break
-            if other is not delivery and not other.started:
-                ids.append(other.task.task_id)
-        marks.ask(ids)
-        cancel = delivery.cancel
-        assert cancel is not None
-        return marks.ensure(task_id, delivery.fenced_by,
-                            lambda: bool(cancel) or delivery not in self._staged)
+            hold: list[int] = []
+            for lane, staged in by_lane.items():
+                staged.sort(key=lambda d: d.task.trigger_time)
+                soon += [d.task.task_id for d in staged[:reach[lane]] if d.held]
+                for delivery in staged[reach[lane]:]:
+                    if not delivery.held:
+                        delivery.held = True
+                        hold.append(delivery.task.task_id)
+            if hold:
+                holds.hold(hold)
+        return soon
 
     def withdraw_staged(self) -> list[Delivery]:
         """Take back the runs not started yet (staged, or held before their trigger time):
@@ -443,14 +413,15 @@ class Intake:
         if delivery.started:
             self._results.put(delivery.task, outcome, on_durable=partial(self._ended, delivery))
             return
+        if delivery.held and self._holds is not None:
+            delivery.held = False
+            self._holds.forget([delivery.task.task_id])
         if delivery.cancel is not None and delivery.cancel.reason == "timeout":
             self.expired_holds.put(delivery)  # nobody else writes its row back
         self._ended(delivery)
 
     def _ended(self, delivery: Delivery) -> None:
         """The run is over and its outcome, if any, durable: settle it (any thread)."""
-        if self._marks is not None:
-            self._marks.forget(delivery.task.task_id)
         self._completed.put(delivery)
         self._wakeup.poke()
 

@@ -89,6 +89,8 @@ class Delivery:
     started: bool = False
     #: the worker incarnation its RUNNING move was fenced under
     fenced_by: int = 0
+    #: staged and flagged held: it starts only once released (:mod:`ax_kombu.worker.holds`)
+    held: bool = False
 
     @property
     def pair(self) -> tuple[int, int]:

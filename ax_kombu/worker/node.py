@@ -56,9 +56,9 @@ from ax_kombu.store.tasks import cancelled_among
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
 from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.holds import Holds
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import OWN_LANE, Lane, parse_queues
-from ax_kombu.worker.marks import StartMarks
 from ax_kombu.worker.processors import Resolver, split_names
 from ax_kombu.worker.receipts import ReceiptWriter
 from ax_kombu.worker.results import Counters, ResultWriter
@@ -96,9 +96,9 @@ class Worker:
         self.results = ResultWriter(self.store, settings, self.stats, node=self.node_id)
         self.heartbeat = Heartbeat(self.store, self.node_id, "worker",
                                    silence_ms=settings.silence_ms)
-        # which RUNNING tasks may have started, written on a connection of its own
-        self._marks_engine = make_engine(settings.database_url, pool_size=1)
-        self.marks = StartMarks(self.heartbeat, self._marks_engine)
+        # which RUNNING tasks certainly have not started, written on a connection of its own
+        self._holds_engine = make_engine(settings.database_url, pool_size=1)
+        self.holds = Holds(self.heartbeat, self._holds_engine)
         self.crash = CrashFlag()
         self.flags = StopFlags()
         wakeup = self._wakeup = Wakeup()
@@ -130,7 +130,8 @@ class Worker:
                              self.stats, wakeup, self.flags, self.store.clock.earliest_ms,
                              self.lease, settings.worker_batch_size,
                              self.store.clock.local_ms,  # the result writer's clock too
-                             self.marks)
+                             self.holds)
+        self.holds.scan = self.intake.holdable
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
                                  self.flags)
         self.consumer = Consumer(settings, self.lanes, self.intake, self.shutdown, self.stats,
@@ -187,7 +188,7 @@ class Worker:
                              f"{getattr(exc, 'orig', exc)}") from None
         undo = watch_threads(self._crashed)
         self.results.start()
-        self.marks.start()
+        self.holds.start()
         beat = threading.Thread(target=self._beat, name="ax-heartbeat", daemon=True)
         beat.start()
         threading.Thread(target=self._watch_held, name="ax-hold-watch", daemon=True).start()
@@ -310,8 +311,8 @@ class Worker:
             log.warning("could not mark the heartbeat stopped", exc_info=True)
         for lane in self.lanes:
             lane.pool.close()
-        self.marks.stop()
-        self._marks_engine.dispose()
+        self.holds.stop()
+        self._holds_engine.dispose()
         self.receipts.close()
         self.shutdown.close()
         self.store.close()

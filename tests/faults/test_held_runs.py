@@ -2,10 +2,10 @@
 (fenced RUNNING, waiting for a thread) must not have that run counted as one that
 happened. Real processes, a real SIGKILL, and the ledger.
 
-The worker writes which of its RUNNING tasks may have started (``ax_node.start_marks``)
-before it calls their processors (:mod:`ax_kombu.worker.marks`); the recovery counts a
-retry — FAILED when none is left — only for those, and gives the others a new attempt as
-if they had never been sent.
+The worker writes down the staged runs its lane will not reach soon as held
+(``ax_node.held_runs``, :mod:`ax_kombu.worker.holds`: a held run starts only after a write
+without it); the recovery gives those a new attempt as if they had never been sent, and
+counts a retry — FAILED when none is left — for every other RUNNING task.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_a_worker_killed_while_holding_staged_runs_counts_no_retry_for_them(
     The sleeper started (the ledger says so): it counts as run, and with no retry left
     it ends FAILED "worker lost". The staged ones never started: each gets a new attempt
     with ``retry_count`` still 0, runs once on w1 and succeeds, and its history says why.
-    Before start marks, every staged one counted a retry, and those with max_retry 0 ended
+    Before held runs were written down, every staged one counted a retry, and those with max_retry 0 ended
     FAILED "worker lost" without ever having run."""
     cluster.scheduler("s0")
     # a stage of 4 runs behind the one thread (its horizon at the unmeasured 1 s run time)

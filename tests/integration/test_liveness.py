@@ -237,50 +237,51 @@ def test_a_staged_run_recovered_before_its_trigger_time_is_retried_no_earlier(
     assert rows[past].status == "DELAYED" and rows[past].trigger_time == now  # retried now
 
 
-def test_only_runs_in_a_dead_workers_start_marks_count_as_run(client: Client) -> None:
-    """A dead worker's RUNNING rows: a task among its start marks may have started and
-    counts a retry (FAILED with none left); one not among them was only held, and gets a
-    new attempt with no retry counted, whatever max_retry says; a node without marks (a
-    scheduler's, a Celery worker's) counts every one, as before. The history says which."""
+def test_only_a_dead_workers_held_runs_count_as_not_run(client: Client) -> None:
+    """A dead worker's RUNNING rows: a task among its held runs never started, and gets a
+    new attempt with no retry counted, whatever max_retry says; any other may have started
+    and counts a retry (FAILED with none left), as do all of a node that lists none (a
+    scheduler's, a Celery worker's). The history says which."""
     heart = nodes.Heartbeat(client.store, "w0", "worker")
     heart.register({})
-    marked = claimed(client, "s", 2, kind="marked")
+    started = claimed(client, "s", 2, kind="started")
     held = claimed(client, "s", 2, kind="held")
     other = claimed(client, "s", 1, kind="celery")
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).values(max_retry=0))
-        transitions.start_many(conn, [(t, 1) for t in marked + held], "w0", client.store.now_ms())
+        transitions.start_many(conn, [(t, 1) for t in started + held], "w0", client.store.now_ms())
         transitions.start_many(conn, [(t, 1) for t in other], "celery@h", client.store.now_ms())
-        # the marks are ",id,id,": an id that is a suffix or prefix of a marked one is not it
-        assert heart.write_start_marks(conn, heart.incarnation,
-                                       f",{marked[0]},{marked[1]},{held[0]}1,9{held[1]},")
-        assert not heart.write_start_marks(conn, heart.incarnation + 1, ",")  # not live
+        # the list is ",id,id,": an id that is a suffix or prefix of a listed one is not it
+        assert heart.write_held_runs(conn, heart.incarnation,
+                                     f",{held[0]},{held[1]},{started[0]}1,9{started[1]},")
+        assert not heart.write_held_runs(conn, heart.incarnation + 1, ",")  # not live
         recovered = dict(recovery.recover_running(conn, ["w0", "celery@h"], client.store.now_ms()))
         rows = {r.task_id: r for r in conn.execute(
             select(tasks.c.task_id, tasks.c.status, tasks.c.retry_count, tasks.c.last_error))}
         history = dict(conn.execute(text("SELECT task_id, error FROM ax_attempt")).all())
-    assert recovered == {**dict.fromkeys(marked + other, "FAILED"), **dict.fromkeys(held, "DELAYED")}
+    assert recovered == {**dict.fromkeys(started + other, "FAILED"), **dict.fromkeys(held, "DELAYED")}
     assert all((rows[t].retry_count, rows[t].last_error) == (0, "worker lost")
-               for t in marked + other)
+               for t in started + other)
     assert all((rows[t].retry_count, rows[t].last_error) == (0, recovery.UNSTARTED_ERROR)
                for t in held)
-    assert history == {**dict.fromkeys(marked + other, "worker lost"),
+    assert history == {**dict.fromkeys(started + other, "worker lost"),
                        **dict.fromkeys(held, recovery.UNSTARTED_ERROR)}
 
 
-def test_a_new_incarnation_recovers_by_the_marks_of_the_one_it_replaces(client: Client) -> None:
-    """Registration reads the earlier incarnation's marks before it resets them."""
+def test_a_new_incarnation_recovers_by_the_held_runs_of_the_one_it_replaces(
+        client: Client) -> None:
+    """Registration reads the earlier incarnation's held runs before it resets them."""
     old = nodes.Heartbeat(client.store, "w0", "worker")
     old.register({})
-    marked, held = claimed(client, "s", 1, kind="marked"), claimed(client, "s", 1, kind="held")
+    started, held = claimed(client, "s", 1, kind="started"), claimed(client, "s", 1, kind="held")
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).values(max_retry=0))
-        transitions.start_many(conn, [(t, 1) for t in marked + held], "w0", client.store.now_ms())
-        assert old.write_start_marks(conn, old.incarnation, f",{marked[0]},")
+        transitions.start_many(conn, [(t, 1) for t in started + held], "w0", client.store.now_ms())
+        assert old.write_held_runs(conn, old.incarnation, f",{held[0]},")
         conn.execute(update(node_table).values(pid=dead_pid()))  # kill -9'd
     new = nodes.Heartbeat(client.store, "w0", "worker")
     new.register({})
-    after = statuses(client, marked + held)
-    assert after == {marked[0]: ("FAILED", None), held[0]: ("DELAYED", None)}
+    after = statuses(client, started + held)
+    assert after == {started[0]: ("FAILED", None), held[0]: ("DELAYED", None)}
     with client.store.engine.connect() as conn:
-        assert conn.execute(select(node_table.c.start_marks)).scalar() is None
+        assert conn.execute(select(node_table.c.held_runs)).scalar() is None
