@@ -357,8 +357,11 @@ class Intake:
         Called every :data:`~ax_kombu.worker.holds.SCAN_S` by the holds' thread."""
         holds = self._holds
         assert holds is not None
-        reach = {lane: lane.pool.free + lane.can_finish(HOLD_AFTER_S) for lane in self.lanes}
-        crowded = {lane for lane in self.lanes if lane.pool.staged > reach[lane]}
+        reach = {lane: lane.pool.free + lane.can_finish(HOLD_AFTER_S) for lane in self.lanes
+                 # a lane whose run time is not measured yet holds only behind runs that
+                 # have already taken longer than the horizon
+                 if lane.measured or lane.pool.running_for_s() > HOLD_AFTER_S}
+        crowded = {lane for lane in reach if lane.pool.staged > reach[lane]}
         soon: list[int] = []
         if not crowded and not holds.holding:
             return soon

@@ -157,6 +157,11 @@ class Lane:
             return 0
         return max(size, min(size * STAGE_PER_THREAD, self.can_finish(self.stage_horizon_s)))
 
+    @property
+    def measured(self) -> bool:
+        """Whether a run of the lane has been timed (else run_s is a guess)."""
+        return self._timed
+
     def can_finish(self, horizon_s: float) -> int:
         """How many runs the pool's threads finish within ``horizon_s`` at the measured
         run time."""

@@ -176,6 +176,15 @@ class Pool:
         """Jobs accepted and waiting for a thread."""
         return len(self._staged)
 
+    def running_for_s(self) -> float:
+        """How long the shortest run in progress has been running (0: a thread is free or
+        none runs)."""
+        if self.free:
+            return 0.0
+        with self._lock:
+            started = max((job.started for job in self._running), default=None)
+        return 0.0 if started is None else self._clock() - started
+
     @property
     def stuck(self) -> int:
         """Slots held by jobs already reported (timed out or abandoned) that still run."""

@@ -66,7 +66,13 @@ def test_a_worker_killed_while_holding_staged_runs_counts_no_retry_for_them(
     assert poll(holding, 15, 0.02), (
         f"w0 never ran the sleeper while holding staged runs\n{cluster.tails()}")
     last_due = max(p.trigger for p in strict.planned + lenient.planned)
-    assert poll(lambda: now_ms() > last_due + 300, 5, 0.05)
+
+    def written_held() -> set[int]:
+        value = cluster.query("SELECT held_runs FROM ax_node WHERE node_id = 'w0'")[0].held_runs
+        return {t for t in waiting if f",{t}," in (value or "")}
+    # the lane holds its stage once the sleeper has run past the horizon (1 s): written down
+    assert poll(lambda: now_ms() > last_due + 300 and written_held() >= staged_on_w0(), 10,
+                0.05), f"w0 did not write its held runs down\n{cluster.tails()}"
     held = staged_on_w0()
     killed_at = cluster.kill_node("w0")
     ran_on_w0 = {r.task_id for r in cluster.ledger.runs() if r.pid == victim.proc.pid}
