@@ -13,7 +13,6 @@ import json
 from typing import Any
 
 import click
-from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.connection import queue_depths
@@ -22,10 +21,10 @@ from ax_kombu.config import PRIORITIES, Settings, redact_url
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import StoreError
 from ax_kombu.store import Store, gates
+from ax_kombu.store.console import EXACT_UP_TO, task_counts
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.nodes import live_nodes
 from ax_kombu.store.recovery import oldest_overdue_ms, waiting_without_consumer
-from ax_kombu.store.schema import tasks
 from ax_kombu.store.stats import schedule_delays
 
 #: the window of the schedule delay figures
@@ -49,8 +48,7 @@ def _store_view(settings: Settings) -> dict[str, Any]:
         with store.engine.connect() as conn:
             now = db_now_ms(conn)
             rows = live_nodes(conn, settings.silence_ms)
-            counts: dict[str, int] = dict(conn.execute(select(tasks.c.status, func.count())
-                                                       .group_by(tasks.c.status)).all())
+            counts, estimated = task_counts(conn)
             consumers = _consumers(settings, rows)
             waiting = waiting_without_consumer(conn, [p for p, n in consumers.items() if not n])
             parked = gates.parked_by_type(conn)
@@ -66,6 +64,7 @@ def _store_view(settings: Settings) -> dict[str, Any]:
               "heartbeat_age_s": round((now - r.heartbeat_at) / 1000, 1),
               "info": _redacted(json.loads(r.info or "{}"))} for r in rows]
     return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status},
+            "tasks_estimated": sorted(estimated),
             "consumers": consumers, "waiting_without_consumer": waiting,
             "limits": limits, "waiting_for_key_or_limit": parked,
             "free_slots": _free_slots(rows), "oldest_overdue_s": overdue_ms / 1000.0,
@@ -152,7 +151,12 @@ def _print(view: dict[str, Any]) -> None:
                + ("(no dispatch in 5 min)" if delays is None else
                   f"p50 {delays['p50_ms']} ms, p99 {delays['p99_ms']} ms over "
                   f"{delays['dispatches']} dispatches in 5 min"))
-    click.echo("tasks   " + "  ".join(f"{s} {n}" for s, n in view["tasks"].items()))
+    rough = set(view.get("tasks_estimated", ()))
+    click.echo("tasks   " + "  ".join(f"{s} {'~' if s in rough else ''}{n}"
+                                      for s, n in view["tasks"].items()))
+    if rough:
+        click.echo(f"        (~: estimated, more than {EXACT_UP_TO:,} each; from the "
+                   "database's statistics)")
     if view["limits"]:
         click.echo("limits  " + "  ".join(f"{t} {n}" for t, n in view["limits"].items()))
     if view["waiting_for_key_or_limit"]:
