@@ -144,6 +144,9 @@ class Settings:
     #: scheduler: the ``ax_node`` rows of nodes stopped (or declared dead) longer ago than
     #: this are deleted (``ax status`` shows the recent ones); 0: never.
     node_retention_s: float = 86_400.0
+    #: scheduler: the duplicate check's entries (``ax_fingerprint``) of tasks created longer
+    #: ago than this, and due before the dedup window, are deleted; 0: never.
+    fingerprint_retention_s: float = 86_400.0
     #: a clock offset to the database above this is reported.
     clock_skew_warn_ms: int = 50
     #: worker: threads (slots) of the pool serving each queue.
@@ -229,6 +232,11 @@ class Settings:
         if self.node_retention_s != 0 and not 60 <= self.node_retention_s <= 366 * 86_400:
             raise ConfigurationError("node_retention_s must be 0 (keep node rows) or between "
                                      f"60 and 31622400 (366 days), got {self.node_retention_s}")
+        if self.fingerprint_retention_s != 0 and not (
+                60 <= self.fingerprint_retention_s <= 366 * 86_400):
+            raise ConfigurationError(
+                "fingerprint_retention_s must be 0 (keep the entries) or between 60 and "
+                f"31622400 (366 days), got {self.fingerprint_retention_s}")
         if self.retention_interval_s <= 0:
             raise ConfigurationError("retention_interval_s must be positive, got "
                                      f"{self.retention_interval_s}")

@@ -40,7 +40,9 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   triggers a preload at once.
 * **Pruning** — every ``PRUNE_INTERVAL_MS``: the ``ax_node`` rows of nodes
   stopped longer than ``node_retention_s`` ago are deleted
-  (:func:`ax_kombu.store.nodes.prune_stopped`).
+  (:func:`ax_kombu.store.nodes.prune_stopped`), and the duplicate check's entries of
+  tasks created longer than ``fingerprint_retention_s`` ago and already due
+  (:func:`ax_kombu.store.tasks.prune_fingerprints`).
 
 **A failing step stops nothing.** Each step is isolated: one that raises —
 a lock or statement timeout, a lost connection, a bug — is logged with its
@@ -64,12 +66,14 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
+from ax_kombu.core.ids import compose
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, Stage
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store import tasks as task_store
 from ax_kombu.store.notify import WakeListener
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,10 @@ STEP_BACKOFF_MS = 1000
 STEP_BACKOFF_MAX_MS = 30_000
 #: how often the node rows are pruned
 PRUNE_INTERVAL_MS = 600_000
+#: the duplicate check's old entries are deleted this many at a time, at most this many
+#: times per pruning pass
+PRUNE_BATCH = 10_000
+PRUNE_BATCHES = 100
 #: longest the heartbeat's thread waits for the timing loop to drop the wheel when fenced
 DROP_WAIT_S = 2.0
 #: the steps, in the order a pass takes them
@@ -306,16 +314,33 @@ class Housekeeper(Stage):
             self._timing.hand(strays)
 
     def _prune(self, now: int) -> None:
-        """Delete the rows of nodes stopped longer than ``node_retention_s`` ago."""
+        """Delete the rows of nodes stopped longer than ``node_retention_s`` ago, and the
+        duplicate check's entries of tasks created longer than ``fingerprint_retention_s``
+        ago and due before the dedup window (:func:`~ax_kombu.store.tasks.
+        prune_fingerprints`), in batches."""
         self._next["prune"] = now + PRUNE_INTERVAL_MS
         retention_ms = int(self._settings.node_retention_s * 1000)
-        if retention_ms <= 0:
-            return
-        with self._store.engine.begin() as conn:
-            pruned = nodes.prune_stopped(conn, now - retention_ms)
-        if pruned:
-            log.info("pruned the rows of long-stopped nodes",
-                     extra={"nodes": len(pruned), "retention_s": retention_ms // 1000})
+        if retention_ms > 0:
+            with self._store.engine.begin() as conn:
+                pruned = nodes.prune_stopped(conn, now - retention_ms)
+            if pruned:
+                log.info("pruned the rows of long-stopped nodes",
+                         extra={"nodes": len(pruned), "retention_s": retention_ms // 1000})
+        keep_ms = int(self._settings.fingerprint_retention_s * 1000)
+        if keep_ms > 0:
+            created_before = compose(now - keep_ms, 0, 0)
+            due_before = now - self._settings.dedup_window_ms
+            deleted = 0
+            for _ in range(PRUNE_BATCHES):
+                with self._store.engine.begin() as conn:
+                    n = task_store.prune_fingerprints(conn, created_before, due_before,
+                                                      PRUNE_BATCH)
+                deleted += n
+                if n < PRUNE_BATCH:
+                    break
+            if deleted:
+                log.info("pruned old entries of the duplicate check",
+                         extra={"entries": deleted, "retention_s": keep_ms // 1000})
 
     def _measure_overdue(self, now: int) -> None:
         """``ax_oldest_overdue_seconds`` from the store: it rises even when nothing is

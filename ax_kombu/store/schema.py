@@ -172,13 +172,18 @@ tasks = Table(
 #: beside the task, and never updated, so a task's status changes write nothing here. The
 #: check joins it to ``ax_task`` (a cancelled or removed task duplicates nothing); the
 #: trigger time is the one the producer asked for. Archive and purge delete a task's entry
-#: with the task. Index: the primary key, whose prefix is the check's lookup.
+#: with the task; the schedulers delete entries of tasks created more than
+#: ``fingerprint_retention_s`` ago whose trigger time has passed. Indexes: the primary key,
+#: whose prefix is the check's lookup; on PostgreSQL a BRIN on task_id, for that prune.
 fingerprints = Table(
     "ax_fingerprint",
     metadata,
     Column("fingerprint", String(32), primary_key=True),
     Column("trigger_time", BigInteger, primary_key=True, autoincrement=False),
     Column("task_id", BigInteger, primary_key=True, autoincrement=False),
+    # PostgreSQL: the prune's lookup of old entries by creation (snowflake ids grow with it)
+    Index("ix_ax_fingerprint_task", "task_id", postgresql_using="brin")
+    .ddl_if(dialect="postgresql"),
 )
 
 #: one row per ended attempt of a task that is not the task's final state (a retried run, a

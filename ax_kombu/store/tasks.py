@@ -22,7 +22,7 @@ import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, text
+from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, text, tuple_
 
 from ax_kombu.observability import metrics
 from ax_kombu.store.schema import attempts, fingerprints, tasks
@@ -214,6 +214,20 @@ def _copy(conn: Connection, table: str, columns: Sequence[str],
 _FORGET = (fingerprints.delete()
            .where(fingerprints.c.fingerprint.in_(bindparam("fps", expanding=True)),
                   fingerprints.c.task_id.in_(bindparam("ids", expanding=True))))
+
+
+def prune_fingerprints(conn: Connection, created_before_id: int, trigger_before_ms: int,
+                       limit: int = 10_000) -> int:
+    """Delete up to ``limit`` ``ax_fingerprint`` entries of tasks created before the task id
+    ``created_before_id`` (a snowflake of that instant) whose trigger time is before
+    ``trigger_before_ms``; returns how many. Such an entry could only make a duplicate of an
+    enqueue retried that long after the first, for a trigger time already past."""
+    old = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
+                  fingerprints.c.task_id)
+           .where(fingerprints.c.task_id < created_before_id,
+                  fingerprints.c.trigger_time < trigger_before_ms).limit(limit))
+    key = tuple_(fingerprints.c.fingerprint, fingerprints.c.trigger_time, fingerprints.c.task_id)
+    return int(conn.execute(fingerprints.delete().where(key.in_(old))).rowcount)
 
 
 def forget_fingerprints(conn: Connection, removed: Sequence[tuple[int, str]]) -> None:

@@ -16,7 +16,7 @@ from ax_kombu.core.states import Status
 from ax_kombu.store.admin import purge_finished
 from ax_kombu.store.archive import archive_finished
 from ax_kombu.store.engine import migrate
-from ax_kombu.store.tasks import insert_tasks
+from ax_kombu.store.tasks import insert_tasks, prune_fingerprints
 
 
 def _entries(engine: Engine) -> list[tuple[str, int, int]]:
@@ -113,3 +113,23 @@ def test_migration_0012_carries_the_existing_fingerprints_over(empty_store: Engi
     found = insert_tasks(empty_store, again, window_ms=5_000)
     # the pending and the finished task are duplicates; the cancelled one is not
     assert found == [(1, False), (2, False), (13, True)]
+
+
+def test_the_prune_deletes_only_entries_old_and_already_due(client: Client) -> None:
+    """Entries of tasks created before the retention and due before the window go; a task
+    created earlier but due later keeps its entry (a duplicate may still come before it
+    fires), as does a recent one. The kept ones still make duplicates."""
+    now = client.store.now_ms()
+    day = 86_400_000
+    with client.store.engine.begin() as conn:  # three tasks, created two days ago
+        conn.execute(text("INSERT INTO ax_fingerprint (fingerprint, trigger_time, task_id) "
+                          "VALUES ('a', :past, :old1), ('b', :future, :old2), ('c', :past, :new)"),
+                     {"past": now - day, "future": now + day, "old1": compose(now - 2 * day, 1, 1),
+                      "old2": compose(now - 2 * day, 1, 2), "new": compose(now - 1000, 1, 3)})
+        assert prune_fingerprints(conn, compose(now - day // 2, 0, 0), now - 5000, limit=1) == 1
+        assert prune_fingerprints(conn, compose(now - day // 2, 0, 0), now - 5000) == 0
+    assert sorted(e[0] for e in _entries(client.store.engine)) == ["b", "c"]
+    first = int(client.enqueue("t.kept", {"k": 1}, delay=60))
+    with client.store.engine.begin() as conn:
+        prune_fingerprints(conn, compose(now + 60_000, 0, 0), client.store.now_ms() - 5000)
+    assert int(client.enqueue("t.kept", {"k": 1}, delay=60)) == first  # due later: kept
