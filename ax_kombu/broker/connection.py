@@ -63,6 +63,12 @@ def task_queues(settings: Settings) -> dict[str, Queue]:
             for p in PRIORITIES}
 
 
+def ensure_connected(conn: Any) -> None:
+    """Connect ``conn``, trying each URL of a failover list (``amqp://a;amqp://b;…``) once
+    in turn with no pause between them; a single URL is tried twice, as before."""
+    conn.ensure_connection(max_retries=max(1, len(getattr(conn, "alt", None) or ()) - 1))
+
+
 def queue_depths(settings: Settings) -> dict[str, int]:
     """Messages waiting in each priority's queue now (one short-lived connection).
 
@@ -70,7 +76,7 @@ def queue_depths(settings: Settings) -> dict[str, int]:
         Exception: whatever Kombu raises when the broker cannot be asked.
     """
     with connection(settings) as conn:
-        conn.ensure_connection(max_retries=1)
+        ensure_connected(conn)
         channel = conn.default_channel
         return {p: int(q(channel).queue_declare().message_count)
                 for p, q in task_queues(settings).items()}

@@ -42,7 +42,7 @@ from ax_kombu.broker.celery_wire import (
     celery_message,
     celery_redis_envelope,
 )
-from ax_kombu.broker.connection import connection, declare_queues
+from ax_kombu.broker.connection import connection, declare_queues, ensure_connected
 from ax_kombu.broker.messages import TaskMessage, redis_envelope
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 
@@ -117,7 +117,7 @@ class Publisher:
             return
         conn = connection(self.settings)
         try:
-            conn.ensure_connection(max_retries=1)
+            ensure_connected(conn)
             declare_queues(conn, self.settings)
             channel = conn.channel()
             self._confirms = _Confirms(channel) if conn.transport.driver_type == "amqp" else None

@@ -39,7 +39,7 @@ from kombu.exceptions import OperationalError
 from kombu.serialization import prepare_accept_content
 
 from ax_kombu.broker import redis_pull
-from ax_kombu.broker.connection import connection
+from ax_kombu.broker.connection import connection, ensure_connected
 from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import Settings
 from ax_kombu.worker.admission import Admission
@@ -163,7 +163,7 @@ class Consumer:
             conn.transport_options["ack_emulation"] = False  # see ax_kombu.worker.node (kill -9)
         errors = (OSError, OperationalError, *conn.connection_errors, *conn.channel_errors)
         try:
-            conn.ensure_connection(max_retries=1)
+            ensure_connected(conn)
             self._attach(conn)
             self._outage.recovered()
             self.ready.set()

@@ -64,3 +64,23 @@ def test_the_password_is_kept_and_the_driver_checked() -> None:
 def test_malformed_host_lists_are_refused(url: str) -> None:
     with pytest.raises(ConfigurationError):
         parse_database_url(url)
+
+
+def test_each_url_of_a_failover_list_is_tried_once_without_a_pause() -> None:
+    """ensure_connected walks a failover list to its end (Kombu sleeps only after a full
+    cycle); one URL keeps the single retry it always had."""
+    from kombu import Connection
+
+    from ax_kombu.broker.connection import ensure_connected
+
+    tried: list[int] = []
+
+    class Refusing(Connection):  # type: ignore[misc]
+        def _connection_factory(self) -> None:
+            tried.append(self.port)
+            raise ConnectionRefusedError("refused")
+
+    three = Refusing("amqp://127.0.0.1:1//;amqp://127.0.0.1:2//;amqp://127.0.0.1:3//")
+    with pytest.raises(Exception):  # noqa: B017 - Kombu's OperationalError
+        ensure_connected(three)
+    assert tried == [1, 2, 3]
