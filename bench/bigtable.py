@@ -10,7 +10,9 @@ schema) are filled on the server, measured through ax's own code, and dropped:
   otherwise 6 % FAILED (three retries each, three ``ax_attempt`` rows), 5 % CANCELLED, the
   rest SUCCESS; the last 1,000 (or a tenth) finished in the five minutes before the fill.
   One task in five has a biz_key. ``ax_task_archive`` gets as many finished tasks again
-  (the 90 days before), with their ``ax_attempt_archive`` rows. Then ``VACUUM ANALYZE``.
+  (the 90 days before), with their ``ax_attempt_archive`` rows. Then the schedulers'
+  pruning of the duplicate check's old entries (entries of tasks created over a day ago
+  and already due go), and ``VACUUM ANALYZE``.
 * **enqueue**: ``Client.enqueue_many`` of ``--enqueue`` tasks in batches of
   ``--enqueue-batch`` (rows/s), and ``--single`` ``Client.enqueue`` calls (calls/s), due a
   day ahead.
@@ -67,13 +69,13 @@ from sqlalchemy import Connection, Engine, event, text
 from ax_kombu.api import Client
 from ax_kombu.cli.status import DELAY_WINDOW_MS, _store_view
 from ax_kombu.config import PRIORITIES, Settings, from_env
-from ax_kombu.core.ids import EPOCH_MS
+from ax_kombu.core.ids import EPOCH_MS, compose
 from ax_kombu.store import gates, nodes, recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.console import tasks_by_status
 from ax_kombu.store.engine import db_now_ms, make_engine
 from ax_kombu.store.stats import schedule_delays
-from ax_kombu.store.tasks import forget_fingerprints, insert_tasks
+from ax_kombu.store.tasks import forget_fingerprints, insert_tasks, prune_fingerprints
 from ax_kombu.validation import build_row
 
 from .common import machine, scratch_database, wait_quiet
@@ -171,8 +173,24 @@ def fill(engine: Engine, n: int) -> dict[str, Any]:
         took[name] = _chunked(engine, sql, params, n, name)
     for target, source in (("ax_attempt", "ax_task"), ("ax_attempt_archive", "ax_task_archive")):
         took[target] = _timed_sql(engine, _ATTEMPTS.format(target=target, source=source))
+    took["prune fingerprints"] = prune_old_fingerprints(engine, t0)
     took["VACUUM ANALYZE"] = _timed_sql(engine, "VACUUM ANALYZE", autocommit=True)
     return {"t0": t0, "seconds": took, "sizes": sizes(engine)}
+
+
+def prune_old_fingerprints(engine: Engine, now_ms: int) -> float:
+    """What the schedulers' pruning leaves (:func:`ax_kombu.store.tasks.prune_fingerprints`
+    with the default ``fingerprint_retention_s`` and dedup window): the entries of tasks
+    created in the last day, and of older ones not yet due. Returns the seconds it took."""
+    settings = Settings()
+    started = time.monotonic()
+    created_before = compose(now_ms - int(settings.fingerprint_retention_s * 1000), 0, 0)
+    while True:
+        with engine.begin() as conn:
+            if prune_fingerprints(conn, created_before, now_ms - settings.dedup_window_ms,
+                                  limit=100_000) < 100_000:
+                break
+    return time.monotonic() - started
 
 
 def _chunked(engine: Engine, sql: str, params: dict[str, Any], n: int, name: str) -> float:
