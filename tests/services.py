@@ -13,6 +13,8 @@ import secrets
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 from urllib.parse import urlsplit
 
@@ -31,6 +33,21 @@ def unavailable(what: str, why: object) -> NoReturn:
         pytest.fail(f"{what} is required (AX_REQUIRE_SERVICES=1) but unavailable: {why}",
                     pytrace=False)
     pytest.skip(f"{what} unavailable: {why}")
+
+
+@contextmanager
+def serving(what: str, start: Callable[[], object], stop: Callable[[], object]) -> Iterator[None]:
+    """A server of the test's own for the ``with`` block: ``start()``; if that fails, ``stop()``
+    and skip (fail with AX_REQUIRE_SERVICES=1) naming ``what``; ``stop()`` afterwards."""
+    try:
+        start()
+    except (RuntimeError, OSError) as exc:
+        stop()
+        unavailable(what, exc)
+    try:
+        yield
+    finally:
+        stop()
 
 
 def reachable(url: str, default_port: int) -> str | None:

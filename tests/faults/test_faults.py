@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ..services import unavailable
+from ..services import serving, unavailable
 from .cluster import DEAD_WINDOW_MS, WORKER_POOLS, Cluster
 from .faketime import Faketime
 from .judge import EARLY_TOLERANCE_MS, conclude, judge
@@ -372,13 +372,8 @@ def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
         server = PrivateRabbit(tmp_path / "rabbit")
     except RuntimeError as exc:
         unavailable("a private RabbitMQ node", exc)
-    try:
-        server.start()
-    except (RuntimeError, OSError) as exc:
-        server.stop()
-        unavailable("a private RabbitMQ node", exc)
-    yield server
-    server.stop()
+    with serving("a private RabbitMQ node", server.start, server.stop):
+        yield server
 
 
 @pytest.mark.timeout(200)

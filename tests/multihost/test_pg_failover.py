@@ -37,7 +37,7 @@ from tests.faults.cluster import Cluster
 from tests.faults.judge import conclude, judge
 from tests.faults.producer import Producer
 from tests.faults.timing import now_ms, poll
-from tests.services import unavailable
+from tests.services import serving, unavailable
 
 from .conftest import need_root, need_tool
 from .pg_pair import PgPair
@@ -59,13 +59,8 @@ def pg_pair(tmp_path: Path) -> Iterator[PgPair]:
     if missing:
         unavailable("a private PostgreSQL pair", f"{missing} not next to {bindir / 'initdb'}")
     pair = PgPair(bindir, tmp_path)
-    try:
-        pair.start()
-    except (RuntimeError, OSError) as exc:
-        pair.close()
-        unavailable("a private PostgreSQL primary + standby", exc)
-    yield pair
-    pair.close()
+    with serving("a private PostgreSQL primary + standby", pair.start, pair.close):
+        yield pair
 
 
 @pytest.fixture

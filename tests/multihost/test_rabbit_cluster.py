@@ -30,7 +30,7 @@ from tests.faults.cluster import Cluster
 from tests.faults.judge import conclude, judge
 from tests.faults.producer import Producer
 from tests.faults.timing import now_ms
-from tests.services import unavailable
+from tests.services import serving, unavailable
 
 from .rabbit_cluster import ClusterNode, RabbitCluster
 
@@ -54,13 +54,8 @@ def rabbit(tmp_path: Path) -> Iterator[RabbitCluster]:
         cluster = RabbitCluster(tmp_path / "rabbit")
     except RuntimeError as exc:
         unavailable("a private RabbitMQ cluster", exc)
-    try:
-        cluster.start()
-    except (RuntimeError, OSError) as exc:
-        cluster.stop()
-        unavailable("a private RabbitMQ cluster", exc)
-    yield cluster
-    cluster.stop()
+    with serving("a private RabbitMQ cluster", cluster.start, cluster.stop):
+        yield cluster
 
 
 def test_a_quorum_cluster_loses_the_node_everyone_uses(pg_url: str, rabbit: RabbitCluster,

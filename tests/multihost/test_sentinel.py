@@ -44,7 +44,7 @@ from tests.faults.judge import conclude, judge
 from tests.faults.ledger import Run
 from tests.faults.producer import Planned, Producer
 from tests.faults.timing import now_ms, poll
-from tests.services import unavailable
+from tests.services import serving
 
 from .conftest import need_tool
 from .sentinel import RedisProcess, SentinelSet
@@ -70,13 +70,8 @@ def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
     where = tmp_path / "redis"
     where.mkdir()
     servers = SentinelSet(where)
-    try:
-        servers.start()
-    except (RuntimeError, OSError) as exc:
-        servers.stop()
-        unavailable("a Redis Sentinel set", exc)
-    yield servers
-    servers.stop()
+    with serving("a Redis Sentinel set", servers.start, servers.stop):
+        yield servers
 
 
 def waiting(server: RedisProcess, queues: list[str]) -> set[tuple[int, int]]:
