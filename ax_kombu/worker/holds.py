@@ -69,7 +69,8 @@ class Holds:
         self._cond = threading.Condition()
         #: flagged held in memory (may not start), and the ids the row holds as of the
         #: last committed write, with the incarnation it was written under
-        self._held: set[int] = set()
+        #: task id -> the incarnation that fenced its run (only the live one's are written)
+        self._held: dict[int, int] = {}
         self.written: frozenset[int] = frozenset()
         self.incarnation = 0
         #: asked to be released (a thread waits, or its lane is about to reach it)
@@ -81,13 +82,14 @@ class Holds:
         self._thread: threading.Thread | None = None
         self.writes = 0
 
-    def hold(self, ids: Iterable[int]) -> None:
-        """Flagged held (the caller holds the intake's lock): written at the next write."""
+    def hold(self, runs: Iterable[tuple[int, int]]) -> None:
+        """``(task id, incarnation that fenced it)`` flagged held (the caller holds the
+        intake's lock): written at the next write, if that incarnation is the live one."""
         with self._cond:
-            new = set(ids) - self._held
-            if new:
-                self._held |= new
-                self._dirty = True
+            for task_id, incarnation in runs:
+                if task_id not in self._held:
+                    self._held[task_id] = incarnation
+                    self._dirty = True
 
     def release(self, task_id: int, incarnation: int, gone: Callable[[], bool]) -> bool:
         """Wait until the row no longer holds ``task_id`` (written under ``incarnation``):
@@ -108,10 +110,9 @@ class Holds:
     def forget(self, ids: Iterable[int]) -> None:
         """Withdrawn or cancelled while held (never starting here): no longer held."""
         with self._cond:
-            gone = set(ids) & self._held
-            if gone:
-                self._held -= gone
-                self._dirty = True
+            for task_id in ids:
+                if self._held.pop(task_id, None) is not None:
+                    self._dirty = True
 
     @property
     def holding(self) -> bool:
@@ -155,8 +156,9 @@ class Holds:
                     self._cond.wait(max(0.001, next_scan - time.monotonic()))
                     continue
                 self._dirty = False
-                releasing = self._releasing & self._held
-                keep = frozenset(self._held - releasing)
+                releasing = self._releasing & self._held.keys()
+                keep = frozenset(t for t, inc in self._held.items()
+                                 if inc == registered and t not in releasing)
             if keep == self.written and registered == self.incarnation:
                 self._settle(releasing, keep, registered, True)
                 continue
@@ -179,7 +181,8 @@ class Holds:
                 live: bool) -> None:
         with self._cond:
             if live:
-                self._held -= released
+                for task_id in released:
+                    self._held.pop(task_id, None)
                 self._releasing -= released
                 self.written, self.incarnation = written, incarnation
             else:

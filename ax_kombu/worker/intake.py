@@ -372,14 +372,14 @@ class Intake:
                     by_lane.setdefault(delivery.lane, []).append(delivery)
                 elif delivery.held:
                     soon.append(delivery.task.task_id)
-            hold: list[int] = []
+            hold: list[tuple[int, int]] = []
             for lane, staged in by_lane.items():
                 staged.sort(key=lambda d: d.task.trigger_time)
                 soon += [d.task.task_id for d in staged[:reach[lane]] if d.held]
                 for delivery in staged[reach[lane]:]:
                     if not delivery.held:
                         delivery.held = True
-                        hold.append(delivery.task.task_id)
+                        hold.append((delivery.task.task_id, delivery.fenced_by))
             if hold:
                 holds.hold(hold)
         return soon

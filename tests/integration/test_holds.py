@@ -28,11 +28,12 @@ class Scan:
         self.to_hold: list[int] = []
         self.soon: list[int] = []
         self.done = threading.Event()
+        self.incarnation = 0
 
     def __call__(self) -> list[int]:
         assert self.holds is not None
         if self.to_hold:
-            self.holds.hold(self.to_hold)
+            self.holds.hold([(t, self.incarnation) for t in self.to_hold])
             self.to_hold = []
         soon, self.soon = self.soon, []
         self.done.set()
@@ -44,6 +45,7 @@ def rig(client: Client) -> Iterator[tuple[Holds, nodes.Heartbeat, Scan]]:
     heart = nodes.Heartbeat(client.store, "w0", "worker")
     heart.register({})
     scan = Scan()
+    scan.incarnation = heart.incarnation
     holds = scan.holds = Holds(heart, client.store.engine, scan)
     holds.start()
     yield holds, heart, scan
@@ -73,6 +75,7 @@ def written(holds: Holds, ids: set[int], timeout: float = 5.0) -> bool:
 def test_a_held_run_is_written_then_released_before_it_may_start(
         client: Client, rig: tuple[Holds, nodes.Heartbeat, Scan]) -> None:
     holds, heart, scan = rig
+    holds.hold([(99, heart.incarnation - 1)])  # fenced under an earlier incarnation: not written
     scan.to_hold = [11, 12, 13]
     assert written(holds, {11, 12, 13})
     assert listed(client) == {"11", "12", "13"}
@@ -84,7 +87,7 @@ def test_a_held_run_is_written_then_released_before_it_may_start(
     holds.forget([13])  # withdrawn while held: no longer listed
     assert written(holds, set())
     assert listed(client) == set()
-    holds.hold([14])  # a run withdrawn while it waits for its release ends its wait at once
+    holds.hold([(14, heart.incarnation)])  # a run withdrawn while it waits for its release ends its wait at once
     assert not holds.release(14, heart.incarnation, lambda: True)
     assert holds.release(15, heart.incarnation, lambda: False)  # never held: free at once
 
