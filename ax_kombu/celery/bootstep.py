@@ -240,6 +240,8 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         self.fence = Fence(from_env(), f"celery@{worker.hostname}", running=_active_ax_ids,
                            pool_size=threads + 4 if threads else None)  # + its own threads
         self.recorder = Recorder(self.fence)
+        # a prefork pool runs tasks in children, which cannot see what this process moved
+        self.fence.runs_here = not _forks(getattr(worker, "pool_cls", None))
         self._main_pid = os.getpid()
         self._app = worker.app
         fence_tasks(worker.app, lambda: self.fence)
@@ -256,7 +258,8 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
             gc.freeze()
             young, middle, _ = gc.get_threshold()
             gc.set_threshold(young, middle, 1)
-        log.info("ax fencing Celery runs", extra={"node": self.fence.node_id})
+        log.info("ax fencing Celery runs", extra={"node": self.fence.node_id,
+                                                  "starts_in_this_process": self.fence.runs_here})
 
     def stop(self, worker: Any) -> None:
         """Write the ends still waiting (the pool has stopped: no run ends after this)."""
@@ -322,6 +325,13 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         ax_id, attempt = ids
         fence = self.fence
         self.recorder.put(lambda: fence.cancel(ax_id, attempt, why))
+
+
+def _forks(pool_cls: Any) -> bool:
+    """Whether a worker's pool runs tasks in forked children (prefork)."""
+    from celery.concurrency.prefork import TaskPool
+
+    return isinstance(pool_cls, type) and issubclass(pool_cls, TaskPool)
 
 
 def _due_in_s(eta: Any) -> float:

@@ -82,6 +82,9 @@ _POLL_S = 0.05
 _AHEAD_BATCH = 500
 #: how long a start waits for its move being written ahead in this process
 _AHEAD_WAIT_S = 1.0
+#: how long a run moved ahead is remembered for its start in this process (it is due
+#: within about a second of the move)
+_FENCED_KEEP_S = 60.0
 #: how long the fencing-ahead thread gathers messages into one statement (they arrive
 #: well before they are due: a few milliseconds cost nothing, while a statement per
 #: message costs the worker's main process the GIL it needs to receive them)
@@ -159,8 +162,11 @@ class Fence:
         #: moves being written ahead in this process (the start waits for them)
         self._ahead: dict[tuple[int, int], threading.Event] = {}
         #: moved ahead by this process, not started yet: the row as the move returned it,
-        #: and the incarnation it was moved under
-        self._fenced: dict[tuple[int, int], tuple[Started, int]] = {}
+        #: the incarnation it was moved under, and when (monotonic); kept only when the
+        #: runs start in this process (a thread pool: see runs_here)
+        self._fenced: dict[tuple[int, int], tuple[Started, int, float]] = {}
+        #: the runs start in this process (threads, solo, gevent), not in forked children
+        self.runs_here = True
         #: how long this process may still start under its incarnation (its beats)
         self.lease = Lease(settings.silence_ms / 1000.0
                            - min(settings.heartbeat_interval_s, settings.silence_ms / 2000.0))
@@ -273,8 +279,11 @@ class Fence:
                 with self._one_statement() as conn:
                     moved = start_rows(conn, batch, self.node_id, self.store.now_ms(),
                                        incarnation=incarnation)
-                for row in moved:
-                    self._fenced[(row.task_id, attempts[row.task_id])] = (row, incarnation)
+                if self.runs_here:
+                    at = time.monotonic()
+                    for row in moved:
+                        self._fenced[(row.task_id, attempts[row.task_id])] = (row, incarnation,
+                                                                              at)
             except Exception:  # the store failed: each run moves its row at its start
                 log.warning("ax: could not fence Celery runs ahead; they are fenced at start",
                             exc_info=True, extra={"node": self.node_id})
@@ -342,7 +351,12 @@ class Fence:
 
     def _drop_cancelled(self) -> None:
         """Forget the runs moved ahead whose task was cancelled since (``ax cancel``): their
-        start reads the row, and refuses the message."""
+        start reads the row, and refuses the message; and those moved over a minute ago that
+        never started here (revoked in Celery, say: a start would read the row)."""
+        stale = time.monotonic() - _FENCED_KEEP_S
+        for key, (_, _, at) in list(self._fenced.items()):
+            if at < stale:
+                self._fenced.pop(key, None)
         keys = list(self._fenced)
         if not keys:
             return
