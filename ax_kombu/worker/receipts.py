@@ -269,4 +269,7 @@ def refusal(task: TaskMessage, row: Any) -> tuple[str, str]:
         return "stale", f"stale message: attempt {task.attempt}, the task is at {row.attempt}"
     if row.status == Status.CANCELLED:
         return "cancelled", "the task was cancelled"
+    if row.status == Status.DISPATCHING:  # the row was right: the worker's fence refused it
+        return "fenced", ("this worker's incarnation is no longer the live one (declared "
+                          "dead); the task is sent again after its ack timeout")
     return "state", f"the task is {row.status}, not DISPATCHING"
