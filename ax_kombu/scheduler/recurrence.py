@@ -31,8 +31,12 @@ lookahead), or the job was paused — goes by its misfire policy
 occurrence now, once; ``skip`` runs none; ``fire_all`` runs each, oldest first,
 at most ``misfire_max``. Occurrences written before the outage and still not
 dispatched count as missed too; those the policy drops are CANCELLED with the
-reason. A scheduler makes this pass before its first preload, so a restarted
-cluster settles the misfire before anything overdue is fired.
+reason. A scheduler makes this pass before its first preload, and in that first pass
+waits for the jobs another scheduler is planning instead of skipping them, so a
+restarted cluster settles every misfire before anything overdue is fired (two
+schedulers restarted together: one plans a job and cancels its pre-written missed
+occurrence, while the other, having skipped the locked job, claimed that occurrence and
+ran it — a second run for ``fire_once``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class Materialiser:
         self._ids = ids
         self._node_id = node_id
         self._schedules: dict[tuple[Any, ...], cron.Schedule] = {}
+        #: a first pass has completed (it waited for the jobs other schedulers were planning)
+        self._settled = False
 
     def run(self, now_ms: int) -> tuple[int, bool]:
         """One pass at database time ``now_ms``.
@@ -93,8 +99,11 @@ class Materialiser:
         horizon = now_ms + self._settings.job_lookahead_ms
         self._ids.next_ids(0)  # renew the id lease now, not inside the transaction below
         with self._store.engine.begin() as conn:
-            due = job_store.due_jobs(conn, horizon, JOB_BATCH)
+            # the first pass waits for jobs another scheduler is planning (not skips them):
+            # its misfire decision is then settled before this scheduler's first preload
+            due = job_store.due_jobs(conn, horizon, JOB_BATCH, wait=not self._settled)
             if not due:
+                self._settled = True
                 return 0, False
             rows: list[dict[str, Any]] = []
             for job in due:
@@ -103,6 +112,7 @@ class Materialiser:
             first = min((r["trigger_time"] for r in rows), default=None)
             if first is not None and first < now_ms + self._settings.preload_window_ms:
                 wake_schedulers(conn, first)
+        self._settled = True
         metrics.job_occurrences_total.inc(len(created))
         return len(created), len(due) == JOB_BATCH
 

@@ -82,14 +82,16 @@ def delete_job(conn: Connection, name: str) -> bool:
     return bool(conn.execute(delete(jobs).where(jobs.c.name == name)).rowcount)
 
 
-def due_jobs(conn: Connection, horizon_ms: int, limit: int) -> list[Row[Any]]:
+def due_jobs(conn: Connection, horizon_ms: int, limit: int,
+             wait: bool = False) -> list[Row[Any]]:
     """Active jobs, not broken, whose next occurrence is at or before ``horizon_ms``,
     locked for this transaction, in name order; rows locked by another transaction are
-    skipped (the next pass takes them)."""
+    skipped (the next pass takes them), or with ``wait`` waited for (and read again once
+    that transaction has ended: a job it moved past the horizon is not returned)."""
     stmt = (select(jobs)
             .where(jobs.c.paused.is_(False), jobs.c.next_fire_at.is_not(None),
                    jobs.c.next_fire_at <= horizon_ms, jobs.c.broken.is_(None))
-            .order_by(jobs.c.name).limit(limit).with_for_update(skip_locked=True))
+            .order_by(jobs.c.name).limit(limit).with_for_update(skip_locked=not wait))
     return list(conn.execute(stmt))
 
 

@@ -193,3 +193,32 @@ def test_node_retention_is_validated(settings: Settings, value: float) -> None:
     with pytest.raises(ConfigurationError, match="node_retention_s"):
         settings.replace(node_retention_s=value)
     assert settings.replace(node_retention_s=0).node_retention_s == 0
+
+
+def test_a_schedulers_first_pass_waits_for_jobs_another_is_planning(
+        client: Client, materialiser: Materialiser, settings: Settings) -> None:
+    """Two schedulers restarted together: while one plans a job (its row locked, its misfire
+    being settled), the other's first pass waits for that row instead of skipping it, and
+    reads it again after the commit, so it preloads nothing the first is about to cancel.
+    Later passes skip a locked job. (PostgreSQL: SQLite has no row locks.)"""
+    if client.store.engine.dialect.name != "postgresql":
+        pytest.skip("row locks: PostgreSQL only")
+    client.schedule("hk.locked", "t", every=1)
+    anchor = _job(client, "hk.locked").anchor_ms
+    finished = threading.Event()
+    result: list[tuple[int, bool]] = []
+    with client.store.engine.begin() as other:  # the other scheduler, mid-plan
+        other.execute(select(jobs).where(jobs.c.name == "hk.locked").with_for_update())
+        waiting = threading.Thread(
+            target=lambda: (result.append(materialiser.run(anchor + 100)), finished.set()))
+        waiting.start()
+        assert not finished.wait(0.5), "the first pass skipped a locked job"
+        # the other scheduler moves the job past this one's horizon, then commits
+        other.execute(update(jobs).where(jobs.c.name == "hk.locked")
+                      .values(next_fire_at=anchor + DAY_MS))
+    assert finished.wait(10)
+    assert result == [(0, False)] and _occurrences(client, "hk.locked") == 0
+    _corrupt(client, "hk.locked", next_fire_at=anchor)
+    with client.store.engine.begin() as other:  # a later pass skips the locked job
+        other.execute(select(jobs).where(jobs.c.name == "hk.locked").with_for_update())
+        assert materialiser.run(anchor + 100) == (0, False)

@@ -32,7 +32,6 @@ run exactly once; lateness during and after the fault is reported.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +42,7 @@ from tests.faults.cluster import Cluster
 from tests.faults.judge import conclude, judge
 from tests.faults.ledger import Run
 from tests.faults.producer import Planned, Producer
+from tests.faults.test_faults import load_then
 from tests.faults.timing import now_ms, poll
 from tests.services import serving
 
@@ -50,7 +50,6 @@ from .conftest import need_tool
 from .sentinel import RedisProcess, SentinelSet
 
 #: the steady load (tasks/s) and how long it runs (s)
-RATE = 100
 LOAD_S = 12.0
 #: the steady load has run this long (s) before the fault starts
 FAULT_AFTER_S = 3.0
@@ -157,18 +156,7 @@ def test_primary_killed_lagging_replica_promoted(pg_url: str, sentinels: Sentine
     try:
         cluster.standard()
         fault = Failover(cluster, sentinels)
-        load = Producer(cluster, rate=RATE, duration=LOAD_S).start()
-        t0 = time.monotonic()
-        try:
-            reached = poll(lambda: time.monotonic() - t0 >= FAULT_AFTER_S
-                           and cluster.ledger.lines() >= RATE // 2, FAULT_AFTER_S + 20, 0.1)
-            assert reached, f"the load never reached the workers\n{cluster.tails()}"
-            cut_at, promoted_at = fault()
-        except BaseException:
-            load.stop()
-            raise
-        load.join()
-        assert not load.errors, f"the producer failed: {load.errors[:3]}"
+        load, cut_at, promoted_at = load_then(cluster, LOAD_S, FAULT_AFTER_S, fault)
         bursts = [p for b in fault.bursts for p in b.planned]
         verdict = judge(cluster, "Redis Sentinel: primary SIGKILLed, lagging replica promoted",
                         load.planned + bursts, fault_start=cut_at, fault_end=promoted_at)
