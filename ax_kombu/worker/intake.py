@@ -321,18 +321,18 @@ class Intake:
             self._lease.wait(delivery.fenced_by, LEASE_WAIT_S)
         with self._staged_lock:
             withdrawn = delivery not in self._staged or covered is False
-            held = delivery.held and not withdrawn
+            held = delivery.held and not withdrawn and not cancel
             if not held:
                 self._staged.discard(delivery)
-        if held and not cancel:  # written down as held: released (committed) first
+        if held:  # written down as held: released (committed) first
             assert self._holds is not None
             released = self._holds.release(task.task_id, delivery.fenced_by,
                                            lambda: bool(cancel) or delivery not in self._staged)
             with self._staged_lock:
                 withdrawn = not released or delivery not in self._staged
+                self._staged.discard(delivery)
                 if released:
                     delivery.held = False
-                    self._staged.discard(delivery)
         if withdrawn or cancel:
             raise Withdrawn(f"{cancel.reason or 'withdrawn'} before it started")
         delivery.started = True
