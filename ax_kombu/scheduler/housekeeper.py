@@ -42,7 +42,8 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   stopped longer than ``node_retention_s`` ago are deleted
   (:func:`ax_kombu.store.nodes.prune_stopped`), and the duplicate check's entries of
   tasks created longer than ``fingerprint_retention_s`` ago and already due
-  (:func:`ax_kombu.store.tasks.prune_fingerprints`).
+  (:func:`ax_kombu.store.tasks.prune_fingerprints`), one batch a pass, every second
+  while there are more.
 
 **A failing step stops nothing.** Each step is isolated: one that raises —
 a lock or statement timeout, a lost connection, a bug — is logged with its
@@ -86,10 +87,11 @@ STEP_BACKOFF_MS = 1000
 STEP_BACKOFF_MAX_MS = 30_000
 #: how often the node rows are pruned
 PRUNE_INTERVAL_MS = 600_000
-#: the duplicate check's old entries are deleted this many at a time, at most this many
-#: times per pruning pass
+#: the duplicate check's old entries are deleted this many at a time, one batch per pass
+#: of the housekeeping loop (it also preloads: no pass holds it up for long), the next
+#: batch PRUNE_AGAIN_MS later while batches come back full
 PRUNE_BATCH = 10_000
-PRUNE_BATCHES = 100
+PRUNE_AGAIN_MS = 1000
 #: longest the heartbeat's thread waits for the timing loop to drop the wheel when fenced
 DROP_WAIT_S = 2.0
 #: the steps, in the order a pass takes them
@@ -138,6 +140,8 @@ class Housekeeper(Stage):
         self._failures: dict[str, int] = {}
         self._skew_warned = False
         self._clock_steps = 0
+        #: the last pruning pass found more old duplicate-check entries than one batch
+        self._pruning = False
 
     # -- control -------------------------------------------------------------------------
 
@@ -317,10 +321,10 @@ class Housekeeper(Stage):
         """Delete the rows of nodes stopped longer than ``node_retention_s`` ago, and the
         duplicate check's entries of tasks created longer than ``fingerprint_retention_s``
         ago and due before the dedup window (:func:`~ax_kombu.store.tasks.
-        prune_fingerprints`), in batches."""
+        prune_fingerprints`), one batch a pass."""
         self._next["prune"] = now + PRUNE_INTERVAL_MS
         retention_ms = int(self._settings.node_retention_s * 1000)
-        if retention_ms > 0:
+        if retention_ms > 0 and not self._pruning:
             with self._store.engine.begin() as conn:
                 pruned = nodes.prune_stopped(conn, now - retention_ms)
             if pruned:
@@ -328,16 +332,13 @@ class Housekeeper(Stage):
                          extra={"nodes": len(pruned), "retention_s": retention_ms // 1000})
         keep_ms = int(self._settings.fingerprint_retention_s * 1000)
         if keep_ms > 0:
-            created_before = compose(now - keep_ms, 0, 0)
-            due_before = now - self._settings.dedup_window_ms
-            deleted = 0
-            for _ in range(PRUNE_BATCHES):
-                with self._store.engine.begin() as conn:
-                    n = task_store.prune_fingerprints(conn, created_before, due_before,
-                                                      PRUNE_BATCH)
-                deleted += n
-                if n < PRUNE_BATCH:
-                    break
+            with self._store.engine.begin() as conn:
+                deleted = task_store.prune_fingerprints(
+                    conn, compose(now - keep_ms, 0, 0), now - self._settings.dedup_window_ms,
+                    PRUNE_BATCH)
+            self._pruning = deleted == PRUNE_BATCH
+            if self._pruning:
+                self._next["prune"] = now + PRUNE_AGAIN_MS
             if deleted:
                 log.info("pruned old entries of the duplicate check",
                          extra={"entries": deleted, "retention_s": keep_ms // 1000})
