@@ -268,6 +268,14 @@ class Settings:
         """How long a node may go without a heartbeat before it counts as dead."""
         return int(self.heartbeat_interval_s * 1000 * self.heartbeat_misses)
 
+    @property
+    def lease_s(self) -> float:
+        """How long a landed heartbeat lets a node act under its incarnation
+        (:class:`~ax_kombu.core.lease.Lease`): the silence window less one interval (at
+        most half of it), a margin for the beat's own round trip and clock rates."""
+        silence_s = self.silence_ms / 1000.0
+        return silence_s - min(self.heartbeat_interval_s, silence_s / 2)
+
     def pool_size(self, priority: str) -> int:
         """The worker pool size for the queue of ``priority``."""
         return {"high": self.pool_high, "default": self.pool_default,

@@ -91,13 +91,15 @@ _FENCED_KEEP_S = 60.0
 _AHEAD_GATHER_S = 0.01
 
 
-#: a row RUNNING at an attempt on a node whose incarnation is live (Fence.fenced_ahead)
-_FENCED_AHEAD = (
+#: a row RUNNING at an attempt on a node (Fence.running_here)
+_RUNNING_HERE = (
     select(*[tasks.c[name] for name in Started._fields])
     .where(tasks.c.task_id == bindparam("id"), tasks.c.attempt == bindparam("att"),
-           tasks.c.status == Status.RUNNING.value, tasks.c.last_run_node == bindparam("node"),
-           exists().where(nodes.c.node_id == bindparam("node"),
-                          nodes.c.incarnation == bindparam("inc"), nodes.c.stopped_at.is_(None))))
+           tasks.c.status == Status.RUNNING.value, tasks.c.last_run_node == bindparam("node")))
+#: ... and the node's incarnation is the live one (Fence.fenced_ahead)
+_FENCED_AHEAD = _RUNNING_HERE.where(
+    exists().where(nodes.c.node_id == bindparam("node"), nodes.c.incarnation == bindparam("inc"),
+                   nodes.c.stopped_at.is_(None)))
 
 
 class End(NamedTuple):
@@ -168,8 +170,7 @@ class Fence:
         #: the runs start in this process (threads, solo, gevent), not in forked children
         self.runs_here = True
         #: how long this process may still start under its incarnation (its beats)
-        self.lease = Lease(settings.silence_ms / 1000.0
-                           - min(settings.heartbeat_interval_s, settings.silence_ms / 2000.0))
+        self.lease = Lease(settings.lease_s)
         self._ahead_queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
 
@@ -301,7 +302,7 @@ class Fence:
         with self._one_statement() as conn:
             row = conn.execute(_FENCED_AHEAD, {"id": task_id, "att": attempt,
                                                "node": self.node_id, "inc": incarnation}).first()
-        return None if row is None else Started(**{**row._asdict(), "gated": bool(row.gated)})
+        return _started(row)
 
     def start(self, task_id: int, attempt: int, ahead: bool = False) -> Started | None:
         """DISPATCHING → RUNNING for this attempt under the live incarnation, then wait
@@ -477,13 +478,9 @@ class Fence:
         """The row of ``task_id`` if it is RUNNING at ``attempt`` on this node (as
         :meth:`start` returned it), else None."""
         with self.store.engine.connect() as conn:
-            row = conn.execute(select(*[tasks.c[name] for name in Started._fields])
-                               .where(tasks.c.task_id == task_id, tasks.c.attempt == attempt,
-                                      tasks.c.status == Status.RUNNING.value,
-                                      tasks.c.last_run_node == self.node_id)).first()
-        if row is None:
-            return None
-        return Started(**{**row._asdict(), "gated": bool(row.gated)})
+            row = conn.execute(_RUNNING_HERE, {"id": task_id, "att": attempt,
+                                               "node": self.node_id}).first()
+        return _started(row)
 
     def lose(self, task_id: int, attempt: int, why: str) -> bool:
         """A run whose process died before it recorded its end: retried (ax's backoff) or
@@ -508,3 +505,8 @@ class Fence:
             if moved and row is not None and row.gated:
                 gate_store.wake_next(conn, [(row.task_type, row.order_key)])
         return bool(moved)
+
+
+def _started(row: Any) -> Started | None:
+    """A row read with ``Started``'s columns as a :class:`Started` (None for no row)."""
+    return None if row is None else Started(**{**row._asdict(), "gated": bool(row.gated)})

@@ -137,10 +137,8 @@ class Scheduler:
                                          silence_ms=settings.silence_ms,
                                          engine=self._beat_engine)
         self.crash = CrashFlag()
-        # a landed beat proves the incarnation live for silence_ms; the lease keeps one
-        # interval of that (at most half) as margin, as a worker's does; publishing needs it
-        silence_s = settings.silence_ms / 1000.0
-        self.lease = Lease(silence_s - min(settings.heartbeat_interval_s, silence_s / 2))
+        # a landed beat proves the incarnation live for a while; publishing needs it
+        self.lease = Lease(settings.lease_s)
         fired: HandOff[int] = HandOff()
         self.timing = TimingLoop(settings, self.store.clock, fired)
         # Celery-bound tasks end (SUCCESS) once their publish is confirmed: scheduler.handoff

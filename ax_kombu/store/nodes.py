@@ -194,21 +194,22 @@ class Heartbeat:
     def beat(self, info: Mapping[str, Any]) -> bool:
         """Refresh the heartbeat; False if this incarnation is no longer the live one."""
         with self.engine.begin() as conn:
-            moved = conn.execute(
-                update(nodes).where(nodes.c.node_id == self.node_id,
-                                    nodes.c.incarnation == self.incarnation,
-                                    nodes.c.stopped_at.is_(None))
-                .values(heartbeat_at=db_now_ms(conn), info=_info_json(info))).rowcount
-        return bool(moved)
+            return self._set_if_live(conn, self.incarnation, heartbeat_at=db_now_ms(conn),
+                                     info=_info_json(info))
 
     def write_held_runs(self, conn: Connection, incarnation: int, held: str) -> bool:
         """Set this node's held runs (``,id,id,``; see :mod:`ax_kombu.worker.holds`) if
         ``incarnation`` is still its live one; False if not (declared dead, or replaced)."""
+        return self._set_if_live(conn, incarnation, held_runs=held)
+
+    def _set_if_live(self, conn: Connection, incarnation: int, **values: Any) -> bool:
+        """Update this node's row if ``incarnation`` is its live one (not stopped or
+        declared dead, not replaced); whether it was."""
         return bool(conn.execute(
             update(nodes).where(nodes.c.node_id == self.node_id,
                                 nodes.c.incarnation == incarnation,
                                 nodes.c.stopped_at.is_(None))
-            .values(held_runs=held)).rowcount)
+            .values(**values)).rowcount)
 
     def stop(self, conn: Connection | None = None) -> None:
         """Mark this incarnation stopped (a clean exit); in ``conn``'s transaction if given."""

@@ -222,16 +222,17 @@ _RECORD_ENDED = """
 INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
                         started_at, finished_at, outcome, error, duration_ms)
 SELECT task_id, attempt, task_type, last_run_node, trigger_time, dispatched_at, started_at,
-       :now, :outcome, :ended_why, :now - started_at
+       :now, :outcome, {why}, :now - started_at
   FROM ax_task WHERE {where}{lock}
     ON CONFLICT (task_id, attempt) DO NOTHING"""
 
 
 def _record_ended(conn: Connection, where: str, params: dict[str, Any], outcome: str,
-                  why: str, *expanding: str) -> None:
-    """Record in the history the attempts of the rows ``where`` selects, as ``outcome``."""
+                  why: str, *expanding: str, why_sql: str = ":ended_why") -> None:
+    """Record in the history the attempts of the rows ``where`` selects, as ``outcome``,
+    with ``why`` (or, per row, the SQL expression ``why_sql``, which may name it)."""
     lock = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
-    stmt = text(_RECORD_ENDED.format(where=where, lock=lock)).bindparams(
+    stmt = text(_RECORD_ENDED.format(where=where, lock=lock, why=why_sql)).bindparams(
         *[bindparam(name, expanding=True) for name in expanding])
     conn.execute(stmt, {**params, "outcome": outcome, "ended_why": why})
 
@@ -348,11 +349,10 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
 
 
 def _record_lost(conn: Connection, where: str, params: dict[str, Any], *expanding: str) -> None:
-    """The history of a dead worker's RUNNING rows: "worker lost", or, for a run its start
-    marks show never started, why it gets another attempt."""
-    _record_ended(conn, f"{where} AND NOT {UNSTARTED}", params, "LOST", "worker lost",
-                  *expanding)
-    _record_ended(conn, f"{where} AND {UNSTARTED}", params, "LOST", UNSTARTED_ERROR, *expanding)
+    """The history of a dead worker's RUNNING rows: "worker lost", or, for a run it had
+    written down as held (never started), why it gets another attempt."""
+    _record_ended(conn, where, params, "LOST", "worker lost", *expanding,
+                  why_sql=f"CASE WHEN {UNSTARTED} THEN :unstarted_error ELSE :ended_why END")
 
 
 def recover_orphan_running(conn: Connection, now_ms: int,

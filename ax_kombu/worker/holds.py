@@ -80,7 +80,6 @@ class Holds:
         self._dirty = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.writes = 0
 
     def hold(self, runs: Iterable[tuple[int, int]]) -> None:
         """``(task id, incarnation that fenced it)`` flagged held (the caller holds the
@@ -118,11 +117,6 @@ class Holds:
     def holding(self) -> bool:
         """Whether any run is flagged held (read without the lock: a hint)."""
         return bool(self._held)
-
-    @property
-    def held(self) -> frozenset[int]:
-        with self._cond:
-            return frozenset(self._held)
 
     # -- the writer ------------------------------------------------------------------------
 
@@ -174,7 +168,6 @@ class Holds:
                 delay_s = min(1.0, delay_s * 2)
                 continue
             delay_s = RETRY_S
-            self.writes += 1
             self._settle(releasing, keep, registered, live)
 
     def _settle(self, released: set[int], written: frozenset[int], incarnation: int,

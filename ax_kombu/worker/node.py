@@ -122,10 +122,8 @@ class Worker:
                                       lambda: self.flags.stopping,
                                       settings.worker_receipt_writers,
                                       lambda: self.heartbeat.incarnation)
-        # a beat proves the incarnation live for silence_ms; the lease keeps one interval
-        # of that (at most half) as margin for the beat's own round trip and clock rates
-        silence_s = settings.silence_ms / 1000.0
-        self.lease = Lease(silence_s - min(settings.heartbeat_interval_s, silence_s / 2))
+        # a beat proves the incarnation live for a while; starting a staged run needs it
+        self.lease = Lease(settings.lease_s)
         self.intake = Intake(self.lanes, self.receipts, self.results, self.resolver,
                              self.stats, wakeup, self.flags, self.store.clock.earliest_ms,
                              self.lease, settings.worker_batch_size,

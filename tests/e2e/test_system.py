@@ -266,8 +266,8 @@ def kill_mid_task(system: System, victim: str, log: RunLog, tasks: list[dict[str
         attempts = [r.attempt for r in runs[task_id]]
         assert attempts == sorted(set(attempts)), (task_id, runs[task_id])  # a new attempt
     # RUNNING on the victim: started there (the ledger says so), or only staged (fenced
-    # ahead of a free thread): both recovered elsewhere at a new attempt, and only a run
-    # that started counts a retry (its start mark, ax_kombu.worker.marks)
+    # ahead of a free thread): both recovered elsewhere at a new attempt; a run that started
+    # counts a retry, one the worker had written down as held (ax_kombu.worker.holds) none
     started = {t for t, r in runs.items() if any(run.pid == daemon.proc.pid for run in r)}
     for task_id in running_at_kill:
         row = rows[task_id]
@@ -275,7 +275,7 @@ def kill_mid_task(system: System, victim: str, log: RunLog, tasks: list[dict[str
     # nothing else was taken for lost (the survivor kept its tasks): each task's retries are
     # its planned failures, plus one if it started on the victim (none more if the run it
     # lost was itself to fail as planned: the recovery stands in for that failure); a staged
-    # one marked ahead of its start counts one too (the safe side), an unmarked one none
+    # one not written down as held counts one too (the safe side), a held one none
     lost_runs = running_at_kill & started
 
     def extra(t: int) -> tuple[int, ...]:

@@ -29,25 +29,29 @@ def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     stop_all([proc], grace_s)
 
 
-def _wait_port(port: int, timeout: float) -> bool:
+def wait_port(port: int, timeout: float, host: str = "127.0.0.1",
+              interval: float = 0.1) -> bool:
+    """Until a TCP connection to ``host:port`` succeeds, at most ``timeout`` s."""
     def check() -> bool:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            socket.create_connection((host, port), timeout=0.5).close()
         except OSError:
             return False
         return True
-    return bool(poll(check, timeout, 0.1))
+    return bool(poll(check, timeout, interval))
 
 
 class PrivateRedis:
     """A redis-server of the test's own on a free loopback port, without persistence
-    (a restart loses whatever it held)."""
+    (a restart loses whatever it held); listening on the addresses of :attr:`bind`."""
 
     def __init__(self, tmp: Path) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found")
         self.binary, self.tmp, self.port = binary, tmp, free_port()
+        #: the addresses it listens on (more than loopback: protected mode off)
+        self.bind: tuple[str, ...] = ("127.0.0.1",)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -56,12 +60,13 @@ class PrivateRedis:
 
     def start(self) -> None:
         log = open(self.tmp / "redis.log", "ab")  # noqa: SIM115 - lives with the process
+        unprotected = ["--protected-mode", "no"] if len(self.bind) > 1 else []
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.tmp)], stdout=log, stderr=log)
+            [self.binary, "--port", str(self.port), "--bind", *self.bind, *unprotected,
+             "--save", "", "--appendonly", "no", "--dir", str(self.tmp)], stdout=log, stderr=log)
         log.close()
-        if not _wait_port(self.port, 15):
-            raise RuntimeError(f"private redis-server did not listen on {self.port}")
+        if not wait_port(self.port, 15, self.bind[-1]):
+            raise RuntimeError(f"private redis-server did not listen on {self.url}")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -105,7 +110,7 @@ class PrivateRabbit:
         self.proc = subprocess.Popen([str(self.BIN / "rabbitmq-server")], env=self.env,
                                      stdout=log, stderr=log, start_new_session=True)
         log.close()
-        if not _wait_port(self.port, timeout):
+        if not wait_port(self.port, timeout):
             raise RuntimeError(f"private RabbitMQ did not listen on {self.port} within "
                                f"{timeout:g} s")
 

@@ -53,8 +53,7 @@ from urllib.parse import urlsplit
 
 from tests.e2e.system import Daemon, _command
 from tests.faults.cluster import Cluster, NodeSpec
-from tests.faults.servers import PrivateRedis, terminate
-from tests.faults.timing import poll
+from tests.faults.servers import PrivateRedis, terminate, wait_port
 
 #: every name this module creates starts with it, then 4 hex digits of the run
 PREFIX = "axn"
@@ -213,14 +212,6 @@ class Hosts:
         return links + [n for n in self.namespaces.values() if n in namespaces]
 
 
-def _listening(address: str, port: int) -> bool:
-    try:
-        socket.create_connection((address, port), timeout=0.5).close()
-    except OSError:
-        return False
-    return True
-
-
 def free_port(address: str) -> int:
     with socket.socket() as sock:
         sock.bind((address, 0))
@@ -234,20 +225,11 @@ class BridgeRedis(PrivateRedis):
     def __init__(self, tmp: Path, address: str) -> None:
         super().__init__(tmp)
         self.address = address
+        self.bind = ("127.0.0.1", address)
 
     @property
     def url(self) -> str:
         return f"redis://{self.address}:{self.port}/0"
-
-    def start(self) -> None:
-        log = open(self.tmp / "redis.log", "ab")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", self.address,
-             "--protected-mode", "no", "--save", "", "--appendonly", "no",
-             "--dir", str(self.tmp)], stdout=log, stderr=log)
-        log.close()
-        if not poll(lambda: _listening(self.address, self.port), 15, 0.1):
-            raise RuntimeError(f"private redis-server did not listen on {self.url}")
 
 
 #: the ``TCP_RTO_MAX_MS`` socket option (Linux >= 6.15; an accepted socket inherits it)
@@ -268,7 +250,7 @@ class BridgeForwarder:
                 [socat, f"TCP-LISTEN:{self.port},bind={address},reuseaddr,fork,backlog=256{cap}",
                  f"TCP:{target[0]}:{target[1]}"], stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
-        if not poll(lambda: _listening(address, self.port), 10, 0.05):
+        if not wait_port(self.port, 10, address, 0.05):
             self.close()
             raise RuntimeError(f"socat did not listen on {address}:{self.port}")
 
