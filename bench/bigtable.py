@@ -1,18 +1,24 @@
 """Issue 24: what ax's hot statements cost on a task table of N rows, against 10,000.
 
 Two scratch PostgreSQL databases (``--rows``, then ``--small``; ax's migrations make the
-schema) are filled on the server, measured through ax's own code, and dropped:
+schema) are filled on the server, measured through ax's own code, and dropped. The server
+is, by default, one of the benchmark's own (``--server private``: ``initdb`` in a temporary
+directory, configured as PostgreSQL's documentation advises for a dedicated server,
+``shared_buffers`` a quarter of the memory, the rest at its defaults, autovacuum on; removed
+afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is configured.
 
-* **The fill** (``INSERT … SELECT FROM generate_series``, chunks of 500,000 rows, one
-  ``ax_fingerprint`` row per task written by the same statement): tasks created over the
-  past 28 days, oldest first, in task id order as producers write them. Of the newest
-  fifth, half are DELAYED, due between 3 h and 5 days 3 h from now (10 % of the table);
-  otherwise 6 % FAILED (three retries each, three ``ax_attempt`` rows), 5 % CANCELLED, the
-  rest SUCCESS; the last 1,000 (or a tenth) finished in the five minutes before the fill.
-  One task in five has a biz_key. ``ax_task_archive`` gets as many finished tasks again
-  (the 90 days before), with their ``ax_attempt_archive`` rows. Then the schedulers'
-  pruning of the duplicate check's old entries (entries of tasks created over a day ago
-  and already due go), and ``VACUUM ANALYZE``.
+* **The fill** (``INSERT … SELECT FROM generate_series``, chunks of 500,000 rows): tasks
+  created over the past 28 days, oldest first, in task id order as producers write them.
+  Of the newest fifth, half are DELAYED, due between 3 h and 5 days 3 h from now (10 % of
+  the table); otherwise 6 % FAILED (three retries each, three ``ax_attempt`` rows), 5 %
+  CANCELLED, the rest SUCCESS; the last 1,000 (or a tenth) finished in the five minutes
+  before the fill. One task in five has a biz_key. An ``ax_fingerprint`` row is written
+  for each task the schedulers' pruning keeps (created in the last day, or not yet due):
+  a table pruned as it goes reuses the room of the entries it deletes (an earlier version
+  wrote every entry and pruned 90 % of them at once, which left the key's index at ten
+  times its size, as an upgrade does once: docs/deploy.md). ``ax_task_archive`` gets as
+  many finished tasks again (the 90 days before), with their ``ax_attempt_archive`` rows.
+  Then ``VACUUM ANALYZE``.
 * **enqueue**: ``Client.enqueue_many`` of ``--enqueue`` tasks in batches of
   ``--enqueue-batch`` (rows/s), and ``--single`` ``Client.enqueue`` calls (calls/s), due a
   day ahead.
@@ -75,10 +81,10 @@ from ax_kombu.store.claims import claim
 from ax_kombu.store.console import tasks_by_status
 from ax_kombu.store.engine import db_now_ms, make_engine
 from ax_kombu.store.stats import schedule_delays
-from ax_kombu.store.tasks import forget_fingerprints, insert_tasks, prune_fingerprints
+from ax_kombu.store.tasks import forget_fingerprints, insert_tasks
 from ax_kombu.validation import build_row
 
-from .common import machine, scratch_database, wait_quiet
+from .common import PG_ADMIN, machine, private_server, scratch_database, wait_quiet
 
 RESULTS = Path(__file__).with_name("results")
 NODE = "bigtable-bench"
@@ -89,11 +95,11 @@ LIMIT = 1.2
 
 # -- the fill -------------------------------------------------------------------------------------
 
-# One chunk [a, b) of a fill ({insert}: into ax_task, with ax_fingerprint from what it
-# returns, or into ax_task_archive). Row i is created at :start + i·:spread/:m (i < :m), or
-# in the three minutes before :recent_to (the last ones); from row :future_from on, one in
-# two (by the hash h) is DELAYED. All times are epoch ms.
-_GEN = """
+# One chunk [a, b) of a fill: the rows as ``f``, one per task, with ax_task's columns. Row i
+# is created at :start + i·:spread/:m (i < :m), or in the three minutes before :recent_to (the
+# last ones); from row :future_from on, one in two (by the hash h) is DELAYED. All times are
+# epoch ms.
+_ROWS = """
 WITH g AS (
     SELECT i, abs(hashint8extended(i, 7) % 1000) AS h, abs(hashint8extended(i, 11)) AS r,
            CASE WHEN i < :m THEN :start + (i * :spread) / :m
@@ -117,34 +123,38 @@ t AS (
       FROM s),
 u AS (
     SELECT t.*, CASE WHEN st IN ('SUCCESS', 'FAILED') THEN due + r % 20 END AS sent
-      FROM t)
-{insert} (task_id, task_type, trigger_time, status, priority, retry_count, max_retry,
-          timeout_ms, processor_name, payload, biz_key, fingerprint, trace_id, attempt,
-          last_run_node, created_at, dispatched_at, started_at, finished_at, last_error,
-          redispatches, gated, runner)
-SELECT ((created - {epoch}) << 22) | (i & 4194303), tt, due, st,
-       CASE r % 10 WHEN 0 THEN 'high' WHEN 1 THEN 'slow' ELSE 'default' END,
-       CASE st WHEN 'FAILED' THEN 3 ELSE 0 END, 3, 60000, tt, body,
-       CASE WHEN r % 5 = 0 THEN 'order-' || i END, md5(tt || ':' || body), md5(i || '-trace'),
-       CASE st WHEN 'FAILED' THEN 4 WHEN 'SUCCESS' THEN 1 ELSE 0 END,
-       CASE WHEN sent IS NOT NULL THEN 'worker-' || (i % 8) END, created, sent, sent + 3,
-       CASE WHEN sent IS NOT NULL THEN sent + 3 + r % 5000
-            WHEN st = 'CANCELLED' THEN created + (due - created) / 2 END,
-       CASE st WHEN 'FAILED' THEN 'RuntimeError: upstream answered 503' END, 0, false, 'ax'
-  FROM u
-{returning}"""
+      FROM t),
+f AS (
+    SELECT ((created - {epoch}) << 22) | (i & 4194303) AS task_id, tt AS task_type,
+           due AS trigger_time, st AS status,
+           CASE r % 10 WHEN 0 THEN 'high' WHEN 1 THEN 'slow' ELSE 'default' END AS priority,
+           CASE st WHEN 'FAILED' THEN 3 ELSE 0 END AS retry_count, 3 AS max_retry,
+           60000 AS timeout_ms, tt AS processor_name, body AS payload,
+           CASE WHEN r % 5 = 0 THEN 'order-' || i END AS biz_key,
+           md5(tt || ':' || body) AS fingerprint, md5(i || '-trace') AS trace_id,
+           CASE st WHEN 'FAILED' THEN 4 WHEN 'SUCCESS' THEN 1 ELSE 0 END AS attempt,
+           CASE WHEN sent IS NOT NULL THEN 'worker-' || (i % 8) END AS last_run_node,
+           created AS created_at, sent AS dispatched_at, sent + 3 AS started_at,
+           CASE WHEN sent IS NOT NULL THEN sent + 3 + r % 5000
+                WHEN st = 'CANCELLED' THEN created + (due - created) / 2 END AS finished_at,
+           CASE st WHEN 'FAILED' THEN 'RuntimeError: upstream answered 503' END AS last_error,
+           0 AS redispatches, false AS gated, 'ax' AS runner
+      FROM u)
+""".replace("{epoch}", str(EPOCH_MS))
 
-
-def _fill_sql(insert: str, returning: str = "") -> str:
-    return (_GEN.replace("{insert}", insert).replace("{returning}", returning)
-            .replace("{epoch}", str(EPOCH_MS)))
-
-
-#: the hot table and, from the rows it returns, one ``ax_fingerprint`` row per task
-_HOT = _fill_sql(", ins AS (INSERT INTO ax_task",
-                 "RETURNING fingerprint, trigger_time, task_id) "
-                 "INSERT INTO ax_fingerprint SELECT * FROM ins")
-_COLD = _fill_sql("INSERT INTO ax_task_archive")
+_COLUMNS = ("task_id, task_type, trigger_time, status, priority, retry_count, max_retry, "
+            "timeout_ms, processor_name, payload, biz_key, fingerprint, trace_id, attempt, "
+            "last_run_node, created_at, dispatched_at, started_at, finished_at, last_error, "
+            "redispatches, gated, runner")
+#: the hot table, and from the rows it returns an ``ax_fingerprint`` row for each task the
+#: schedulers' pruning keeps (:func:`kept_fingerprints`)
+_HOT = _ROWS + (
+    ", ins AS (INSERT INTO ax_task (" + _COLUMNS + ") SELECT " + _COLUMNS
+    + " FROM f RETURNING fingerprint, trigger_time, task_id) "
+    "INSERT INTO ax_fingerprint SELECT * FROM ins "
+    "WHERE task_id >= :fp_kept_id OR trigger_time >= :fp_due_from")
+#: the archive table: written by ``ax archive``, the final rows as they are
+_COLD = _ROWS + "INSERT INTO ax_task_archive (" + _COLUMNS + ") SELECT " + _COLUMNS + " FROM f"
 
 _ATTEMPTS = """
 INSERT INTO {target} (task_id, attempt, task_type, node, trigger_time, dispatched_at,
@@ -168,36 +178,35 @@ def fill(engine: Engine, n: int) -> dict[str, Any]:
            "recent_to": t0 - 60_000, "future_from": (n - recent) * 4 // 5,
            "future_start": t0 + 3 * 3_600_000, "future_span": 5 * DAY_MS}
     cold = {**hot, "m": n, "start": t0 - 118 * DAY_MS, "spread": 90 * DAY_MS, "future_from": n}
-    for name, sql, params in (("ax_task + ax_fingerprint", _HOT, hot),
-                              ("ax_task_archive", _COLD, cold)):
-        took[name] = _chunked(engine, sql, params, n, name)
+    hot.update(kept_fingerprints(t0))
+    for name, sqls, params in (("ax_task + ax_fingerprint", (_HOT,), hot),
+                               ("ax_task_archive", (_COLD,), cold)):
+        took[name] = _chunked(engine, sqls, params, n, name)
     for target, source in (("ax_attempt", "ax_task"), ("ax_attempt_archive", "ax_task_archive")):
         took[target] = _timed_sql(engine, _ATTEMPTS.format(target=target, source=source))
-    took["prune fingerprints"] = prune_old_fingerprints(engine, t0)
     took["VACUUM ANALYZE"] = _timed_sql(engine, "VACUUM ANALYZE", autocommit=True)
     return {"t0": t0, "seconds": took, "sizes": sizes(engine)}
 
 
-def prune_old_fingerprints(engine: Engine, now_ms: int) -> float:
-    """What the schedulers' pruning leaves (:func:`ax_kombu.store.tasks.prune_fingerprints`
-    with the default ``fingerprint_retention_s`` and dedup window): the entries of tasks
-    created in the last day, and of older ones not yet due. Returns the seconds it took."""
+def kept_fingerprints(now_ms: int) -> dict[str, int]:
+    """Which tasks of the fill have an ``ax_fingerprint`` entry: those the schedulers'
+    continuous pruning keeps (:func:`ax_kombu.store.tasks.prune_fingerprints` with the
+    default ``fingerprint_retention_s`` and dedup window), created in the last day or not
+    yet due. Only they are written: a table pruned as it goes reuses the room its deleted
+    entries leave, while writing every entry and pruning 90 % of them at once would leave
+    the key's index at ten times its size (an upgrade does that once: docs/deploy.md)."""
     settings = Settings()
-    started = time.monotonic()
-    created_before = compose(now_ms - int(settings.fingerprint_retention_s * 1000), 0, 0)
-    while True:
-        with engine.begin() as conn:
-            if prune_fingerprints(conn, created_before, now_ms - settings.dedup_window_ms,
-                                  limit=100_000) < 100_000:
-                break
-    return time.monotonic() - started
+    return {"fp_kept_id": compose(now_ms - int(settings.fingerprint_retention_s * 1000), 0, 0),
+            "fp_due_from": now_ms - settings.dedup_window_ms}
 
 
-def _chunked(engine: Engine, sql: str, params: dict[str, Any], n: int, name: str) -> float:
+def _chunked(engine: Engine, sqls: Sequence[str], params: dict[str, Any], n: int, name: str
+             ) -> float:
     started = time.monotonic()
     for a in range(0, n, CHUNK):
         with engine.begin() as conn:
-            conn.execute(text(sql), {**params, "a": a, "b": min(n, a + CHUNK)})
+            for sql in sqls:
+                conn.execute(text(sql), {**params, "a": a, "b": min(n, a + CHUNK)})
         print(f"    {name}: {min(n, a + CHUNK):,} of {n:,} rows, "
               f"{time.monotonic() - started:.0f} s", flush=True)
     return time.monotonic() - started
@@ -549,11 +558,12 @@ class Filled(NamedTuple):
 
 
 @contextmanager
-def filled(n: int) -> Iterator[Filled]:
-    """A scratch database with ``n`` tasks (see :func:`fill`), dropped afterwards."""
+def filled(n: int, admin_url: str) -> Iterator[Filled]:
+    """A scratch database with ``n`` tasks (see :func:`fill`) on the server of
+    ``admin_url``, dropped afterwards."""
     name = f"ax_bench_bigtable_{os.getpid()}_{n}"
     print(f"{n:,} rows: filling {name}", flush=True)
-    with scratch_database(name) as url:
+    with scratch_database(name, admin_url=admin_url) as url:
         engine = make_engine(url)
         client = Client(from_env({}, database_url=url))
         try:
@@ -605,7 +615,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     history is as old at both), run the rounds alternately on them (the machine's drift
     then falls on both alike), record the plans; the figures of each size, small first."""
     with ExitStack() as stack:
-        tables = [stack.enter_context(filled(n)) for n in (args.rows, args.small)][::-1]
+        admin = stack.enter_context(private_server()) if args.server == "private" else PG_ADMIN
+        server = server_settings(admin)
+        print(f"server: {server}", flush=True)
+        tables = [stack.enter_context(filled(n, admin)) for n in (args.rows, args.small)][::-1]
         for t in tables:
             warm_up(t)
         rounds: list[list[dict[str, float]]] = [[] for _ in tables]
@@ -613,10 +626,30 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for t, done in zip(tables, rounds, strict=True):
                 done.append(one_round(t, r, args))
             print(f"  round {r + 1} of {args.rounds} done", flush=True)
-        return [{"rows": t.rows, **t.fill, "measures": _medians(done),
+        return [{"rows": t.rows, **t.fill, "server": server, "measures": _medians(done),
                  "plans": plans(t.url, t.client, t.client.store.now_ms() + 30 * 60_000,
                                 args.busy)}
                 for t, done in zip(tables, rounds, strict=True)]
+
+
+#: the server settings the report states
+SERVER_SETTINGS = ("server_version", "shared_buffers", "effective_cache_size", "work_mem",
+                   "autovacuum", "jit", "max_wal_size")
+
+
+def server_settings(admin_url: str) -> dict[str, str]:
+    """The server's :data:`SERVER_SETTINGS` as configured (``jit``: before ax's
+    connection turned it off)."""
+    engine = make_engine(admin_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            found = {k: str(conn.execute(text(f"SHOW {k}")).scalar_one())
+                     for k in SERVER_SETTINGS}
+            found["jit"] = str(conn.execute(text(
+                "SELECT reset_val FROM pg_settings WHERE name = 'jit'")).scalar_one())
+            return found
+    finally:
+        engine.dispose()
 
 
 def _medians(rounds: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
@@ -706,7 +739,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     small, big = results
     out = [f"# bench.bigtable: {small['rows']:,} against {big['rows']:,} rows",
            "", (f"{machine()}; medians of {args.rounds} rounds; "
-           f"UTC {datetime.now(UTC):%Y-%m-%d %H:%M}"), "", *table(small, big), "",
+           f"UTC {datetime.now(UTC):%Y-%m-%d %H:%M}"), "",
+           f"PostgreSQL ({'the benchmark' + chr(39) + 's own server' if args.server == 'private' else PG_ADMIN}): "
+           + ", ".join(f"{k} {v}" for k, v in small["server"].items())
+           + " (jit: ax turns it off on its connections)", "", *table(small, big), "",
            "Work of the plans below (one call each):", "", *work_table(small, big), "",
            "Rounds:"]
     for m in small["measures"]:
@@ -750,6 +786,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--idle-calls", type=int, default=200, help="idle preloads per round")
     parser.add_argument("--busy", type=int, default=10_000, help="tasks due in the window")
     parser.add_argument("--status-calls", type=int, default=3, help="ax status per round")
+    parser.add_argument("--server", choices=("private", "shared"), default="private",
+                        help="private: a PostgreSQL server of the benchmark's own, configured "
+                        "as PostgreSQL advises for a dedicated server (needs root); shared: "
+                        "the one at AX_BENCH_PG_URL, as it is configured")
     args = parser.parse_args(argv)
     if args.small < 1000 or args.rows <= args.small:
         parser.error("give --small of at least 1,000 and --rows above it")

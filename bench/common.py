@@ -8,6 +8,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,14 +25,15 @@ QUIET_FLAG = Path("/tmp/ax_quiet")
 
 
 @contextmanager
-def scratch_database(name: str, migrated: bool = True) -> Iterator[str]:
-    """A fresh PostgreSQL database, with ax's schema unless ``migrated`` is false; dropped
-    afterwards."""
-    admin = make_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+def scratch_database(name: str, migrated: bool = True, admin_url: str = PG_ADMIN
+                     ) -> Iterator[str]:
+    """A fresh PostgreSQL database on the server of ``admin_url``, with ax's schema unless
+    ``migrated`` is false; dropped afterwards."""
+    admin = make_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    url = admin_url.rsplit("/", 1)[0] + "/" + name
     if migrated:
         engine = make_engine(url)
         migrate(engine)
@@ -42,6 +44,52 @@ def scratch_database(name: str, migrated: bool = True) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+#: PostgreSQL's advice for a dedicated server ("a reasonable starting value for
+#: shared_buffers is 25% of the memory in your system"): the share :func:`private_server`
+#: gives it
+SHARED_BUFFERS_SHARE = 0.25
+
+
+@contextmanager
+def private_server(port: int = 5440, settings: dict[str, str] | None = None
+                   ) -> Iterator[str]:
+    """A PostgreSQL server of the benchmark's own, for as long as the block runs: made by
+    ``initdb`` in a temporary directory (run as the ``postgres`` user: needs root), on
+    127.0.0.1:``port``, configured as PostgreSQL's documentation advises for a dedicated
+    server (``shared_buffers`` a quarter of the machine's memory; everything else, autovacuum
+    included, at its default) plus ``settings``; stopped and deleted afterwards. Yields
+    the URL of its ``postgres`` database (trust authentication)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not found or os.geteuid() != 0 or shutil.which("runuser") is None:
+        raise RuntimeError("a private PostgreSQL server needs root, runuser and PostgreSQL's "
+                           "server programs (/usr/lib/postgresql/*/bin); use the shared "
+                           "server instead (AX_BENCH_PG_URL)")
+    bindir = found[-1].parent
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    config = {"listen_addresses": "127.0.0.1",
+              "shared_buffers": f"{int(memory_mb * SHARED_BUFFERS_SHARE)}MB",
+              **(settings or {})}
+    base = Path(tempfile.mkdtemp(prefix="ax_bench_pg_"))
+    data = base / "data"
+
+    def as_postgres(*args: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *args], check=True,
+                       capture_output=True, timeout=120)
+
+    try:
+        shutil.chown(base, "postgres")
+        as_postgres(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust")
+        options = [f"-p {port}", f"-k {base}", *(f"-c {k}={v}" for k, v in config.items())]
+        as_postgres(str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data),
+                    "-l", str(base / "server.log"), "-o", " ".join(options))
+        try:
+            yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        finally:
+            as_postgres(str(bindir / "pg_ctl"), "stop", "-m", "fast", "-w", "-D", str(data))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -4,6 +4,14 @@ SQLite is made safe for several processes: WAL journal (readers never block
 the writer), a 30 s busy timeout, and every transaction opened with
 ``BEGIN IMMEDIATE`` so a transaction that will write takes the write lock up
 front instead of failing with "database is locked" when it upgrades.
+
+On PostgreSQL every connection ax opens turns the JIT compiler off (``SET jit = off``).
+PostgreSQL compiles a statement when the planner's *estimated* cost passes
+``jit_above_cost``, and an estimate grows with the table even where the work does not:
+on a 10,000,000-row table the schedule delays ``ax status`` reads (a 100,000-row limit on
+an index scan that returns a few rows) spent 20 ms compiling to run for 1 ms
+(``python -m bench.bigtable``). ax's statements are all short index reads and writes,
+the kind PostgreSQL's documentation says JIT does not pay off for.
 """
 
 from __future__ import annotations
@@ -155,10 +163,22 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     try:
         if parsed.get_backend_name() == "sqlite":
             return _sqlite_engine(parsed, **kwargs)
-        return create_engine(parsed, pool_size=kwargs.pop("pool_size", 5),
-                             max_overflow=10, **kwargs)
+        return _postgresql_engine(parsed, **kwargs)
     except (ArgumentError, NoSuchModuleError) as exc:
         raise ConfigurationError(f"bad database URL {redact_url(url)}: {exc}") from None
+
+
+def _postgresql_engine(url: URL, **kwargs: Any) -> Engine:
+    engine = create_engine(url, pool_size=kwargs.pop("pool_size", 5), max_overflow=10,
+                           **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        with dbapi_conn.cursor() as cursor:  # no JIT: see the module's docstring
+            cursor.execute("SET jit = off")
+        dbapi_conn.commit()
+
+    return engine
 
 
 def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:

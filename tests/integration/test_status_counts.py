@@ -35,3 +35,18 @@ def test_small_counts_are_exact_and_large_ones_estimated(client: Client) -> None
         assert 1200 <= counts["SUCCESS"] <= 1800  # the statistics' share of the row estimate
     else:  # SQLite counts exactly
         assert estimated == set() and counts["SUCCESS"] == 1500
+
+
+def test_postgresql_connections_never_jit_compile(client: Client) -> None:
+    """The schedule delays ``ax status`` reads spent 20 ms in PostgreSQL's JIT compiler on
+    a 10M-row table (its estimate, not its work, passed ``jit_above_cost``): every
+    connection ax opens turns JIT off, pooled and autocommit alike."""
+    engine = client.store.engine
+    if engine.dialect.name != "postgresql":
+        pytest.skip("JIT is PostgreSQL's")
+    with engine.connect() as conn:
+        assert conn.execute(text("SHOW jit")).scalar_one() == "off"
+    with engine.connect() as plain:
+        conn = plain.execution_options(isolation_level="AUTOCOMMIT")
+        assert conn.execute(text("SHOW jit")).scalar_one() == "off"
+        assert conn.execute(text("SELECT current_setting('jit', true)")).scalar_one() == "off"
