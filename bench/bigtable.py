@@ -20,8 +20,8 @@ afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is co
   many finished tasks again (the 90 days before), with their ``ax_attempt_archive`` rows.
   Then ``VACUUM ANALYZE``.
 * **enqueue**: ``Client.enqueue_many`` of ``--enqueue`` tasks in batches of
-  ``--enqueue-batch`` (rows/s), and ``--single`` ``Client.enqueue`` calls (calls/s), due a
-  day ahead.
+  ``--enqueue-batch`` (rows/s), as many again divided by two each with a biz key of its own
+  (rows/s), and ``--single`` ``Client.enqueue`` calls (calls/s), due a day ahead.
 * **preload, idle**: the housekeeper's preload round (``nodes.live_names`` +
   ``recovery.preload``, one transaction, the ``Loaded`` carried from call to call as the
   scheduler carries it) with nothing due in its 10 s window, ``--idle-calls`` calls a round.
@@ -260,6 +260,14 @@ def enqueue_many(client: Client, tag: str, total: int, batch: int) -> list[int]:
     return [int(t) for a in range(0, total, batch) for t in client.enqueue_many(items[a:a + batch])]
 
 
+def enqueue_many_keyed(client: Client, tag: str, total: int, batch: int) -> list[int]:
+    """``total`` tasks by ``enqueue_many`` in batches of ``batch``, each with a biz key of
+    its own (the idempotent enqueue), due a day ahead."""
+    items = [{**item, "biz_key": f"{tag}-{i}"} for i, item in enumerate(
+        enqueue_items(tag, total, lambda i: {"delay": 86_400 + i % 3600}))]
+    return [int(t) for a in range(0, total, batch) for t in client.enqueue_many(items[a:a + batch])]
+
+
 def enqueue_single(client: Client, tag: str, count: int) -> list[int]:
     """``count`` single ``enqueue`` calls, due a day ahead."""
     return [int(client.enqueue("bench.single", {"tag": tag, "i": i}, delay=86_400 + i))
@@ -464,9 +472,11 @@ def plans(url: str, client: Client, lo_ms: int, busy: int) -> dict[str, list[str
         now = client.store.now_ms()
         preload_round(ex.engine, settings, loaded, now + settings.preload_window_ms, now)
         out["preload, idle"] = ex.take()
-        for what, count, batch in (("enqueue (a batch of 1,000)", 1000, 1000),
-                                   ("enqueue (20 single calls)", 20, 1)):
-            out[what], ids = explain_enqueue(ex, client, count, batch)
+        for what, count, batch, keyed in (
+                ("enqueue (a batch of 1,000)", 1000, 1000, False),
+                ("enqueue with biz keys (a batch of 1,000)", 1000, 1000, True),
+                ("enqueue (20 single calls)", 20, 1, False)):
+            out[what], ids = explain_enqueue(ex, client, count, batch, keyed)
             remove(client.store.engine, ids)
         ids = enqueue_window(client, "plans", busy, lo_ms)
         rows = busy_preload(ex.engine, settings, lo_ms, busy)
@@ -481,14 +491,16 @@ def plans(url: str, client: Client, lo_ms: int, busy: int) -> dict[str, list[str
     return out
 
 
-def explain_enqueue(ex: Explained, client: Client, count: int, batch: int
+def explain_enqueue(ex: Explained, client: Client, count: int, batch: int, keyed: bool
                     ) -> tuple[list[str], list[int]]:
     """``count`` tasks enqueued ``batch`` at a time through ``ex`` (Client's own steps:
-    rows built and validated, ids leased, ``insert_tasks``); their plans and ids."""
+    rows built and validated, ids leased, ``insert_tasks``), each with a biz key of its
+    own if ``keyed``; their plans and ids."""
     settings = client.settings
     now = client.store.now_ms()
-    rows = [build_row(settings, now, "bench.big", {"tag": f"plans{batch}", "i": i},
-                      delay=86_400 + i) for i in range(count)]
+    tag = f"plans{batch}{'k' if keyed else ''}"
+    rows = [build_row(settings, now, "bench.big", {"tag": tag, "i": i}, delay=86_400 + i,
+                      biz_key=f"{tag}-{i}" if keyed else None) for i in range(count)]
     for row, task_id in zip(rows, client.ids.next_ids(len(rows)), strict=True):
         row["task_id"] = task_id
     for a in range(0, count, batch):
@@ -592,6 +604,9 @@ def one_round(t: Filled, r: int, args: argparse.Namespace) -> dict[str, float]:
     with t.meter.span() as many:
         ids = enqueue_many(client, f"r{r}", args.enqueue, args.enqueue_batch)
     remove(engine, ids)
+    with t.meter.span() as keyed:
+        ids = enqueue_many_keyed(client, f"k{r}", args.enqueue // 2, args.enqueue_batch)
+    remove(engine, ids)
     with t.meter.span() as single:
         ids = enqueue_single(client, f"s{r}", args.single)
     remove(engine, ids)
@@ -599,6 +614,8 @@ def one_round(t: Filled, r: int, args: argparse.Namespace) -> dict[str, float]:
         idle_preloads(client, args.idle_calls)
     got = {"enqueue_many rows/s": args.enqueue / many.wall,
            "enqueue_many, PG CPU µs/task": many.cpu / args.enqueue * 1e6,
+           "enqueue_many with biz keys rows/s": args.enqueue // 2 / keyed.wall,
+           "enqueue_many with biz keys, PG CPU µs/task": keyed.cpu / (args.enqueue // 2) * 1e6,
            "single enqueue calls/s": args.single / single.wall,
            "single enqueue, PG CPU µs/call": single.cpu / args.single * 1e6,
            "preload idle ms/call": idle.wall / args.idle_calls * 1000,
@@ -660,7 +677,8 @@ def _medians(rounds: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
 # -- the report -----------------------------------------------------------------------------------
 
 #: the measures that are rates: their cost ratio is the small table's over N's
-RATES = ("enqueue_many rows/s", "single enqueue calls/s", "claim rows/s")
+RATES = ("enqueue_many rows/s", "enqueue_many with biz keys rows/s", "single enqueue calls/s",
+         "claim rows/s")
 
 
 def table(small: dict[str, Any], big: dict[str, Any]) -> list[str]:

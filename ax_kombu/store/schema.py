@@ -173,14 +173,18 @@ tasks = Table(
 #: check joins it to ``ax_task`` (a cancelled or removed task duplicates nothing); the
 #: trigger time is the one the producer asked for. Archive and purge delete a task's entry
 #: with the task; the schedulers delete entries of tasks created more than
-#: ``fingerprint_retention_s`` ago whose trigger time has passed. Indexes: the primary key,
-#: whose prefix is the check's lookup; on PostgreSQL a BRIN on task_id, for that prune.
+#: ``fingerprint_retention_s`` ago whose trigger time has passed. Indexes: on PostgreSQL a
+#: hash index on the fingerprint, the check's lookup (one page per probe whatever the
+#: table's size: migration 0015), and a BRIN on task_id, for that prune; no primary key.
+#: SQLite keeps the primary key (fingerprint, trigger_time, task_id) it was made with.
 fingerprints = Table(
     "ax_fingerprint",
     metadata,
-    Column("fingerprint", String(32), primary_key=True),
-    Column("trigger_time", BigInteger, primary_key=True, autoincrement=False),
-    Column("task_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("fingerprint", String(32), nullable=False),
+    Column("trigger_time", BigInteger, nullable=False),
+    Column("task_id", BigInteger, nullable=False),
+    Index("ix_ax_fingerprint_hash", "fingerprint", postgresql_using="hash")
+    .ddl_if(dialect="postgresql"),
     # PostgreSQL: the prune's lookup of old entries by creation (snowflake ids grow with it)
     Index("ix_ax_fingerprint_task", "task_id", postgresql_using="brin")
     .ddl_if(dialect="postgresql"),
