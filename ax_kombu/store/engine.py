@@ -174,9 +174,10 @@ def _postgresql_engine(url: URL, **kwargs: Any) -> Engine:
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _record: Any) -> None:
-        with dbapi_conn.cursor() as cursor:  # no JIT: see the module's docstring
-            cursor.execute("SET jit = off")
-        dbapi_conn.commit()
+        cursor = dbapi_conn.cursor()  # no JIT: see the module's docstring
+        cursor.execute("SET jit = off")
+        cursor.close()
+        dbapi_conn.commit()  # a SET outlives its transaction; any DBAPI driver
 
     return engine
 

@@ -221,7 +221,7 @@ _FORGET = (fingerprints.delete()
 
 #: the prune's delete, by the entries' physical addresses: ``ax_fingerprint`` has no key
 #: (on PostgreSQL; see :data:`ax_kombu.store.schema.fingerprints`), and matching the chosen
-#: entries on their three columns made PostgreSQL read the whole table for each batch
+#: entries on their three columns plans a sequential scan of the whole table per batch
 _PRUNE = {
     "postgresql": text(
         "DELETE FROM ax_fingerprint WHERE ctid = ANY(ARRAY("
