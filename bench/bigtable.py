@@ -27,7 +27,8 @@ afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is co
   scheduler carries it) with nothing due in its 10 s window, ``--idle-calls`` calls a round.
 * **preload, busy**: ``--busy`` tasks enqueued due inside one 10 s window (20 minutes
   ahead), then the preload round that reads that window (all of them come back); and the
-  number of heap pages PostgreSQL put those tasks on (one fetch each for the preload).
+  number of heap pages PostgreSQL put those tasks on (one fetch each for the preload), and
+  the WAL their enqueue wrote (a page's first change after a checkpoint logs all of it).
 * **claim**: those tasks claimed by ``claims.claim`` in batches of ``claim_batch`` on one
   autocommit connection, as the claimer does (its ``now`` is set past their trigger time,
   so nothing waits): rows/s.
@@ -344,11 +345,15 @@ def busy_round(t: Filled, tag: str, count: int, lo_ms: int, calls: int = 3
     """Enqueue ``count`` tasks due in one window; measure the preload that reads them
     (median of ``calls``) and the claim of all of them; remove them."""
     engine, settings = t.client.store.engine, t.client.settings
+    with engine.connect() as conn:
+        before = conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one()
     ids = enqueue_window(t.client, tag, count, lo_ms)
     with engine.connect() as conn:  # where PostgreSQL put them: what the preload then reads
         pages = conn.execute(text(
             "SELECT count(DISTINCT (ctid::text::point)[0]) FROM ax_task "
             "WHERE task_id = ANY(:ids)"), {"ids": ids}).scalar_one()
+        wal = conn.execute(text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), :lsn)"),
+                           {"lsn": before}).scalar_one()
     reads = []
     for _ in range(calls):
         with t.meter.span() as read:
@@ -360,6 +365,7 @@ def busy_round(t: Filled, tag: str, count: int, lo_ms: int, calls: int = 3
         raise RuntimeError(f"claimed {got} of {count} due tasks")
     remove(engine, ids)
     return {"preload busy: heap pages of the window's tasks": float(pages),
+            "preload busy: WAL of their enqueue, MB": float(wal) / 2**20,
             "preload busy ms/call": statistics.median(r.wall for r in reads) * 1000,
             "preload busy, PG CPU ms/call": statistics.median(r.cpu for r in reads) * 1000,
             "claim rows/s": count / claimed.wall,
