@@ -181,9 +181,9 @@ def fill(engine: Engine, n: int) -> dict[str, Any]:
            "future_start": t0 + 3 * 3_600_000, "future_span": 5 * DAY_MS}
     cold = {**hot, "m": n, "start": t0 - 118 * DAY_MS, "spread": 90 * DAY_MS, "future_from": n}
     hot.update(kept_fingerprints(t0))
-    for name, sqls, params in (("ax_task + ax_fingerprint", (_HOT,), hot),
-                               ("ax_task_archive", (_COLD,), cold)):
-        took[name] = _chunked(engine, sqls, params, n, name)
+    for name, sql, params in (("ax_task + ax_fingerprint", _HOT, hot),
+                              ("ax_task_archive", _COLD, cold)):
+        took[name] = _chunked(engine, sql, params, n, name)
     for target, source in (("ax_attempt", "ax_task"), ("ax_attempt_archive", "ax_task_archive")):
         took[target] = _timed_sql(engine, _ATTEMPTS.format(target=target, source=source))
     took["VACUUM ANALYZE"] = _timed_sql(engine, "VACUUM ANALYZE", autocommit=True)
@@ -202,13 +202,11 @@ def kept_fingerprints(now_ms: int) -> dict[str, int]:
             "fp_due_from": now_ms - settings.dedup_window_ms}
 
 
-def _chunked(engine: Engine, sqls: Sequence[str], params: dict[str, Any], n: int, name: str
-             ) -> float:
+def _chunked(engine: Engine, sql: str, params: dict[str, Any], n: int, name: str) -> float:
     started = time.monotonic()
     for a in range(0, n, CHUNK):
         with engine.begin() as conn:
-            for sql in sqls:
-                conn.execute(text(sql), {**params, "a": a, "b": min(n, a + CHUNK)})
+            conn.execute(text(sql), {**params, "a": a, "b": min(n, a + CHUNK)})
         print(f"    {name}: {min(n, a + CHUNK):,} of {n:,} rows, "
               f"{time.monotonic() - started:.0f} s", flush=True)
     return time.monotonic() - started
@@ -256,17 +254,12 @@ def enqueue_items(tag: str, count: int, at: Callable[[int], dict[str, Any]]
             for i in range(count)]
 
 
-def enqueue_many(client: Client, tag: str, total: int, batch: int) -> list[int]:
-    """``total`` tasks by ``enqueue_many`` in batches of ``batch``, due a day ahead."""
-    items = enqueue_items(tag, total, lambda i: {"delay": 86_400 + i % 3600})
-    return [int(t) for a in range(0, total, batch) for t in client.enqueue_many(items[a:a + batch])]
-
-
-def enqueue_many_keyed(client: Client, tag: str, total: int, batch: int) -> list[int]:
-    """``total`` tasks by ``enqueue_many`` in batches of ``batch``, each with a biz key of
-    its own (the idempotent enqueue), due a day ahead."""
-    items = [{**item, "biz_key": f"{tag}-{i}"} for i, item in enumerate(
-        enqueue_items(tag, total, lambda i: {"delay": 86_400 + i % 3600}))]
+def enqueue_many(client: Client, tag: str, total: int, batch: int, keyed: bool = False
+                 ) -> list[int]:
+    """``total`` tasks by ``enqueue_many`` in batches of ``batch``, due a day ahead; each
+    with a biz key of its own (the idempotent enqueue) if ``keyed``."""
+    items = enqueue_items(tag, total, lambda i: {"delay": 86_400 + i % 3600,
+                                                 **({"biz_key": f"{tag}-{i}"} if keyed else {})})
     return [int(t) for a in range(0, total, batch) for t in client.enqueue_many(items[a:a + batch])]
 
 
@@ -617,7 +610,7 @@ def one_round(t: Filled, r: int, args: argparse.Namespace) -> dict[str, float]:
         ids = enqueue_many(client, f"r{r}", args.enqueue, args.enqueue_batch)
     remove(engine, ids)
     with t.meter.span() as keyed:
-        ids = enqueue_many_keyed(client, f"k{r}", args.enqueue // 2, args.enqueue_batch)
+        ids = enqueue_many(client, f"k{r}", args.enqueue // 2, args.enqueue_batch, keyed=True)
     remove(engine, ids)
     with t.meter.span() as single:
         ids = enqueue_single(client, f"s{r}", args.single)
@@ -661,6 +654,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for t, done in zip(tables, rounds, strict=True)]
 
 
+#: which server the report names, by ``--server``
+SERVERS = {"private": "the benchmark's own server", "shared": PG_ADMIN}
 #: the server settings the report states
 SERVER_SETTINGS = ("server_version", "shared_buffers", "effective_cache_size", "work_mem",
                    "autovacuum", "jit", "max_wal_size")
@@ -672,11 +667,10 @@ def server_settings(admin_url: str) -> dict[str, str]:
     engine = make_engine(admin_url, pool_size=1)
     try:
         with engine.connect() as conn:
-            found = {k: str(conn.execute(text(f"SHOW {k}")).scalar_one())
-                     for k in SERVER_SETTINGS}
-            found["jit"] = str(conn.execute(text(
-                "SELECT reset_val FROM pg_settings WHERE name = 'jit'")).scalar_one())
-            return found
+            return {k: str(conn.execute(text(f"SHOW {k}")).scalar_one()) if k != "jit" else
+                    str(conn.execute(text("SELECT reset_val FROM pg_settings "
+                                          "WHERE name = 'jit'")).scalar_one())
+                    for k in SERVER_SETTINGS}
     finally:
         engine.dispose()
 
@@ -770,7 +764,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     out = [f"# bench.bigtable: {small['rows']:,} against {big['rows']:,} rows",
            "", (f"{machine()}; medians of {args.rounds} rounds; "
            f"UTC {datetime.now(UTC):%Y-%m-%d %H:%M}"), "",
-           f"PostgreSQL ({'the benchmark' + chr(39) + 's own server' if args.server == 'private' else PG_ADMIN}): "
+           f"PostgreSQL ({SERVERS[args.server]}): "
            + ", ".join(f"{k} {v}" for k, v in small["server"].items())
            + " (jit: ax turns it off on its connections)", "", *table(small, big), "",
            "Work of the plans below (one call each):", "", *work_table(small, big), "",
