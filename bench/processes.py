@@ -75,7 +75,7 @@ def _timed(loops: int) -> float:
 def prepare(client: Client, n: int, loops: int) -> list[Any]:
     """Enqueue ``n`` due tasks and claim them as a scheduler would; returns the claimed rows."""
     with client.store.engine.begin() as conn:
-        conn.execute(text("TRUNCATE ax_task, ax_attempt"))
+        conn.execute(text("TRUNCATE ax_task, ax_attempt, ax_due"))
     run_at = datetime.fromtimestamp((client.store.now_ms() - 1000) / 1000, UTC)
     client.enqueue_many([{"task_type": TASK_TYPE, "payload": {"loops": loops, "i": i},
                           "run_at": run_at} for i in range(n)])

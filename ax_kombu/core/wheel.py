@@ -358,6 +358,20 @@ class TriggerTimer(Generic[K]):
         else:
             self._delayed._push(key, due_ms, seq)
 
+    def add_earlier(self, key: K, due_ms: int) -> None:
+        """Schedule ``key`` at ``due_ms`` unless it is already scheduled no later."""
+        held = self.due_ms(key)
+        if held is None or due_ms < held:
+            self.add(key, due_ms)
+
+    def due_ms(self, key: K) -> int | None:
+        """The time ``key`` is scheduled for, or None if it is not."""
+        entry = self._wheel._where.get(key)
+        if entry is not None:
+            return entry[0]
+        queued = self._delayed._live.get(key)
+        return None if queued is None else queued[0]
+
     def remove(self, key: K) -> bool:
         """Cancel ``key`` wherever it is; False if it was not scheduled."""
         return self._wheel.remove(key) or self._delayed.remove(key)

@@ -44,6 +44,10 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   tasks created longer than ``fingerprint_retention_s`` ago and already due
   (:func:`ax_kombu.store.tasks.prune_fingerprints`), one batch a pass, every second
   while there are more.
+* **Due entries** — every ``DUE_PRUNE_INTERVAL_MS``: the ``ax_due`` entries of this
+  node's share whose time passed ``DUE_PRUNE_AFTER_MS`` ago and whose task has moved on
+  (:func:`ax_kombu.store.recovery.prune_due`), a batch a pass, every second while there
+  are more.
 
 **A failing step stops nothing.** Each step is isolated: one that raises —
 a lock or statement timeout, a lost connection, a bug — is logged with its
@@ -92,10 +96,15 @@ PRUNE_INTERVAL_MS = 600_000
 #: batch PRUNE_AGAIN_MS later while batches come back full
 PRUNE_BATCH = 10_000
 PRUNE_AGAIN_MS = 1000
+#: how often the ax_due entries whose task has moved on are pruned, and how long after
+#: their time (an entry is written for each time a task is made due: at 2,000 tasks/s the
+#: table keeps about 140,000 entries of the past)
+DUE_PRUNE_INTERVAL_MS = 10_000
+DUE_PRUNE_AFTER_MS = 60_000
 #: longest the heartbeat's thread waits for the timing loop to drop the wheel when fenced
 DROP_WAIT_S = 2.0
 #: the steps, in the order a pass takes them
-STEPS = ("jobs", "preload", "judge", "overdue", "recovery", "prune")
+STEPS = ("jobs", "preload", "judge", "overdue", "recovery", "prune", "due")
 
 
 class Housekeeper(Stage):
@@ -207,6 +216,8 @@ class Housekeeper(Stage):
             self._step("recovery", self._recover, now)
         if now >= self._next["prune"]:
             self._step("prune", self._prune, now)
+        if now >= self._next["due"]:
+            self._step("due", self._prune_due, now)
         if self._preload_due(now) or self._next["preload"] <= now:
             return 0.001 if self._timing.incoming.items or self._timing.dropping else 0.0
         wake_at = min(self._next.values())
@@ -342,6 +353,17 @@ class Housekeeper(Stage):
             if deleted:
                 log.info("pruned old entries of the duplicate check",
                          extra={"entries": deleted, "retention_s": keep_ms // 1000})
+
+    def _prune_due(self, now: int) -> None:
+        """Delete a batch of this share's ``ax_due`` entries whose task has moved on
+        (:func:`~ax_kombu.store.recovery.prune_due`); again soon while batches come back
+        full."""
+        with self._store.engine.begin() as conn:
+            deleted = recovery.prune_due(conn, now - DUE_PRUNE_AFTER_MS, PRUNE_BATCH,
+                                         self._share)
+        metrics.due_pruned_total.inc(deleted)
+        self._next["due"] = now + (PRUNE_AGAIN_MS if deleted == PRUNE_BATCH
+                                   else DUE_PRUNE_INTERVAL_MS)
 
     def _measure_overdue(self, now: int) -> None:
         """``ax_oldest_overdue_seconds`` from the store: it rises even when nothing is

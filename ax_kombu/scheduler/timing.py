@@ -9,6 +9,12 @@ Contracts:
 * Other threads hand it ``(task_id, due_ms)`` pairs with
   :meth:`TimingLoop.hand`; the loop adds them ``ABSORB_CHUNK`` at a time
   between two firings, so a large preload never holds firing up for long.
+  An id it already holds keeps the earlier of its two times: a time handed
+  over may be out of date (an ``ax_due`` entry whose task has moved on,
+  :mod:`ax_kombu.store.recovery`), and firing early only costs a claim that
+  refuses it and hands the id back at its real time
+  (:meth:`ax_kombu.scheduler.claimer.Claimer._keep_unclaimed`), where firing
+  late would make the task late.
 * An id fires ``claim_lead_ms`` before it is due, in trigger order, into the
   claimer's hand-off (:mod:`ax_kombu.scheduler.claimer`), so that the claim,
   the publish and the worker's RUNNING commit are over by the due time (the
@@ -134,7 +140,7 @@ class TimingLoop:
         while incoming and taken < ABSORB_CHUNK:
             pairs = incoming.popleft()
             for task_id, due in pairs:
-                self.timer.add(task_id, due)
+                self.timer.add_earlier(task_id, due)
             taken += len(pairs)
 
     def _sleep(self, now: float) -> None:

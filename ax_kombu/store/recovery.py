@@ -12,21 +12,38 @@ its silence window).
 
 A preload round reads, for its share:
 
-* **the band** — every claimable row with ``loaded_until ≤ trigger_time < horizon``
-  (:func:`preload`; three ordered index ranges on ``(status, trigger_time)``, merged), at
-  most ``limit`` rows plus those tied with the last one, after which ``loaded_until``
-  moves up to the last trigger time read; and
-* **the changes** — rows below ``loaded_until`` that became claimable since the last
+* **the band** — every claimable task with ``loaded_until ≤ trigger_time < horizon``
+  (:func:`preload`), at most ``limit`` plus those tied with the last one, after which
+  ``loaded_until`` moves up to the last trigger time read; and
+* **the changes** — tasks below ``loaded_until`` that became claimable since the last
   round: a retry, a requeue, ``ax retry``, a woken parked task, a task enqueued due soon.
-  The database stamps each claimable row version with the transaction that wrote it
-  (``armed``: migration 0011's default and triggers, whoever writes); a round notes what
-  its snapshot could see (:class:`Mark`) and the next asks for rows armed by a
+  The database stamps what it writes with the transaction that wrote it (``armed``:
+  migration 0011's and 0016's defaults and triggers, whoever writes); a round notes what
+  its snapshot could see (:class:`Mark`) and the next asks for what was armed by a
   transaction that snapshot could not (:func:`changed_since`). The mark is read before
   the rows, so a transaction committing in between is read twice, never missed.
 
-A row read twice is harmless: re-adding an id the wheel holds only reschedules it, and a
-row already claimed is skipped by the claim. Every other statement here is a
-compare-and-set: it re-checks the state it moves from.
+**Where they are read.** A scheduler's first round, and the first after its share
+changed (``Loaded()``: nothing read yet), reads the band from the beginning of time in
+``ax_task`` itself: three ordered index ranges on ``(status, trigger_time)``, merged, so
+only claimable rows come back, however many have run. Every later round reads
+``ax_due`` (migration 0016): an entry per task made due at a time, written by the
+database's triggers and never updated. Its entries stay together (tens of pages for the
+10,000 tasks enqueued for one second), where the same tasks' rows in a large ``ax_task``
+are scattered over as many pages as tasks, each fetched: the busy preload cost 1.5–2.6×
+more at 10M rows than at 10k (docs/benchmarks.md, "Issue 24"). The invariant
+(migration 0016): a claimable, unparked task has an entry at its current trigger time,
+armed no earlier than the transaction that made it so.
+
+An entry may be out of date — its task since claimed, cancelled, parked or moved to
+another time. It is handed over all the same: the claim's compare-and-set checks the
+status and the trigger time and refuses it, and one moved later is handed back at its
+real time (:func:`~ax_kombu.store.claims.still_claimable`); the timing loop keeps the
+earlier of two times for an id it holds, so an out-of-date later time never delays a
+task. :func:`prune_due` deletes the entries whose time has passed and whose task has
+moved on (never one whose task is still due then, however late). A row read twice is
+harmless for the same reasons. Every other statement here is a compare-and-set: it
+re-checks the state it moves from.
 """
 
 from __future__ import annotations
@@ -115,17 +132,22 @@ def _tied(share: str) -> str:
             f"AND trigger_time = :at AND {UNPARKED}{share}")
 
 
+#: a steady round's reads of ``ax_due``: the band, the rest of its last instant, the changes
+_DUE_BAND = ("SELECT task_id, trigger_time, {fire} FROM ax_due WHERE trigger_time >= :lo "
+             "AND trigger_time < :hi{share} ORDER BY trigger_time LIMIT :n")
+_DUE_TIED = "SELECT task_id, trigger_time, {fire} FROM ax_due WHERE trigger_time = :at{share}"
+# (what was armed since is taken first, through its index: read in trigger-time order, the
+# entries of the past the prune has yet to delete would be walked to find it)
+_DUE_CHANGED = ("WITH c AS MATERIALIZED (SELECT task_id, trigger_time, runner FROM ax_due "
+                "WHERE {changed}) SELECT task_id, trigger_time, {fire} FROM c "
+                "WHERE trigger_time < :lo{share} ORDER BY trigger_time LIMIT :n")
+
+
 def changed_since(mark: Mark, dialect: str) -> str:
     """SQL: the row was armed by a transaction ``mark``'s snapshot did not see."""
     if dialect == "postgresql" and mark.xip:
         return "(armed >= :xmax OR armed = ANY(CAST(:xip AS BIGINT[])))"
     return "armed >= :xmax"
-
-
-def _changed(mark: Mark, dialect: str, share: str) -> str:
-    return (f"SELECT task_id, trigger_time, {fire_time()} FROM ax_task WHERE {CLAIMABLE} "
-            f"AND {changed_since(mark, dialect)} AND trigger_time < :lo AND {UNPARKED}"
-            f"{share} ORDER BY trigger_time LIMIT :n")
 
 
 # The band walks the (status, trigger_time) ranges of claimable rows, where each task the
@@ -154,38 +176,68 @@ def preload(conn: Connection, loaded: Loaded, horizon_ms: int, limit: int,
             share: Share = ALL, celery_lag_ms: int = 0
             ) -> tuple[list[tuple[int, int]], Loaded]:
     """One preload round for ``share``: the band ``[loaded.until, horizon_ms)`` (at most
-    ``limit`` rows and those tied with the last) and, below it, the rows armed since
-    ``loaded.mark``. Writes nothing.
+    ``limit`` tasks and those tied with the last) and, below it, what was armed since
+    ``loaded.mark``; from ``ax_task`` when nothing is read yet (``Loaded()``), else from
+    ``ax_due`` (see the module docstring). Writes nothing.
 
     Returns:
         ``(task_id, time)`` pairs for the timing loop — a Celery-bound task's time
         ``celery_lag_ms`` after its trigger time (:func:`ax_kombu.store.claims.fire_time`:
         the scheduler passes ``claim_lead_ms``, so such a task fires when due, unstaged)
-        — and how far the share is now read. On PostgreSQL, ``conn`` must be in a
-        transaction (a planner setting is made for it alone).
+        — and how far the share is now read. After the first round a pair may be out of
+        date (the claim refuses it). On PostgreSQL, ``conn`` must be in a transaction
+        (planner settings are made for it alone).
     """
     dialect = _dialect(conn)
     mark = read_mark(conn)
     where = share.sql()
     params: dict[str, Any] = {"lo": loaded.until, "hi": horizon_ms, "n": limit,
                               "celery_lag": celery_lag_ms}
+    seen = loaded.mark if loaded.until > 0 else None  # None: nothing read yet
+    fire = fire_time()
+    band_sql, tied_sql = ((_band(where), _tied(where)) if seen is None else
+                          (_DUE_BAND.format(fire=fire, share=where),
+                           _DUE_TIED.format(fire=fire, share=where)))
     changed: list[Any] = []
-    if loaded.mark is not None and loaded.until > 0:  # first: it may need a bitmap scan
-        params.update(xmax=loaded.mark.xmax, xip=list(loaded.mark.xip))
-        changed = list(conn.execute(text(_changed(loaded.mark, dialect, where)), params))
+    if seen is not None:  # first: it may need a bitmap scan
+        params.update(xmax=seen.xmax, xip=list(seen.xip))
+        changed = list(conn.execute(text(_DUE_CHANGED.format(
+            fire=fire, share=where, changed=changed_since(seen, dialect))), params))
     if dialect == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
-    band = list(conn.execute(text(_band(where)), params))
+    band = list(conn.execute(text(band_sql), params))
     until = max(horizon_ms, loaded.until)
     if len(band) >= limit:  # the rest of the last instant too, then go on after it
         last = band[-1][1]
         band = [r for r in band if r[1] < last]
-        band += conn.execute(text(_tied(where)), {**params, "at": last})
+        band += conn.execute(text(tied_sql), {**params, "at": last})
         until = last + 1
     if len(changed) >= limit:  # read again, as band, from the last one on
         until = min(until, changed[-1][1])
     rows = [(r[0], r[2]) for r in band] + [(r[0], r[2]) for r in changed]
     return rows, Loaded(until, mark)
+
+
+#: an entry whose task is still due at its time, and not parked: never pruned
+_STILL_DUE = (f"EXISTS (SELECT 1 FROM ax_task AS t WHERE t.task_id = d.task_id "
+              f"AND t.trigger_time = d.trigger_time AND t.{CLAIMABLE} AND {UNPARKED})")
+_PRUNE_DUE = {
+    "postgresql": "DELETE FROM ax_due WHERE ctid = ANY(ARRAY(SELECT ctid FROM ax_due AS d "
+                  "WHERE trigger_time < :before{share} AND NOT {still} LIMIT :limit))",
+    "sqlite": "DELETE FROM ax_due WHERE rowid IN (SELECT rowid FROM ax_due AS d "
+              "WHERE trigger_time < :before{share} AND NOT {still} LIMIT :limit)",
+}
+
+
+def prune_due(conn: Connection, before_ms: int, limit: int, share: Share = ALL) -> int:
+    """Delete up to ``limit`` of ``share``'s ``ax_due`` entries with a time before
+    ``before_ms`` whose task is no longer due then (claimed, ended, cancelled, parked,
+    given another time, removed); returns how many. An entry whose task is still claimable
+    at its time stays, however late, so no round that has yet to read it can miss it; one
+    made stale by a transaction running meanwhile stays until the next prune. (One
+    statement: what it chooses is what its own snapshot sees.)"""
+    sql = _PRUNE_DUE[_dialect(conn)].format(share=share.sql(), still=_STILL_DUE)
+    return int(conn.execute(text(sql), {"before": before_ms, "limit": limit}).rowcount)
 
 
 def overdue_elsewhere(conn: Connection, before_ms: int, share: Share, limit: int,

@@ -190,6 +190,27 @@ fingerprints = Table(
     .ddl_if(dialect="postgresql"),
 )
 
+#: when claimable tasks fall due, for the scheduler's steady preload rounds (migration 0016,
+#: :mod:`ax_kombu.store.recovery`): an entry per task made due at a time (inserted
+#: claimable, made claimable again, given a new trigger time, woken from parked), written by
+#: the database's triggers whoever writes the task, never updated. ``armed`` as
+#: ``ax_task.armed``: the writer's transaction (PostgreSQL) or the counter (SQLite). An
+#: entry its task has moved on from is refused by the claim, and deleted by the schedulers
+#: once its time has passed (:func:`ax_kombu.store.recovery.prune_due`). Four numbers wide,
+#: so the entries written together share a few pages, however large ``ax_task`` is.
+#: Indexes: ``(trigger_time)`` — the band of a preload round, and the prune;
+#: ``(armed)`` — what became due since the last round. No primary key.
+due = Table(
+    "ax_due",
+    metadata,
+    Column("task_id", BigInteger, nullable=False),
+    Column("trigger_time", BigInteger, nullable=False),
+    Column("runner", String(12), nullable=False),
+    Column("armed", BigInteger, nullable=False),
+    Index("ix_ax_due_time", "trigger_time"),
+    Index("ix_ax_due_armed", "armed"),
+)
+
 #: one row per ended attempt of a task that is not the task's final state (a retried run, a
 #: run cut short by a cancel, a lost or unacknowledged dispatch): who ran it, when, how it
 #: ended. The final attempt is the task row itself (status, last_run_node, dispatched_at,

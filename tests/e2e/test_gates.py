@@ -202,7 +202,7 @@ class GateCluster(System):
 def _reset(url: str) -> None:
     engine = make_engine(url)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit"))
+        conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_due"))
         conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
     engine.dispose()
 
