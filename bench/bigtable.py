@@ -16,7 +16,10 @@ afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is co
   for each task the schedulers' pruning keeps (created in the last day, or not yet due):
   a table pruned as it goes reuses the room of the entries it deletes (an earlier version
   wrote every entry and pruned 90 % of them at once, which left the key's index at ten
-  times its size, as an upgrade does once: docs/deploy.md). ``ax_task_archive`` gets as
+  times its size, as an upgrade does once: docs/deploy.md). Each task gets an ``ax_due``
+  entry in the same order, and those whose task has moved on are then deleted, as the
+  schedulers' pruning leaves the table: the entries of the tasks still due, among the room
+  of the others. ``ax_task_archive`` gets as
   many finished tasks again (the 90 days before), with their ``ax_attempt_archive`` rows.
   Then ``VACUUM ANALYZE``.
 * **enqueue**: ``Client.enqueue_many`` of ``--enqueue`` tasks in batches of
@@ -26,9 +29,11 @@ afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is co
   ``recovery.preload``, one transaction, the ``Loaded`` carried from call to call as the
   scheduler carries it) with nothing due in its 10 s window, ``--idle-calls`` calls a round.
 * **preload, busy**: ``--busy`` tasks enqueued due inside one 10 s window (20 minutes
-  ahead), then the preload round that reads that window (all of them come back); and the
-  number of heap pages PostgreSQL put those tasks on (one fetch each for the preload), and
-  the WAL their enqueue wrote (a page's first change after a checkpoint logs all of it).
+  ahead), then the preload round that reads that window (all of them come back), as a
+  scheduler makes it: read up to the window, as of a mark taken before the enqueue (so the
+  tasks are also among what changed since); and the number of pages PostgreSQL put those
+  tasks on, in ``ax_task`` and in ``ax_due`` (what the round reads), and the WAL their
+  enqueue wrote (a page's first change after a checkpoint logs all of it).
 * **claim**: those tasks claimed by ``claims.claim`` in batches of ``claim_batch`` on one
   autocommit connection, as the claimer does (its ``now`` is set past their trigger time,
   so nothing waits): rows/s.
@@ -149,12 +154,18 @@ _COLUMNS = ("task_id, task_type, trigger_time, status, priority, retry_count, ma
             "last_run_node, created_at, dispatched_at, started_at, finished_at, last_error, "
             "redispatches, gated, runner")
 #: the hot table, and from the rows it returns an ``ax_fingerprint`` row for each task the
-#: schedulers' pruning keeps (:func:`kept_fingerprints`)
+#: schedulers' pruning keeps (:func:`kept_fingerprints`) and an ``ax_due`` entry for each
+#: task (its trigger keeps the claimable ones' entries, off during the fill: :func:`fill`)
 _HOT = _ROWS + (
     ", ins AS (INSERT INTO ax_task (" + _COLUMNS + ") SELECT " + _COLUMNS
-    + " FROM f RETURNING fingerprint, trigger_time, task_id) "
-    "INSERT INTO ax_fingerprint SELECT * FROM ins "
-    "WHERE task_id >= :fp_kept_id OR trigger_time >= :fp_due_from")
+    + " FROM f RETURNING fingerprint, trigger_time, task_id, runner), "
+    "fp AS (INSERT INTO ax_fingerprint SELECT fingerprint, trigger_time, task_id FROM ins "
+    "WHERE task_id >= :fp_kept_id OR trigger_time >= :fp_due_from) "
+    "INSERT INTO ax_due (task_id, trigger_time, runner, armed) "
+    "SELECT task_id, trigger_time, runner, 0 FROM ins")
+#: what the schedulers' pruning of ``ax_due`` leaves: the entries of tasks still due
+_PRUNED_DUE = ("DELETE FROM ax_due AS d WHERE NOT EXISTS (SELECT 1 FROM ax_task AS t "
+               "WHERE t.task_id = d.task_id AND t.status = 'DELAYED')")
 #: the archive table: written by ``ax archive``, the final rows as they are
 _COLD = _ROWS + "INSERT INTO ax_task_archive (" + _COLUMNS + ") SELECT " + _COLUMNS + " FROM f"
 
@@ -166,7 +177,8 @@ SELECT task_id, k, task_type, last_run_node, trigger_time, dispatched_at - (4 - 
        finished_at - started_at
   FROM {source} CROSS JOIN generate_series(1, 3) AS k WHERE status = 'FAILED'"""
 
-_TABLES = ("ax_task", "ax_fingerprint", "ax_attempt", "ax_task_archive", "ax_attempt_archive")
+_TABLES = ("ax_task", "ax_fingerprint", "ax_due", "ax_attempt", "ax_task_archive",
+           "ax_attempt_archive")
 
 
 def fill(engine: Engine, n: int) -> dict[str, Any]:
@@ -181,9 +193,14 @@ def fill(engine: Engine, n: int) -> dict[str, Any]:
            "future_start": t0 + 3 * 3_600_000, "future_span": 5 * DAY_MS}
     cold = {**hot, "m": n, "start": t0 - 118 * DAY_MS, "spread": 90 * DAY_MS, "future_from": n}
     hot.update(kept_fingerprints(t0))
-    for name, sql, params in (("ax_task + ax_fingerprint", _HOT, hot),
+    # every task had its ax_due entry, in the order tasks were made; the pruning has since
+    # deleted those whose task moved on, leaving their room for the next ones
+    _timed_sql(engine, "ALTER TABLE ax_task DISABLE TRIGGER ax_due_insert")
+    for name, sql, params in (("ax_task + ax_fingerprint + ax_due", _HOT, hot),
                               ("ax_task_archive", _COLD, cold)):
         took[name] = _chunked(engine, sql, params, n, name)
+    _timed_sql(engine, "ALTER TABLE ax_task ENABLE TRIGGER ax_due_insert")
+    took["ax_due pruned"] = _timed_sql(engine, _PRUNED_DUE)
     for target, source in (("ax_attempt", "ax_task"), ("ax_attempt_archive", "ax_task_archive")):
         took[target] = _timed_sql(engine, _ATTEMPTS.format(target=target, source=source))
     took["VACUUM ANALYZE"] = _timed_sql(engine, "VACUUM ANALYZE", autocommit=True)
@@ -231,7 +248,7 @@ def sizes(engine: Engine) -> dict[str, Any]:
             "WHERE relkind = 'r' AND relname = ANY(:t)"), {"t": list(_TABLES)})}
         indexes = {r[0]: int(r[1]) for r in conn.execute(text(
             "SELECT indexrelname, pg_relation_size(indexrelid) FROM pg_stat_user_indexes "
-            "WHERE relname IN ('ax_task', 'ax_fingerprint')"))}
+            "WHERE relname IN ('ax_task', 'ax_fingerprint', 'ax_due')"))}
         total = int(conn.execute(text("SELECT pg_database_size(current_database())"))
                     .scalar_one())
     return {"tables": tables, "indexes": indexes, "database_bytes": total}
@@ -240,12 +257,14 @@ def sizes(engine: Engine) -> dict[str, Any]:
 # -- the measures ---------------------------------------------------------------------------------
 
 def remove(engine: Engine, ids: Sequence[int]) -> None:
-    """Delete the tasks ``ids`` and their fingerprints, as ``ax archive`` does; vacuum."""
+    """Delete the tasks ``ids`` and their fingerprints, as ``ax archive`` does, and their
+    ``ax_due`` entries, as the schedulers' pruning does once their time has passed; vacuum."""
     with engine.begin() as conn:
         gone = conn.execute(text("DELETE FROM ax_task WHERE task_id = ANY(:ids) "
                                  "RETURNING task_id, fingerprint"), {"ids": list(ids)})
         forget_fingerprints(conn, [(r[0], r[1]) for r in gone])
-    _timed_sql(engine, "VACUUM ax_task, ax_fingerprint", autocommit=True)
+        conn.execute(text("DELETE FROM ax_due WHERE task_id = ANY(:ids)"), {"ids": list(ids)})
+    _timed_sql(engine, "VACUUM ax_task, ax_fingerprint, ax_due", autocommit=True)
 
 
 def enqueue_items(tag: str, count: int, at: Callable[[int], dict[str, Any]]
@@ -303,14 +322,14 @@ def enqueue_window(client: Client, tag: str, count: int, lo_ms: int) -> list[int
     return [t for a in range(0, count, 1000) for t in client.enqueue_many(items[a:a + 1000])]
 
 
-def busy_preload(engine: Engine, settings: Settings, lo_ms: int, expect: int
+def busy_preload(engine: Engine, settings: Settings, loaded: recovery.Loaded, expect: int
                  ) -> list[tuple[int, int]]:
-    """The preload round that reads the window from ``lo_ms`` (the scheduler's state: read
-    up to ``lo_ms``, a mark taken just now); checks it found ``expect`` tasks."""
-    with engine.connect() as conn:
-        mark = recovery.read_mark(conn)
-    rows, _ = preload_round(engine, settings, recovery.Loaded(lo_ms, mark),
-                            lo_ms + settings.preload_window_ms, lo_ms)
+    """The preload round that reads the window from ``loaded.until`` (the scheduler's
+    state: read up to there, as of a mark taken before the tasks were enqueued, so they are
+    also among what changed since); checks it found ``expect`` tasks."""
+    lo_ms = loaded.until
+    rows, _ = preload_round(engine, settings, loaded, lo_ms + settings.preload_window_ms,
+                            lo_ms)
     if len(rows) != expect:
         raise RuntimeError(f"the busy preload read {len(rows)} task(s), not {expect}")
     return rows
@@ -340,17 +359,19 @@ def busy_round(t: Filled, tag: str, count: int, lo_ms: int, calls: int = 3
     engine, settings = t.client.store.engine, t.client.settings
     with engine.connect() as conn:
         before = conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one()
+        loaded = recovery.Loaded(lo_ms, recovery.read_mark(conn))
     ids = enqueue_window(t.client, tag, count, lo_ms)
-    with engine.connect() as conn:  # where PostgreSQL put them: what the preload then reads
-        pages = conn.execute(text(
-            "SELECT count(DISTINCT (ctid::text::point)[0]) FROM ax_task "
+    with engine.connect() as conn:  # where PostgreSQL put them and their ax_due entries
+        pages, due_pages = (conn.execute(text(
+            f"SELECT count(DISTINCT (ctid::text::point)[0]) FROM {table} "
             "WHERE task_id = ANY(:ids)"), {"ids": ids}).scalar_one()
+            for table in ("ax_task", "ax_due"))
         wal = conn.execute(text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), :lsn)"),
                            {"lsn": before}).scalar_one()
     reads = []
     for _ in range(calls):
         with t.meter.span() as read:
-            rows = busy_preload(engine, settings, lo_ms, count)
+            rows = busy_preload(engine, settings, loaded, count)
         reads.append(read)
     with t.meter.span() as claimed:
         got = claim_all(engine, settings, rows, lo_ms + settings.preload_window_ms)
@@ -358,6 +379,7 @@ def busy_round(t: Filled, tag: str, count: int, lo_ms: int, calls: int = 3
         raise RuntimeError(f"claimed {got} of {count} due tasks")
     remove(engine, ids)
     return {"preload busy: heap pages of the window's tasks": float(pages),
+            "preload busy: pages of their ax_due entries": float(due_pages),
             "preload busy: WAL of their enqueue, MB": float(wal) / 2**20,
             "preload busy ms/call": statistics.median(r.wall for r in reads) * 1000,
             "preload busy, PG CPU ms/call": statistics.median(r.cpu for r in reads) * 1000,
@@ -483,8 +505,10 @@ def plans(url: str, client: Client, lo_ms: int, busy: int) -> dict[str, list[str
                 ("enqueue (20 single calls)", 20, 1, False)):
             out[what], ids = explain_enqueue(ex, client, count, batch, keyed)
             remove(client.store.engine, ids)
+        with ex.engine.connect() as conn:
+            loaded = recovery.Loaded(lo_ms, recovery.read_mark(conn))
         ids = enqueue_window(client, "plans", busy, lo_ms)
-        rows = busy_preload(ex.engine, settings, lo_ms, busy)
+        rows = busy_preload(ex.engine, settings, loaded, busy)
         out["preload, busy"] = ex.take()
         claim_all(ex.engine, settings, rows, lo_ms + settings.preload_window_ms, batches=1)
         out["claim (a batch)"] = ex.take()
