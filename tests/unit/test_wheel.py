@@ -270,6 +270,22 @@ def test_trigger_timer_removes_and_reschedules_across_layers() -> None:
     assert timer.advance(10_000) == ["b"]
 
 
+def test_add_earlier_keeps_the_earlier_time_in_either_layer() -> None:
+    """The timing loop's add: a later time handed for a key held (an out-of-date ``ax_due``
+    entry) never delays it; an earlier one moves it, across layers too."""
+    timer: TriggerTimer[str] = TriggerTimer(0, level_sizes=(8, 8))
+    timer.add_earlier("a", 40)
+    timer.add_earlier("a", 900)  # later: kept at 40
+    timer.add_earlier("b", 900)  # in the delay queue
+    assert (timer.due_ms("a"), timer.due_ms("b"), timer.due_ms("c")) == (40, 900, None)
+    timer.add_earlier("b", 30)  # earlier: delay queue -> wheel
+    assert (timer.wheel_depth, timer.delayed_depth) == (2, 0)
+    timer.add_earlier("b", 35)
+    assert timer.advance(39) == ["b"] and timer.advance(10_000) == ["a"]
+    timer.add_earlier("a", 20_000)  # fired: scheduled afresh
+    assert timer.due_ms("a") == 20_000
+
+
 def test_trigger_timer_next_due_rounds_delayed_keys_up_to_their_tick() -> None:
     timer: TriggerTimer[str] = TriggerTimer(0, tick_ms=10, level_sizes=(4, 4))
     timer.add("far", 1_005)
