@@ -245,10 +245,12 @@ def table_stats(conn: Connection) -> dict[str, dict[str, int]]:
 def index_stats(conn: Connection) -> dict[str, dict[str, Any]]:
     conn.execute(text("SELECT pg_stat_clear_snapshot()"))
     out = {}
-    for table, index, scans in conn.execute(text(
-            "SELECT relname, indexrelname, idx_scan FROM pg_stat_user_indexes")):
-        held = conn.execute(text("SELECT tuple_count + dead_tuple_count FROM pgstattuple("
-                                 "CAST(:i AS regclass))"), {"i": index}).scalar_one()
+    for table, index, scans, method in conn.execute(text(
+            "SELECT s.relname, s.indexrelname, s.idx_scan, a.amname FROM pg_stat_user_indexes "
+            "AS s JOIN pg_class AS c ON c.oid = s.indexrelid JOIN pg_am AS a ON a.oid = c.relam")):
+        held = None if method not in ("btree", "hash") else conn.execute(text(
+            "SELECT tuple_count + dead_tuple_count FROM pgstattuple(CAST(:i AS regclass))"),
+            {"i": index}).scalar_one()  # (pgstattuple counts no BRIN index's entries)
         out[index] = {"table": table, "idx_scan": scans, "entries_now": held}
     return out
 
@@ -384,7 +386,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                + " |")
     out.append("|---|" + "---|" * len(heads))
     names = sorted({i for r in results for i in r["indexes"]
-                    if r["indexes"][i]["table"] in ("ax_task", "ax_attempt", "ax_node")})
+                    if r["indexes"][i]["table"] in ("ax_task", "ax_attempt", "ax_node",
+                                                     "ax_fingerprint", "ax_due")})
     for i in names:
         cells = []
         for r in results:
@@ -393,12 +396,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 cells.append("—")
                 continue
             written = sum(r["wal"][p]["entries"].get(i, 0) for p in ("enqueue", "burst"))
-            cells.append(f"{written / r['n']:.2f}; {v['idx_scan']}; {v['entries_now']:,}")
+            held = "—" if v["entries_now"] is None else f"{v['entries_now']:,}"
+            cells.append(f"{written / r['n']:.2f}; {v['idx_scan']}; {held}")
         out.append(f"| {i} | " + " | ".join(cells) + " |")
     out.append("")
     out.append("| pg_stat_user_tables | " + " | ".join(heads) + " |")
     out.append("|---|" + "---|" * len(heads))
-    for t in ("ax_task", "ax_attempt", "ax_node", "ax_id_lease"):
+    for t in ("ax_task", "ax_attempt", "ax_node", "ax_id_lease", "ax_fingerprint", "ax_due"):
         out.append(f"| {t}: ins / upd / hot / del / dead | " + " | ".join(
             "{ins} / {upd} / {hot} / {del} / {dead}".format(**r["tables"].get(
                 t, dict.fromkeys(("ins", "upd", "hot", "del", "dead"), 0))) for r in results)
