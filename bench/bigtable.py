@@ -163,9 +163,9 @@ _HOT = _ROWS + (
     "WHERE task_id >= :fp_kept_id OR trigger_time >= :fp_due_from) "
     "INSERT INTO ax_due (task_id, trigger_time, runner, armed) "
     "SELECT task_id, trigger_time, runner, 0 FROM ins")
-#: what the schedulers' pruning of ``ax_due`` leaves: the entries of tasks still due
-_PRUNED_DUE = ("DELETE FROM ax_due AS d WHERE NOT EXISTS (SELECT 1 FROM ax_task AS t "
-               "WHERE t.task_id = d.task_id AND t.status = 'DELAYED')")
+#: what the schedulers' pruning of ``ax_due`` leaves (:func:`recovery.prune_due`, in one
+#: statement): the entries of tasks still due at their time
+_PRUNED_DUE = f"DELETE FROM ax_due AS d WHERE NOT {recovery._STILL_DUE}"
 #: the archive table: written by ``ax archive``, the final rows as they are
 _COLD = _ROWS + "INSERT INTO ax_task_archive (" + _COLUMNS + ") SELECT " + _COLUMNS + " FROM f"
 

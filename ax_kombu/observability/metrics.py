@@ -52,7 +52,7 @@ ack_timeout_total = Counter("ax_ack_timeout_total",
                             "Tasks returned to READY because no worker started them in time.")
 preload_total = Counter("ax_preload_total", "Tasks taken into memory by the preload.")
 due_pruned_total = Counter("ax_due_pruned_total",
-                         "ax_due entries deleted after their task moved on.")
+                           "ax_due entries deleted after their task moved on.")
 recovered_total = Counter("ax_recovered_total", "Tasks recovered from dead nodes.", ["kind"])
 clock_skew = Gauge("ax_clock_skew_seconds", "This node's clock offset to the database clock.",
                    multiprocess_mode="liveall")

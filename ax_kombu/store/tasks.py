@@ -112,12 +112,13 @@ def _load_dedup(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: 
     by_biz: dict[tuple[str, str], int] = {}
     wanted = {b for r in rows if (b := _biz_ident(r)) is not None}
     if wanted:
-        find: Executable = _FIND_BIZ
-        if conn.dialect.name == "postgresql":
+        find: Executable
+        if conn.dialect.name == "postgresql":  # the pairs themselves
             pairs = sorted(wanted)
-            find, keys = _FIND_BIZ_PG, {"types": [t for t, _ in pairs],
-                                        "keys": [k for _, k in pairs]}
-        else:
+            find = _FIND_BIZ_PG
+            keys = {"types": [t for t, _ in pairs], "keys": [k for _, k in pairs]}
+        else:  # every type with every key; the pairs wanted are picked out below
+            find = _FIND_BIZ
             keys = {"types": sorted({t for t, _ in wanted}),
                     "keys": sorted({k for _, k in wanted})}
         for task_type, biz_key, task_id in conn.execute(find, keys):

@@ -67,7 +67,7 @@ def _due(row: str) -> str:
 #: not claimable, or at another time, or parked
 _NEWLY_DUE = (f"{_due('NEW')} AND (OLD.status NOT IN ('CREATED', 'DELAYED', 'READY') "
               f"OR OLD.trigger_time <> NEW.trigger_time "
-              f"OR OLD.last_run_node IS NOT DISTINCT FROM {PARKED})")
+              f"OR COALESCE(OLD.last_run_node, '') = {PARKED})")
 
 _PG_UP = [
     "ALTER TABLE ax_due ALTER COLUMN armed SET DEFAULT (pg_current_xact_id()::text::bigint)",
@@ -103,7 +103,7 @@ _SQLITE_ADD = ("INSERT INTO ax_due (task_id, trigger_time, runner, armed) "
 _SQLITE_TRIGGERS = {
     "ax_task_arm_insert": ("AFTER INSERT ON ax_task", _due("NEW")),
     "ax_task_arm_update": ("AFTER UPDATE OF status, trigger_time, last_run_node ON ax_task",
-                           _NEWLY_DUE.replace("IS NOT DISTINCT FROM", "IS")),
+                           _NEWLY_DUE),
 }
 
 
