@@ -174,16 +174,19 @@ tasks = Table(
 #: trigger time is the one the producer asked for. Archive and purge delete a task's entry
 #: with the task; the schedulers delete entries of tasks created more than
 #: ``fingerprint_retention_s`` ago whose trigger time has passed. Indexes: on PostgreSQL a
-#: hash index on the fingerprint, the check's lookup (one page per probe whatever the
-#: table's size: migration 0015), and a BRIN on task_id, for that prune; no primary key.
-#: SQLite keeps the primary key (fingerprint, trigger_time, task_id) it was made with.
+#: B-tree on the entry's probe (its trigger time's 17.5-minute bucket above 32 bits of
+#: its fingerprint: :data:`ax_kombu.store.tasks.PROBE_SQL`, migration 0017), the check's
+#: lookup, where the entries due together sit together whatever the table's size; and a
+#: BRIN on task_id, for that prune; no primary key. SQLite keeps the primary key
+#: (fingerprint, trigger_time, task_id) it was made with.
 fingerprints = Table(
     "ax_fingerprint",
     metadata,
     Column("fingerprint", String(32), nullable=False),
     Column("trigger_time", BigInteger, nullable=False),
     Column("task_id", BigInteger, nullable=False),
-    Index("ix_ax_fingerprint_hash", "fingerprint", postgresql_using="hash")
+    Index("ix_ax_fingerprint_probe",
+          text("(((trigger_time >> 20) << 32) | ('x' || left(fingerprint, 8))::bit(32)::bigint)"))
     .ddl_if(dialect="postgresql"),
     # PostgreSQL: the prune's lookup of old entries by creation (snowflake ids grow with it)
     Index("ix_ax_fingerprint_task", "task_id", postgresql_using="brin")

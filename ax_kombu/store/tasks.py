@@ -53,7 +53,8 @@ _FIND_BIZ_PG = text(
     "WHERE t.biz_key IS NOT NULL")
 
 #: ``ax_fingerprint`` holds the pairs (written once, beside the task); the task itself says
-#: whether it still counts (not cancelled, not archived or purged)
+#: whether it still counts (not cancelled, not archived or purged). SQLite: by the primary
+#: key, which leads with the fingerprint.
 _FIND_FP = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
                    fingerprints.c.task_id)
             .join(tasks, tasks.c.task_id == fingerprints.c.task_id)
@@ -61,6 +62,36 @@ _FIND_FP = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
                    fingerprints.c.trigger_time > bindparam("lo"),
                    fingerprints.c.trigger_time < bindparam("hi"),
                    tasks.c.status != "CANCELLED"))
+
+#: PostgreSQL's duplicate check finds an entry by its *probe*: the ~17.5-minute bucket of
+#: its trigger time (``trigger_time >> 20``) in the high bits, the first 32 bits of its
+#: fingerprint in the low ones (ax's fingerprints are hex digests). ``ix_ax_fingerprint_probe``
+#: (migration 0017) is a B-tree on exactly this expression, so the entries of tasks due
+#: close together sit on the same few pages: a batch due within the same minutes probes
+#: and adds to a handful of leaf pages, however many entries the table holds (a hash index
+#: on the fingerprint spread them over the whole index: one random page per task).
+PROBE_BUCKET_BITS = 20
+PROBE_SQL = ("((({t}trigger_time >> 20) << 32) "
+             "| ('x' || left({t}fingerprint, 8))::bit(32)::bigint)")
+#: the entries whose probe is one of the batch's, and whose fingerprint and trigger time
+#: are (the probe is a hash: entries of other fingerprints can share it)
+_FIND_FP_PG = text(
+    "SELECT f.fingerprint, f.trigger_time, f.task_id "
+    "FROM ax_fingerprint AS f JOIN ax_task AS t ON t.task_id = f.task_id "
+    f"WHERE {PROBE_SQL.format(t='f.')} = ANY(CAST(:probes AS BIGINT[])) "
+    "AND f.fingerprint = ANY(CAST(:fps AS TEXT[])) "
+    "AND f.trigger_time > :lo AND f.trigger_time < :hi AND t.status <> 'CANCELLED'")
+
+
+def probes(fingerprint: str, trigger_ms: int, window_ms: int) -> list[int]:
+    """The probes (see :data:`PROBE_SQL`) under which an entry of ``fingerprint`` whose
+    trigger time is less than ``window_ms`` from ``trigger_ms`` is indexed: one per bucket
+    the window touches: one or two for a window up to 8 minutes (the default is 5 s), up to
+    eight for an hour's."""
+    low = int(fingerprint[:8], 16)
+    first = (trigger_ms - window_ms + 1) >> PROBE_BUCKET_BITS
+    last = (trigger_ms + window_ms - 1) >> PROBE_BUCKET_BITS
+    return [(bucket << 32) | low for bucket in range(first, last + 1)]
 
 
 #: advisory locks are taken on hash buckets, not on every key: a batch of 100,000 tasks
@@ -127,9 +158,15 @@ def _load_dedup(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: 
     by_fp: dict[str, list[tuple[int, int]]] = {}
     if window_ms > 0:
         times = [r["trigger_time"] for r in rows]
-        params = {"fps": sorted({r["fingerprint"] for r in rows}),
-                  "lo": min(times) - window_ms, "hi": max(times) + window_ms}
-        for fp, when, task_id in conn.execute(_FIND_FP, params):
+        params: dict[str, Any] = {"fps": sorted({r["fingerprint"] for r in rows}),
+                                  "lo": min(times) - window_ms, "hi": max(times) + window_ms}
+        find_fp: Executable = _FIND_FP
+        if conn.dialect.name == "postgresql":
+            find_fp = _FIND_FP_PG
+            params["probes"] = sorted({p for r in rows
+                                       for p in probes(r["fingerprint"], r["trigger_time"],
+                                                       window_ms)})
+        for fp, when, task_id in conn.execute(find_fp, params):
             by_fp.setdefault(fp, []).append((when, task_id))
     return _Dedup(window_ms, by_biz, by_fp)
 
@@ -268,8 +305,9 @@ def prune_fingerprints(conn: Connection, created_before_id: int, trigger_before_
 def forget_fingerprints(conn: Connection, removed: Sequence[tuple[int, str]]) -> None:
     """Delete the ``ax_fingerprint`` entries of tasks about to leave ``ax_task`` (archive,
     purge), given as ``(task_id, fingerprint)``. A task has at most one entry, so the
-    two lists select exactly theirs; the delete finds them by fingerprint (the hash index
-    on PostgreSQL, the primary key's prefix on SQLite).
+    two lists select exactly theirs; the delete finds them by task id (PostgreSQL: the BRIN
+    on ``task_id``; the entry's trigger time, which its probe needs, is the one asked at
+    enqueue, not the task's now) or by fingerprint (SQLite: the primary key's prefix).
     (An entry left behind is harmless: the check joins the task, which is gone.)"""
     if removed:
         conn.execute(_FORGET, {"ids": sorted({r[0] for r in removed}),

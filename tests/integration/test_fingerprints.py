@@ -17,7 +17,13 @@ from ax_kombu.core.states import Status
 from ax_kombu.store.admin import purge_finished
 from ax_kombu.store.archive import archive_finished
 from ax_kombu.store.engine import migrate
-from ax_kombu.store.tasks import insert_tasks, prune_fingerprints
+from ax_kombu.store.tasks import (
+    PROBE_BUCKET_BITS,
+    PROBE_SQL,
+    insert_tasks,
+    probes,
+    prune_fingerprints,
+)
 
 
 def _entries(engine: Engine) -> list[tuple[str, int, int]]:
@@ -143,7 +149,7 @@ def test_migration_0015_keys_postgresql_s_entries_by_a_hash_of_the_fingerprint(
     SQLite keeps its primary key."""
     migrate(empty_store, "0014")
     insert_tasks(empty_store, [_row(1, "a" * 32, 5_000), _row(2, "b" * 32, 9_000)], 5_000)
-    migrate(empty_store)
+    migrate(empty_store, "0015")
     key = inspect(empty_store).get_pk_constraint("ax_fingerprint")["constrained_columns"]
     with empty_store.connect() as conn:
         if conn.dialect.name == "postgresql":
@@ -157,6 +163,63 @@ def test_migration_0015_keys_postgresql_s_entries_by_a_hash_of_the_fingerprint(
     found = insert_tasks(empty_store, [_row(3, "a" * 32, 6_000), _row(4, "b" * 32, 20_000)],
                          5_000)
     assert found == [(1, False), (4, True)]  # 2 is 11 s away: outside the window
+
+
+def test_migration_0017_keys_postgresql_s_entries_by_their_probe(empty_store: Engine) -> None:
+    """PostgreSQL: the hash index gives way to a B-tree on each entry's probe (trigger
+    time's bucket, then 32 bits of the fingerprint), analysed; the entries stay and still
+    make duplicates, also across a bucket's edge. SQLite is unchanged."""
+    edge = 7 << PROBE_BUCKET_BITS  # the first millisecond of a bucket
+    migrate(empty_store, "0016")
+    insert_tasks(empty_store, [_row(1, "a" * 32, edge - 1_000), _row(2, "b" * 32, 9_000)],
+                 5_000)
+    migrate(empty_store)
+    with empty_store.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            made = {r[0]: r[1] for r in conn.execute(text(
+                "SELECT indexname, indexdef FROM pg_indexes "
+                "WHERE tablename = 'ax_fingerprint'"))}
+            assert "ix_ax_fingerprint_hash" not in made
+            assert "trigger_time >> 20" in made["ix_ax_fingerprint_probe"]
+            assert conn.execute(text(  # the expression's statistics, for the planner
+                "SELECT count(*) FROM pg_stats WHERE tablename = 'ix_ax_fingerprint_probe'"
+            )).scalar_one() == 1
+    assert _entries(empty_store) == [("a" * 32, edge - 1_000, 1), ("b" * 32, 9_000, 2)]
+    found = insert_tasks(empty_store, [_row(3, "a" * 32, edge + 2_000),  # the next bucket
+                                       _row(4, "b" * 32, 20_000)], 5_000)
+    assert found == [(1, False), (4, True)]
+
+
+def test_an_entry_s_probe_is_the_one_its_lookup_computes(client: Client) -> None:
+    """The probe PostgreSQL indexes (the expression of migration 0017, evaluated by the
+    server on the written entries) is the one :func:`probes` computes for its own trigger
+    time, and a window reaches the entries of every bucket it touches: a duplicate is
+    found whichever side of a bucket's edge either task falls, and with a window of an
+    hour (eight buckets)."""
+    engine = client.store.engine
+    edge = 1_800_000_000_000 >> PROBE_BUCKET_BITS << PROBE_BUCKET_BITS
+    times = [edge - 1, edge, edge + 1, edge + 4_999, edge - 3_600_000, edge + 3_599_999]
+    rows = [_row(10 + i, f"{0xfedcba98 - i:08x}" + "0" * 24, t) for i, t in enumerate(times)]
+    insert_tasks(engine, rows, 0)
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            indexed = dict(conn.execute(text(
+                f"SELECT task_id, {PROBE_SQL.format(t='')} FROM ax_fingerprint")).all())
+        for r in rows:
+            assert probes(r["fingerprint"], r["trigger_time"], 1) == [indexed[r["task_id"]]]
+    originals = [(r["task_id"], False) for r in rows]
+
+    def moved(first_id: int, by: list[int]) -> list[dict[str, Any]]:
+        return [{**r, "task_id": first_id + i, "trigger_time": r["trigger_time"] + d}
+                for i, (r, d) in enumerate(zip(rows, by, strict=True))]
+
+    # 4 s away, the first three across the edge
+    assert insert_tasks(engine, moved(100, [4_000, -4_000, -4_000, -4_000, 4_000, -4_000]),
+                        5_000) == originals
+    later = [3_500_000] * len(rows)
+    assert insert_tasks(engine, moved(200, later), 3_600_000) == originals  # an hour's window
+    assert insert_tasks(engine, moved(300, later), 5_000) == [(300 + i, True)
+                                                              for i in range(len(rows))]
 
 
 def _plan(conn: Any, statement: Any, params: dict[str, Any]) -> str:
@@ -175,12 +238,12 @@ def _plan(conn: Any, statement: Any, params: dict[str, Any]) -> str:
 
 def test_the_duplicate_check_enters_its_indexes_by_their_keys(client: Client) -> None:
     """The lookups of an enqueue read a few pages per task, not a whole index: the
-    fingerprints through their hash index; the biz keys through the unique index, by type
+    fingerprints through the index of their probes; the biz keys through the unique index, by type
     and key together (with the biz key alone PostgreSQL read every entry of that index
     for each batch: 120 ms per 1,000 tasks at 1M rows, and growing; with the two as IN
     lists, a type the statistics did not know yet was read whole, every row of it fetched,
     for each batch). The schedulers' prune deletes the entries it chose by their addresses."""
-    from ax_kombu.store.tasks import _FIND_BIZ_PG, _FIND_FP, _PRUNE
+    from ax_kombu.store.tasks import _FIND_BIZ_PG, _FIND_FP_PG, _PRUNE
 
     engine = client.store.engine
     if engine.dialect.name != "postgresql":
@@ -206,14 +269,16 @@ def test_the_duplicate_check_enters_its_indexes_by_their_keys(client: Client) ->
         by_biz = _plan(conn, _FIND_BIZ_PG, {"types": ["t1"] * len(keys), "keys": keys})
         fresh = _plan(conn, _FIND_BIZ_PG, {"types": ["fresh"] * 100,
                                            "keys": [f"f{i}" for i in range(100001, 100101)]})
-        by_fp = _plan(conn, _FIND_FP, {"fps": [f"{i:032x}" for i in range(100)],
-                                       "lo": 0, "hi": 10**13})
+        fps = [f"{i:032x}" for i in range(100)]
+        by_fp = _plan(conn, _FIND_FP_PG, {
+            "fps": fps, "lo": 10_000, "hi": 30_000,
+            "probes": sorted({p for fp in fps for p in probes(fp, 20_000, 5_000)})})
         prune = _plan(conn, _PRUNE["postgresql"], {"created_before": 5000,
                                                    "trigger_before": 10**13, "limit": 100})
     assert "Seq Scan" not in by_biz and "Seq Scan" not in by_fp
     for plan in (by_biz, fresh):  # each pair one probe by both columns, never by type alone
         cond = next(line for line in plan.splitlines() if "Index Cond" in line)
         assert "task_type" in cond and "biz_key" in cond, plan
-    assert "ix_ax_fingerprint_hash" in by_fp
+    assert "ix_ax_fingerprint_probe" in by_fp, by_fp
     # the prune deletes what it chose by address, not by a scan matching three columns
     assert "Tid Scan on ax_fingerprint" in prune and "Semi Join" not in prune
