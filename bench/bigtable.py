@@ -21,10 +21,13 @@ afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is co
   schedulers' pruning leaves the table: the entries of the tasks still due, among the room
   of the others. ``ax_task_archive`` gets as
   many finished tasks again (the 90 days before), with their ``ax_attempt_archive`` rows.
-  Then ``VACUUM ANALYZE``.
+  Then ``VACUUM ANALYZE``, and a ``CHECKPOINT``: the fill's dirty pages (gigabytes at 10M)
+  are written before the rounds, not by the checkpointer while they run.
 * **enqueue**: ``Client.enqueue_many`` of ``--enqueue`` tasks in batches of
-  ``--enqueue-batch`` (rows/s), as many again divided by two each with a biz key of its own
-  (rows/s), and ``--single`` ``Client.enqueue`` calls (calls/s), due a day ahead.
+  ``--enqueue-batch`` (rows/s), due a day ahead, a batch within 17 minutes; as many again
+  each due at its own time over five days (no two of a batch near each other: the duplicate
+  check's probes of a batch then fall anywhere in its index); half as many each with a biz
+  key of its own; and ``--single`` ``Client.enqueue`` calls (calls/s), due a day ahead.
 * **preload, idle**: the housekeeper's preload round (``nodes.live_names`` +
   ``recovery.preload``, one transaction, the ``Loaded`` carried from call to call as the
   scheduler carries it) with nothing due in its 10 s window, ``--idle-calls`` calls a round.
@@ -204,6 +207,9 @@ def fill(engine: Engine, n: int) -> dict[str, Any]:
     for target, source in (("ax_attempt", "ax_task"), ("ax_attempt_archive", "ax_task_archive")):
         took[target] = _timed_sql(engine, _ATTEMPTS.format(target=target, source=source))
     took["VACUUM ANALYZE"] = _timed_sql(engine, "VACUUM ANALYZE", autocommit=True)
+    # the fill and the VACUUM leave gigabytes of dirty pages at 10M; written out now, not
+    # by the checkpointer while the rounds run (a table grown over weeks has no such debt)
+    took["CHECKPOINT"] = _timed_sql(engine, "CHECKPOINT", autocommit=True)
     return {"t0": t0, "seconds": took, "sizes": sizes(engine)}
 
 
@@ -273,12 +279,17 @@ def enqueue_items(tag: str, count: int, at: Callable[[int], dict[str, Any]]
             for i in range(count)]
 
 
-def enqueue_many(client: Client, tag: str, total: int, batch: int, keyed: bool = False
-                 ) -> list[int]:
-    """``total`` tasks by ``enqueue_many`` in batches of ``batch``, due a day ahead; each
-    with a biz key of its own (the idempotent enqueue) if ``keyed``."""
-    items = enqueue_items(tag, total, lambda i: {"delay": 86_400 + i % 3600,
-                                                 **({"biz_key": f"{tag}-{i}"} if keyed else {})})
+def enqueue_many(client: Client, tag: str, total: int, batch: int, keyed: bool = False,
+                 spread: bool = False) -> list[int]:
+    """``total`` tasks by ``enqueue_many`` in batches of ``batch``, due a day ahead, a batch
+    of 1,000 within 17 minutes (or, if ``spread``, each at its own time in the five days
+    from 3 h ahead, where the fill's future tasks are); each with a biz key of its own (the
+    idempotent enqueue) if ``keyed``."""
+    def at(i: int) -> dict[str, Any]:
+        delay = 10_800 + i * 2_654_435_761 % 432_000 if spread else 86_400 + i % 3600
+        return {"delay": delay, **({"biz_key": f"{tag}-{i}"} if keyed else {})}
+
+    items = enqueue_items(tag, total, at)
     return [int(t) for a in range(0, total, batch) for t in client.enqueue_many(items[a:a + batch])]
 
 
@@ -633,6 +644,9 @@ def one_round(t: Filled, r: int, args: argparse.Namespace) -> dict[str, float]:
     with t.meter.span() as many:
         ids = enqueue_many(client, f"r{r}", args.enqueue, args.enqueue_batch)
     remove(engine, ids)
+    with t.meter.span() as spread:
+        ids = enqueue_many(client, f"w{r}", args.enqueue, args.enqueue_batch, spread=True)
+    remove(engine, ids)
     with t.meter.span() as keyed:
         ids = enqueue_many(client, f"k{r}", args.enqueue // 2, args.enqueue_batch, keyed=True)
     remove(engine, ids)
@@ -643,6 +657,8 @@ def one_round(t: Filled, r: int, args: argparse.Namespace) -> dict[str, float]:
         idle_preloads(client, args.idle_calls)
     got = {"enqueue_many rows/s": args.enqueue / many.wall,
            "enqueue_many, PG CPU µs/task": many.cpu / args.enqueue * 1e6,
+           "enqueue_many, due over 5 days rows/s": args.enqueue / spread.wall,
+           "enqueue_many, due over 5 days, PG CPU µs/task": spread.cpu / args.enqueue * 1e6,
            "enqueue_many with biz keys rows/s": args.enqueue // 2 / keyed.wall,
            "enqueue_many with biz keys, PG CPU µs/task": keyed.cpu / (args.enqueue // 2) * 1e6,
            "single enqueue calls/s": args.single / single.wall,
@@ -707,7 +723,8 @@ def _medians(rounds: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
 # -- the report -----------------------------------------------------------------------------------
 
 #: the measures that are rates: their cost ratio is the small table's over N's
-RATES = ("enqueue_many rows/s", "enqueue_many with biz keys rows/s", "single enqueue calls/s",
+RATES = ("enqueue_many rows/s", "enqueue_many, due over 5 days rows/s",
+         "enqueue_many with biz keys rows/s", "single enqueue calls/s",
          "claim rows/s")
 
 
