@@ -82,7 +82,9 @@ class Settings:
     queue_high: str = "high"
     queue_default: str = "default"
     queue_slow: str = "slow"
-    #: two tasks with the same type and payload closer than this are duplicates.
+    #: two tasks with the same type and payload closer than this are duplicates. On
+    #: PostgreSQL a task's check makes a probe per 17.5-minute bucket its window touches
+    #: (at most two up to 8 minutes, eight for an hour): a wider window costs more probes.
     dedup_window_ms: int = 5000
     max_payload_bytes: int = 65536
     #: worker: a processor's return value is stored (as JSON) up to this size.

@@ -1,11 +1,14 @@
 """``ax_due`` (migration 0016): the times claimable tasks fall due, kept by the database
 whoever writes, read by the scheduler's steady preload rounds. What writes an entry and
 what does not, the migration of existing tasks, an out-of-date entry refused by the claim,
-the prune that keeps whatever is still due, and (PostgreSQL) the plans of a steady round.
+the prune that keeps whatever is still due (also as a running scheduler makes it), and
+(PostgreSQL) the plans of a steady round.
 On SQLite and PostgreSQL unless marked."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -165,6 +168,42 @@ def test_the_prune_deletes_only_entries_whose_task_has_moved_on(client: Client) 
         (moved, now + 7_200_000)])
     with engine.begin() as conn:  # nothing more: the rest is still due
         assert recovery.prune_due(conn, before + 10_000_000, 1000) == 0
+
+
+def test_a_running_scheduler_prunes_the_entries_left_behind(client: Client) -> None:
+    """The housekeeper's ``due`` step, in a running scheduler: the entries more than
+    ``DUE_PRUNE_AFTER_MS`` past whose task has moved on (gone, as an archive leaves them,
+    or due at another time now) are deleted and counted in ``ax_due_pruned_total``; a
+    recent one is kept, and so is the entry of the task's current time."""
+    from prometheus_client import REGISTRY
+
+    from ax_kombu.scheduler.housekeeper import DUE_PRUNE_AFTER_MS
+    from ax_kombu.scheduler.node import Scheduler
+
+    engine = client.store.engine
+    now = client.store.now_ms()
+    old, recent = now - DUE_PRUNE_AFTER_MS - 60_000, now - DUE_PRUNE_AFTER_MS // 2
+    waiting = int(client.enqueue("due.waits", {}, delay=3600))  # due in an hour
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO ax_due (task_id, trigger_time, runner, armed) "
+                          "VALUES (1, :old, 'ax', 1), (2, :old, 'ax', 1), "
+                          "(3, :recent, 'ax', 1), (:waiting, :old, 'ax', 1)"),
+                     {"old": old, "recent": recent, "waiting": waiting})
+    counted = REGISTRY.get_sample_value("ax_due_pruned_total") or 0.0
+    scheduler = Scheduler(client.settings, "s-due")
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while any(at == old for _, at in _entries(engine)):
+            assert time.monotonic() < deadline, "the old entries were not pruned"
+            thread.join(0.05)
+    finally:
+        scheduler.request_stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert sorted(_entries(engine)) == sorted([(3, recent), (waiting, _time(engine, waiting))])
+    assert (REGISTRY.get_sample_value("ax_due_pruned_total") or 0.0) - counted == 3
 
 
 def _part(task_id: int, of: int) -> int:

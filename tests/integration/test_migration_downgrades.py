@@ -1,0 +1,92 @@
+"""Migrations 0016 (``ax_due``) and 0017 (the duplicate check's probe index) taken back and
+applied again on a database holding tasks: each downgrade leaves the schema its previous
+revision made (``ax_due``'s table and triggers gone, 0015's hash index back), the
+duplicate check keeps finding the stored tasks at every step, and upgrading again
+restores what the schedulers and producers of this release read. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, inspect, text
+
+from ax_kombu.store.engine import _MIGRATIONS, current_revision, migrate
+from ax_kombu.store.tasks import insert_tasks
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def _downgrade(engine: Engine, revision: str) -> None:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+
+def _row(task_id: int, fingerprint: str, trigger_time: int, status: str) -> dict[str, Any]:
+    return {"task_id": task_id, "task_type": "t", "trigger_time": trigger_time,
+            "status": status, "priority": "default", "retry_count": 0, "max_retry": 0,
+            "timeout_ms": 1000, "processor_name": "t", "payload": "{}",
+            "fingerprint": fingerprint, "trace_id": "x", "attempt": 0, "created_at": 1,
+            "runner": "ax"}
+
+
+def _indexes(engine: Engine) -> set[str]:
+    return {i["name"] for i in inspect(engine).get_indexes("ax_fingerprint")}
+
+
+def _triggers(engine: Engine) -> str:
+    """The text of every trigger on ``ax_task``, as the database keeps it."""
+    with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            return "\n".join(conn.execute(text(
+                "SELECT pg_get_triggerdef(oid) || ' ' || pg_get_functiondef(tgfoid) "
+                "FROM pg_trigger WHERE tgrelid = 'ax_task'::regclass AND NOT tgisinternal"
+            )).scalars())
+        return "\n".join(conn.execute(text(
+            "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'ax_task'"
+        )).scalars())
+
+
+def _duplicates_found(engine: Engine, fresh_id: int) -> bool:
+    """Does the check still see the stored task 1 (in a copy 1 s away) and let a new task
+    (``fresh_id + 1``) in?"""
+    got = insert_tasks(engine, [_row(fresh_id, "a" * 32, 10_001_000, "DELAYED"),
+                                _row(fresh_id + 1, f"{fresh_id:032x}", 50_000_000, "DELAYED")],
+                       5_000)
+    return got == [(1, False), (fresh_id + 1, True)]
+
+
+def test_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
+    engine = empty_store
+    postgres = engine.dialect.name == "postgresql"
+    migrate(engine)
+    insert_tasks(engine, [_row(1, "a" * 32, 10_000_000, "DELAYED"),
+                          _row(2, "b" * 32, 20_000_000, "SUCCESS")], 5_000)
+
+    _downgrade(engine, "0016")
+    assert current_revision(engine) == "0016"
+    if postgres:
+        assert {"ix_ax_fingerprint_hash", "ix_ax_fingerprint_task"} <= _indexes(engine)
+        assert "ix_ax_fingerprint_probe" not in _indexes(engine)
+    assert _duplicates_found(engine, 10)
+
+    _downgrade(engine, "0015")
+    assert current_revision(engine) == "0015"
+    assert "ax_due" not in inspect(engine).get_table_names()
+    assert "ax_due" not in _triggers(engine)
+    assert _duplicates_found(engine, 20)
+
+    migrate(engine)
+    assert current_revision(engine) == "0017"
+    if postgres:
+        assert "ix_ax_fingerprint_probe" in _indexes(engine)
+        assert "ix_ax_fingerprint_hash" not in _indexes(engine)
+    with engine.connect() as conn:  # the waiting tasks got their entries back, the rest none
+        due = sorted(conn.execute(text("SELECT task_id, trigger_time FROM ax_due")).all())
+    assert [tuple(r) for r in due] == [(1, 10_000_000), (11, 50_000_000), (21, 50_000_000)]
+    assert _duplicates_found(engine, 30)
