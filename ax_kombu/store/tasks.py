@@ -73,13 +73,16 @@ _FIND_FP = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
 PROBE_BUCKET_BITS = 20
 PROBE_SQL = ("((({t}trigger_time >> 20) << 32) "
              "| ('x' || left({t}fingerprint, 8))::bit(32)::bigint)")
-#: the entries whose probe is one of the batch's, and whose fingerprint and trigger time
-#: are (the probe is a hash: entries of other fingerprints can share it)
+#: the entries whose probe is one of the batch's (the probe is a hash: an entry of another
+#: fingerprint may share one; :class:`_Dedup` compares fingerprints and times). The probes
+#: come as one array literal, handed to the index through a sub-select: given as a constant
+#: list, the planner estimated each of the thousand elements against the expression's
+#: statistics and parsed a thousand tokens, which cost more than the lookup on a small table.
 _FIND_FP_PG = text(
     "SELECT f.fingerprint, f.trigger_time, f.task_id "
     "FROM ax_fingerprint AS f JOIN ax_task AS t ON t.task_id = f.task_id "
-    f"WHERE {PROBE_SQL.format(t='f.')} = ANY(CAST(:probes AS BIGINT[])) "
-    "AND f.fingerprint = ANY(CAST(:fps AS TEXT[])) "
+    f"WHERE {PROBE_SQL.format(t='f.')} "
+    "= ANY(ARRAY(SELECT unnest(CAST(:probes AS BIGINT[])))) "
     "AND f.trigger_time > :lo AND f.trigger_time < :hi AND t.status <> 'CANCELLED'")
 
 
@@ -158,14 +161,16 @@ def _load_dedup(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: 
     by_fp: dict[str, list[tuple[int, int]]] = {}
     if window_ms > 0:
         times = [r["trigger_time"] for r in rows]
-        params: dict[str, Any] = {"fps": sorted({r["fingerprint"] for r in rows}),
-                                  "lo": min(times) - window_ms, "hi": max(times) + window_ms}
-        find_fp: Executable = _FIND_FP
+        params: dict[str, Any] = {"lo": min(times) - window_ms, "hi": max(times) + window_ms}
+        find_fp: Executable
         if conn.dialect.name == "postgresql":
             find_fp = _FIND_FP_PG
-            params["probes"] = sorted({p for r in rows
-                                       for p in probes(r["fingerprint"], r["trigger_time"],
-                                                       window_ms)})
+            found = {p for r in rows for p in probes(r["fingerprint"], r["trigger_time"],
+                                                     window_ms)}
+            params["probes"] = "{" + ",".join(map(str, sorted(found))) + "}"
+        else:
+            find_fp = _FIND_FP
+            params["fps"] = sorted({r["fingerprint"] for r in rows})
         for fp, when, task_id in conn.execute(find_fp, params):
             by_fp.setdefault(fp, []).append((when, task_id))
     return _Dedup(window_ms, by_biz, by_fp)
