@@ -71,7 +71,7 @@ _FIND_FP = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
 #: and adds to a handful of leaf pages, however many entries the table holds (a hash index
 #: on the fingerprint spread them over the whole index: one random page per task).
 PROBE_BUCKET_BITS = 20
-PROBE_SQL = ("((({t}trigger_time >> 20) << 32) "
+PROBE_SQL = (f"((({{t}}trigger_time >> {PROBE_BUCKET_BITS}) << 32) "
              "| ('x' || left({t}fingerprint, 8))::bit(32)::bigint)")
 #: the entries whose probe is one of the batch's (the probe is a hash: an entry of another
 #: fingerprint may share one; :class:`_Dedup` compares fingerprints and times). The probes
@@ -88,9 +88,9 @@ _FIND_FP_PG = text(
 
 def probes(fingerprint: str, trigger_ms: int, window_ms: int) -> list[int]:
     """The probes (see :data:`PROBE_SQL`) under which an entry of ``fingerprint`` whose
-    trigger time is less than ``window_ms`` from ``trigger_ms`` is indexed: one per bucket
-    the window touches: one or two for a window up to 8 minutes (the default is 5 s), up to
-    eight for an hour's."""
+    trigger time is less than ``window_ms`` from ``trigger_ms`` is indexed, one per bucket
+    the window touches (one or two for a window up to 8 minutes, the default being 5 s; up
+    to eight for an hour's)."""
     low = int(fingerprint[:8], 16)
     first = (trigger_ms - window_ms + 1) >> PROBE_BUCKET_BITS
     last = (trigger_ms + window_ms - 1) >> PROBE_BUCKET_BITS
