@@ -12,7 +12,11 @@ itself (tasks are enqueued for a time, and many for the same time): by the probe
 and adds land on the few leaf pages of those minutes' entries, whatever the table's size.
 The probe is a hash: the check still compares the fingerprint and trigger time of what it
 finds (:func:`ax_kombu.store.tasks.probes`, which also names the buckets a dedup window
-touches). SQLite keeps its primary key.
+touches). SQLite keeps its primary key. Measured (``python -m bench.dedup_index``, the two
+indexes in turn on the same tables): a batch due together costs PostgreSQL about the same
+CPU at 10k rows and 15–17 % less at 10M, where its lookup fell from 4.3–4.8 to 1.1–1.6 ms;
+a batch whose tasks are due at scattered times over days costs 3–18 % more at 10M (no
+locality for either index to use).
 
 Building the index holds the table (inserts wait: about a second per million entries);
 ``ANALYZE`` then gives the planner the expression's statistics, without which it would
