@@ -168,6 +168,15 @@ tasks = Table(
           postgresql_where=text(_ORDERED), sqlite_where=text(_ORDERED)),
 )
 
+#: the duplicate check's probe of an entry (PostgreSQL): the ~17.5-minute bucket of its
+#: trigger time (``trigger_time >> 20``) in the high bits, the first 32 bits of its
+#: fingerprint in the low ones (ax's fingerprints are hex digests); ``{t}`` is the table's
+#: alias and dot, or empty. ``ix_ax_fingerprint_probe`` (migration 0017) is a B-tree on
+#: exactly this expression (:func:`ax_kombu.store.tasks.probes` computes it in Python).
+PROBE_BUCKET_BITS = 20
+PROBE_SQL = (f"((({{t}}trigger_time >> {PROBE_BUCKET_BITS}) << 32) "
+             "| ('x' || left({t}fingerprint, 8))::bit(32)::bigint)")
+
 #: the duplicate check's side of each task enqueued through ``ax.enqueue``: written once,
 #: beside the task, and never updated, so a task's status changes write nothing here. The
 #: check joins it to ``ax_task`` (a cancelled or removed task duplicates nothing); the
@@ -175,7 +184,7 @@ tasks = Table(
 #: with the task; the schedulers delete entries of tasks created more than
 #: ``fingerprint_retention_s`` ago whose trigger time has passed. Indexes: on PostgreSQL a
 #: B-tree on the entry's probe (its trigger time's 17.5-minute bucket above 32 bits of
-#: its fingerprint: :data:`ax_kombu.store.tasks.PROBE_SQL`, migration 0017), the check's
+#: its fingerprint: :data:`PROBE_SQL`, migration 0017), the check's
 #: lookup, where the entries due together sit together whatever the table's size; and a
 #: BRIN on task_id, for that prune; no primary key. SQLite keeps the primary key
 #: (fingerprint, trigger_time, task_id) it was made with.
@@ -185,8 +194,7 @@ fingerprints = Table(
     Column("fingerprint", String(32), nullable=False),
     Column("trigger_time", BigInteger, nullable=False),
     Column("task_id", BigInteger, nullable=False),
-    Index("ix_ax_fingerprint_probe",
-          text("(((trigger_time >> 20) << 32) | ('x' || left(fingerprint, 8))::bit(32)::bigint)"))
+    Index("ix_ax_fingerprint_probe", text(PROBE_SQL.format(t="")))
     .ddl_if(dialect="postgresql"),
     # PostgreSQL: the prune's lookup of old entries by creation (snowflake ids grow with it)
     Index("ix_ax_fingerprint_task", "task_id", postgresql_using="brin")

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Executable, Row, bindparam, insert, select, text
 
 from ax_kombu.observability import metrics
-from ax_kombu.store.schema import attempts, fingerprints, tasks
+from ax_kombu.store.schema import PROBE_BUCKET_BITS, PROBE_SQL, attempts, fingerprints, tasks
 
 #: column order used for COPY
 COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_count",
@@ -63,16 +63,11 @@ _FIND_FP = (select(fingerprints.c.fingerprint, fingerprints.c.trigger_time,
                    fingerprints.c.trigger_time < bindparam("hi"),
                    tasks.c.status != "CANCELLED"))
 
-#: PostgreSQL's duplicate check finds an entry by its *probe*: the ~17.5-minute bucket of
-#: its trigger time (``trigger_time >> 20``) in the high bits, the first 32 bits of its
-#: fingerprint in the low ones (ax's fingerprints are hex digests). ``ix_ax_fingerprint_probe``
-#: (migration 0017) is a B-tree on exactly this expression, so the entries of tasks due
-#: close together sit on the same few pages: a batch due within the same minutes probes
-#: and adds to a handful of leaf pages, however many entries the table holds (a hash index
-#: on the fingerprint spread them over the whole index: one random page per task).
-PROBE_BUCKET_BITS = 20
-PROBE_SQL = (f"((({{t}}trigger_time >> {PROBE_BUCKET_BITS}) << 32) "
-             "| ('x' || left({t}fingerprint, 8))::bit(32)::bigint)")
+#: PostgreSQL's duplicate check finds an entry by its probe (:data:`~ax_kombu.store.schema.
+#: PROBE_SQL`), so the entries of tasks due close together sit on the same few pages: a
+#: batch due within the same minutes probes and adds to a handful of leaf pages, however
+#: many entries the table holds (a hash index on the fingerprint spread them over the whole
+#: index: one random page per task).
 #: the entries whose probe is one of the batch's (the probe is a hash: an entry of another
 #: fingerprint may share one; :class:`_Dedup` compares fingerprints and times). The probes
 #: come as one array literal, handed to the index through a sub-select: given as a constant
