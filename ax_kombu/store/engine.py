@@ -217,14 +217,21 @@ def db_now_precise_ms(conn: Any) -> float:
     return float(conn.execute(text(_PRECISE_NOW_SQL)).scalar_one())
 
 
+def alembic_config() -> Config:
+    """Alembic's configuration for ax's migrations (the caller gives the connection as
+    ``cfg.attributes["connection"]``)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    return cfg
+
+
 def migrate(engine: Engine, revision: str = "head") -> None:
     """Upgrade the schema to ``revision`` (idempotent; safe to run concurrently).
 
     Raises:
         StoreError: the database cannot be reached.
     """
-    cfg = Config()
-    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    cfg = alembic_config()
     try:
         with engine.begin() as conn:
             if conn.dialect.name == "postgresql":

@@ -10,18 +10,16 @@ from typing import Any
 
 import pytest
 from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, inspect, text
 
-from ax_kombu.store.engine import _MIGRATIONS, current_revision, migrate
+from ax_kombu.store.engine import alembic_config, current_revision, migrate
 from ax_kombu.store.tasks import insert_tasks
 
 pytestmark = [pytest.mark.timeout(120)]
 
 
 def _downgrade(engine: Engine, revision: str) -> None:
-    cfg = Config()
-    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    cfg = alembic_config()
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
