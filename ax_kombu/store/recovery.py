@@ -17,8 +17,8 @@ A preload round reads, for its share:
   ``loaded_until`` moves up to the last trigger time read; and
 * **the changes** — tasks below ``loaded_until`` that became claimable since the last
   round: a retry, a requeue, ``ax retry``, a woken parked task, a task enqueued due soon.
-  The database stamps what it writes with the transaction that wrote it (``armed``:
-  migration 0011's and 0016's defaults and triggers, whoever writes); a round notes what
+  The database stamps each ``ax_due`` entry with the transaction that wrote it
+  (``armed``: migration 0016's default and triggers, whoever writes); a round notes what
   its snapshot could see (:class:`Mark`) and the next asks for what was armed by a
   transaction that snapshot could not (:func:`changed_since`). The mark is read before
   the rows, so a transaction committing in between is read twice, never missed.
@@ -156,8 +156,9 @@ def changed_since(mark: Mark, dialect: str) -> str:
 # preload skips them for free; a bitmap scan, which the planner picks on a young table's
 # small estimates, never does and visits them all again each time: 7–15 ms per preload
 # after 30 s at 2,000 tasks/s instead of about 1 ms. And on stale estimates the planner
-# may read the whole ``armed`` index (it covers the same states) and sort it: 23 ms for
-# 5,000 future rows, none in the band. So, for this transaction only, neither:
+# may read a whole index of the claimable rows and sort it (``ax_task``'s ``armed`` index,
+# before migration 0018: 23 ms for 5,000 future rows, none in the band). So, for this
+# transaction only, neither:
 _INDEX_SCAN_ONLY = ("SELECT set_config('enable_bitmapscan', 'off', true), "
                     "set_config('enable_sort', 'off', true)")
 

@@ -22,9 +22,8 @@ Indexes, each with its reason:
   own table, ``ax_fingerprint``, written once at enqueue. As an index of ``ax_task`` it
   took an entry on each of a task's four versions, a quarter of PostgreSQL's CPU per task
   (migration 0012).
-* ``(armed)`` over claimable rows (CREATED, DELAYED, READY) — the preload asks "what
-  became claimable since my last read" (:func:`ax_kombu.store.recovery.preload`); one
-  entry per task on the plain path (PostgreSQL; SQLite indexes every version).
+* none on ``armed``: the preload asks ``ax_due`` what became claimable since its last
+  read (migration 0016); ``ax_task.armed`` is no longer written (migration 0018).
 * unique ``(job, scheduled_at)`` over occurrences of recurring jobs — exactly one task
   per occurrence, whichever scheduler writes it first (see :mod:`ax_kombu.store.jobs`);
   partial: one-off tasks (``job IS NULL``) write no entry there.
@@ -116,9 +115,8 @@ tasks = Table(
     #: the fencing token: +1 on every claim; a worker acts only on its own attempt.
     Column("attempt", Integer, nullable=False, server_default="0"),
     Column("last_run_node", String(128)),
-    #: which transaction last left the row claimable (PostgreSQL: its id; SQLite: a
-    #: counter), written by the database itself: a column default and triggers
-    #: (migration 0011); what the preload's change read asks for
+    #: unused since migration 0018 (NULL in new rows): it said which transaction last left
+    #: the row claimable (migration 0011), which ``ax_due.armed`` says now (migration 0016)
     Column("armed", BigInteger),
     Column("created_at", BigInteger, nullable=False),
     Column("dispatched_at", BigInteger),
@@ -161,7 +159,6 @@ tasks = Table(
     Index("ix_ax_task_status_trigger", "status", "trigger_time",
           postgresql_where=text(_WAITING_OR_DONE)),
     Index("ix_ax_task_type_status", "task_type", "status", postgresql_where=text(_BUSY)),
-    Index("ix_ax_task_armed", "armed", postgresql_where=text(CLAIMABLE)),
     Index("uq_ax_task_occurrence", "job", "scheduled_at", unique=True,
           postgresql_where=text(_OCCURRENCE), sqlite_where=text(_OCCURRENCE)),
     Index("ix_ax_task_order", "order_key", "order_seq", "task_id",
@@ -204,8 +201,8 @@ fingerprints = Table(
 #: when claimable tasks fall due, for the scheduler's steady preload rounds (migration 0016,
 #: :mod:`ax_kombu.store.recovery`): an entry per task made due at a time (inserted
 #: claimable, made claimable again, given a new trigger time, woken from parked), written by
-#: the database's triggers whoever writes the task, never updated. ``armed`` as
-#: ``ax_task.armed``: the writer's transaction (PostgreSQL) or the counter (SQLite). An
+#: the database's triggers whoever writes the task, never updated. ``armed``: the writer's
+#: transaction (PostgreSQL) or the next value of a counter (SQLite, ``ax_armed``). An
 #: entry its task has moved on from is refused by the claim, and deleted by the schedulers
 #: once its time has passed (:func:`ax_kombu.store.recovery.prune_due`). Four numbers wide,
 #: so the entries written together share a few pages, however large ``ax_task`` is.

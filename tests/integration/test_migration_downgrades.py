@@ -1,8 +1,9 @@
-"""Migrations 0016 (``ax_due``) and 0017 (the duplicate check's probe index) taken back and
-applied again on a database holding tasks: each downgrade leaves the schema its previous
-revision made (``ax_due``'s table and triggers gone, 0015's hash index back), the
-duplicate check keeps finding the stored tasks at every step, and upgrading again
-restores what the schedulers and producers of this release read. On SQLite and PostgreSQL."""
+"""Migrations 0016 (``ax_due``), 0017 (the duplicate check's probe index) and 0018
+(``ax_task.armed`` no longer kept) taken back and applied again on a database holding tasks:
+each downgrade leaves the schema its previous revision made (the stamp of ``ax_task.armed``
+back, ``ax_due``'s table and triggers gone, 0015's hash index back), the duplicate check
+keeps finding the stored tasks at every step, and upgrading again restores what the
+schedulers and producers of this release read. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -59,12 +60,33 @@ def _duplicates_found(engine: Engine, fresh_id: int) -> bool:
     return got == [(1, False), (fresh_id + 1, True)]
 
 
-def test_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
+def _armed(engine: Engine) -> tuple[bool, bool, list[Any]]:
+    """Is ``ax_task.armed`` indexed, is it stamped by a trigger, and the stamps of the rows."""
+    indexed = "ix_ax_task_armed" in {i["name"] for i in inspect(engine).get_indexes("ax_task")}
+    triggers = _triggers(engine)
+    stamped = ("ax_task_arm()" in triggers if engine.dialect.name == "postgresql"
+               else "SET armed" in triggers)
+    with engine.connect() as conn:
+        stamps = list(conn.execute(text("SELECT armed FROM ax_task ORDER BY task_id")).scalars())
+    return indexed, stamped, stamps
+
+
+def test_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     engine = empty_store
     postgres = engine.dialect.name == "postgresql"
     migrate(engine)
     insert_tasks(engine, [_row(1, "a" * 32, 10_000_000, "DELAYED"),
                           _row(2, "b" * 32, 20_000_000, "SUCCESS")], 5_000)
+    assert _armed(engine) == (False, False, [None, None])
+    with engine.connect() as conn:  # the waiting task has its ax_due entry all the same
+        assert conn.execute(text("SELECT task_id FROM ax_due")).scalars().all() == [1]
+
+    _downgrade(engine, "0017")
+    assert current_revision(engine) == "0017"
+    insert_tasks(engine, [_row(3, "c" * 32, 30_000_000, "DELAYED")], 5_000)
+    indexed, stamped, stamps = _armed(engine)
+    assert indexed and stamped and stamps[:2] == [None, None] and stamps[2] is not None
+    assert _duplicates_found(engine, 40)
 
     _downgrade(engine, "0016")
     assert current_revision(engine) == "0016"
@@ -80,11 +102,13 @@ def test_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0017"
+    assert current_revision(engine) == "0018"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
+    assert _armed(engine)[:2] == (False, False)
     with engine.connect() as conn:  # the waiting tasks got their entries back, the rest none
         due = sorted(conn.execute(text("SELECT task_id, trigger_time FROM ax_due")).all())
-    assert [tuple(r) for r in due] == [(1, 10_000_000), (11, 50_000_000), (21, 50_000_000)]
+    assert [tuple(r) for r in due] == [(1, 10_000_000), (3, 30_000_000), (11, 50_000_000),
+                                       (21, 50_000_000), (41, 50_000_000)]
     assert _duplicates_found(engine, 30)
