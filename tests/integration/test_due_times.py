@@ -22,6 +22,8 @@ from ax_kombu.store.claims import claim, still_claimable
 from ax_kombu.store.engine import migrate
 from ax_kombu.store.recovery import Loaded, Share
 
+from .harness import task_row
+
 pytestmark = [pytest.mark.timeout(60)]
 
 
@@ -46,21 +48,12 @@ def _time(engine: Engine, task_id: int) -> int:
                                 {"id": task_id}).scalar_one())
 
 
-def _row(task_id: int, trigger_time: int, status: str, node: str | None = None
-         ) -> dict[str, Any]:
-    """A complete task row, as written before migration 0016."""
-    return {"task_id": task_id, "task_type": "t", "trigger_time": trigger_time,
-            "status": status, "priority": "default", "retry_count": 0, "max_retry": 0,
-            "timeout_ms": 1000, "payload": "{}", "processor_name": "t", "biz_key": None,
-            "fingerprint": f"{task_id:032x}", "trace_id": "x", "attempt": 0, "created_at": 1,
-            "runner": "ax", "last_run_node": node, "redispatches": 0, "gated": False}
-
 
 def test_migration_0016_gives_each_due_task_an_entry(empty_store: Engine) -> None:
     migrate(empty_store, "0015")
-    rows = [_row(1, 5_000, "DELAYED"), _row(2, 6_000, "READY", "~parked"),
-            _row(3, 7_000, "SUCCESS", "w1"), _row(4, 8_000, "CREATED"),
-            _row(5, 9_000, "READY"), _row(6, 9_500, "DISPATCHING", "s1")]
+    rows = [task_row(1, 5_000, "DELAYED"), task_row(2, 6_000, "READY", node="~parked"),
+            task_row(3, 7_000, "SUCCESS", node="w1"), task_row(4, 8_000, "CREATED"),
+            task_row(5, 9_000, "READY"), task_row(6, 9_500, "DISPATCHING", node="s1")]
     with empty_store.begin() as conn:
         conn.execute(text(f"INSERT INTO ax_task ({', '.join(rows[0])}) VALUES "
                           f"({', '.join(':' + k for k in rows[0])})"), rows)

@@ -25,6 +25,8 @@ from ax_kombu.store.tasks import (
     prune_fingerprints,
 )
 
+from .harness import task_row
+
 
 def _entries(engine: Engine) -> list[tuple[str, int, int]]:
     with engine.connect() as conn:
@@ -75,20 +77,12 @@ def test_the_window_is_the_trigger_time_the_producer_asked_for(client: Client) -
     assert near_asked == first and near_asked.duplicate
 
 
-def _row(task_id: int, fingerprint: str, trigger_time: int) -> dict[str, Any]:
-    """A complete task row, as written before the fingerprints had their own table."""
-    return {"task_id": task_id, "task_type": "t", "trigger_time": trigger_time,
-            "status": "DELAYED", "priority": "default", "retry_count": 0, "max_retry": 0,
-            "timeout_ms": 1000, "payload": "{}", "processor_name": "t", "callback_url": None,
-            "biz_key": None, "fingerprint": fingerprint, "trace_id": "x", "attempt": 0,
-            "created_at": 1, "runner": "ax"}
-
 
 def test_purge_and_archive_take_a_task_s_entry_with_it(client: Client) -> None:
     engine = client.store.engine
     old = client.store.now_ms() - 3_600_000
     archived = compose(old, 0, 1)  # archive takes tasks by their id's time too
-    insert_tasks(engine, [_row(archived, "a" * 32, old)], window_ms=5_000)
+    insert_tasks(engine, [task_row(archived, old, fingerprint="a" * 32)], window_ms=5_000)
     gone, kept = (client.enqueue("t", {"i": i}, delay=0) for i in range(2))
     _finish(engine, gone, "FAILED", old)
     _finish(engine, archived, "SUCCESS", old)
@@ -96,7 +90,8 @@ def test_purge_and_archive_take_a_task_s_entry_with_it(client: Client) -> None:
     assert archive_finished(engine, 60_000).tasks == 1
     assert [e[2] for e in _entries(engine)] == [int(kept)]
     # the purged and archived tasks duplicate nothing any more
-    assert insert_tasks(engine, [_row(archived + 1, "a" * 32, old)], 5_000)[0][1] is True
+    again = task_row(archived + 1, old, fingerprint="a" * 32)
+    assert insert_tasks(engine, [again], 5_000)[0][1] is True
     assert client.enqueue("t", {"i": 0}, delay=0).created
     assert client.enqueue("t", {"i": 1}, delay=0).duplicate
 
@@ -104,9 +99,9 @@ def test_purge_and_archive_take_a_task_s_entry_with_it(client: Client) -> None:
 def test_migration_0012_carries_the_existing_fingerprints_over(empty_store: Engine) -> None:
     migrate(empty_store, "0011")
     base = {"redispatches": 0, "gated": False}
-    rows = [{**_row(1, "a" * 32, 5_000), **base},
-            {**_row(2, "b" * 32, 5_000), **base, "status": "SUCCESS"},
-            {**_row(3, "c" * 32, 5_000), **base, "status": "CANCELLED"}]
+    rows = [{**task_row(1, 5_000, fingerprint="a" * 32), **base},
+            {**task_row(2, 5_000, fingerprint="b" * 32), **base, "status": "SUCCESS"},
+            {**task_row(3, 5_000, fingerprint="c" * 32), **base, "status": "CANCELLED"}]
     columns = ", ".join(rows[0])
     with empty_store.begin() as conn:  # as written before 0012
         conn.execute(text(f"INSERT INTO ax_task ({columns}) VALUES "
@@ -116,7 +111,7 @@ def test_migration_0012_carries_the_existing_fingerprints_over(empty_store: Engi
                                      ("c" * 32, 5_000, 3)]
     names = {i["name"] for i in inspect(empty_store).get_indexes("ax_task")}
     assert "ix_ax_task_fingerprint" not in names
-    again = [_row(10 + r["task_id"], r["fingerprint"], 5_100) for r in rows]
+    again = [task_row(10 + r["task_id"], 5_100, fingerprint=r["fingerprint"]) for r in rows]
     found = insert_tasks(empty_store, again, window_ms=5_000)
     # the pending and the finished task are duplicates; the cancelled one is not
     assert found == [(1, False), (2, False), (13, True)]
@@ -148,7 +143,8 @@ def test_migration_0015_keys_postgresql_s_entries_by_a_hash_of_the_fingerprint(
     page per probe, whatever the table's size), the entries stay and still make duplicates;
     SQLite keeps its primary key."""
     migrate(empty_store, "0014")
-    insert_tasks(empty_store, [_row(1, "a" * 32, 5_000), _row(2, "b" * 32, 9_000)], 5_000)
+    insert_tasks(empty_store, [task_row(1, 5_000, fingerprint="a" * 32),
+                               task_row(2, 9_000, fingerprint="b" * 32)], 5_000)
     migrate(empty_store, "0015")
     key = inspect(empty_store).get_pk_constraint("ax_fingerprint")["constrained_columns"]
     with empty_store.connect() as conn:
@@ -160,7 +156,8 @@ def test_migration_0015_keys_postgresql_s_entries_by_a_hash_of_the_fingerprint(
         else:
             assert key == ["fingerprint", "trigger_time", "task_id"]
     assert _entries(empty_store) == [("a" * 32, 5_000, 1), ("b" * 32, 9_000, 2)]
-    found = insert_tasks(empty_store, [_row(3, "a" * 32, 6_000), _row(4, "b" * 32, 20_000)],
+    found = insert_tasks(empty_store, [task_row(3, 6_000, fingerprint="a" * 32),
+                                       task_row(4, 20_000, fingerprint="b" * 32)],
                          5_000)
     assert found == [(1, False), (4, True)]  # 2 is 11 s away: outside the window
 
@@ -171,7 +168,8 @@ def test_migration_0017_keys_postgresql_s_entries_by_their_probe(empty_store: En
     make duplicates, also across a bucket's edge. SQLite is unchanged."""
     edge = 7 << PROBE_BUCKET_BITS  # the first millisecond of a bucket
     migrate(empty_store, "0016")
-    insert_tasks(empty_store, [_row(1, "a" * 32, edge - 1_000), _row(2, "b" * 32, 9_000)],
+    insert_tasks(empty_store, [task_row(1, edge - 1_000, fingerprint="a" * 32),
+                               task_row(2, 9_000, fingerprint="b" * 32)],
                  5_000)
     migrate(empty_store)
     with empty_store.connect() as conn:
@@ -185,8 +183,8 @@ def test_migration_0017_keys_postgresql_s_entries_by_their_probe(empty_store: En
                 "SELECT count(*) FROM pg_stats WHERE tablename = 'ix_ax_fingerprint_probe'"
             )).scalar_one() == 1
     assert _entries(empty_store) == [("a" * 32, edge - 1_000, 1), ("b" * 32, 9_000, 2)]
-    found = insert_tasks(empty_store, [_row(3, "a" * 32, edge + 2_000),  # the next bucket
-                                       _row(4, "b" * 32, 20_000)], 5_000)
+    found = insert_tasks(empty_store, [task_row(3, edge + 2_000, fingerprint="a" * 32),  # the next bucket
+                                       task_row(4, 20_000, fingerprint="b" * 32)], 5_000)
     assert found == [(1, False), (4, True)]
 
 
@@ -199,7 +197,8 @@ def test_an_entry_s_probe_is_the_one_its_lookup_computes(client: Client) -> None
     engine = client.store.engine
     edge = 1_800_000_000_000 >> PROBE_BUCKET_BITS << PROBE_BUCKET_BITS
     times = [edge - 1, edge, edge + 1, edge + 4_999, edge - 3_600_000, edge + 3_599_999]
-    rows = [_row(10 + i, f"{0xfedcba98 - i:08x}" + "0" * 24, t) for i, t in enumerate(times)]
+    rows = [task_row(10 + i, t, fingerprint=f"{0xfedcba98 - i:08x}" + "0" * 24)
+            for i, t in enumerate(times)]
     insert_tasks(engine, rows, 0)
     if engine.dialect.name == "postgresql":
         with engine.connect() as conn:

@@ -16,6 +16,8 @@ from sqlalchemy import Engine, inspect, text
 from ax_kombu.store.engine import alembic_config, current_revision, migrate
 from ax_kombu.store.tasks import insert_tasks
 
+from .harness import task_row
+
 pytestmark = [pytest.mark.timeout(120)]
 
 
@@ -25,13 +27,6 @@ def _downgrade(engine: Engine, revision: str) -> None:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
 
-
-def _row(task_id: int, fingerprint: str, trigger_time: int, status: str) -> dict[str, Any]:
-    return {"task_id": task_id, "task_type": "t", "trigger_time": trigger_time,
-            "status": status, "priority": "default", "retry_count": 0, "max_retry": 0,
-            "timeout_ms": 1000, "processor_name": "t", "payload": "{}",
-            "fingerprint": fingerprint, "trace_id": "x", "attempt": 0, "created_at": 1,
-            "runner": "ax"}
 
 
 def _indexes(engine: Engine) -> set[str]:
@@ -54,8 +49,8 @@ def _triggers(engine: Engine) -> str:
 def _duplicates_found(engine: Engine, fresh_id: int) -> bool:
     """Does the check still see the stored task 1 (in a copy 1 s away) and let a new task
     (``fresh_id + 1``) in?"""
-    got = insert_tasks(engine, [_row(fresh_id, "a" * 32, 10_001_000, "DELAYED"),
-                                _row(fresh_id + 1, f"{fresh_id:032x}", 50_000_000, "DELAYED")],
+    got = insert_tasks(engine, [task_row(fresh_id, 10_001_000, "DELAYED", "a" * 32),
+                                task_row(fresh_id + 1, 50_000_000, "DELAYED", f"{fresh_id:032x}")],
                        5_000)
     return got == [(1, False), (fresh_id + 1, True)]
 
@@ -75,15 +70,15 @@ def test_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     engine = empty_store
     postgres = engine.dialect.name == "postgresql"
     migrate(engine)
-    insert_tasks(engine, [_row(1, "a" * 32, 10_000_000, "DELAYED"),
-                          _row(2, "b" * 32, 20_000_000, "SUCCESS")], 5_000)
+    insert_tasks(engine, [task_row(1, 10_000_000, "DELAYED", "a" * 32),
+                          task_row(2, 20_000_000, "SUCCESS", "b" * 32)], 5_000)
     assert _armed(engine) == (False, False, [None, None])
     with engine.connect() as conn:  # the waiting task has its ax_due entry all the same
         assert conn.execute(text("SELECT task_id FROM ax_due")).scalars().all() == [1]
 
     _downgrade(engine, "0017")
     assert current_revision(engine) == "0017"
-    insert_tasks(engine, [_row(3, "c" * 32, 30_000_000, "DELAYED")], 5_000)
+    insert_tasks(engine, [task_row(3, 30_000_000, "DELAYED", "c" * 32)], 5_000)
     indexed, stamped, stamps = _armed(engine)
     assert indexed and stamped and stamps[:2] == [None, None] and stamps[2] is not None
     assert _duplicates_found(engine, 40)

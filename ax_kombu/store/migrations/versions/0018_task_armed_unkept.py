@@ -7,7 +7,8 @@ for each task enqueued and each retry, requeue or wake, a ``BEFORE UPDATE`` trig
 PostgreSQL, and on SQLite a second write of every task inserted (its stamp). Measured by
 ``python -m bench.scatter_cost`` (the index taken away on the same tables; docs/benchmarks.md,
 "Issue 24"): about 0.75 µs less PostgreSQL CPU per enqueued task at 10k rows (6 %; within
-the noise at 10M).
+the noise at 10M); on SQLite, ``enqueue_many`` 11,800 → 13,600 tasks/s (``python -m
+bench.revision_ab``).
 
 * **PostgreSQL**: drops ``ix_ax_task_armed``, the trigger ``ax_task_arm`` and its function,
   and the column's default.
