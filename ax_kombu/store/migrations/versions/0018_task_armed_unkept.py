@@ -6,7 +6,7 @@ more, yet every claimable row version still paid for it: an entry in ``ix_ax_tas
 for each task enqueued and each retry, requeue or wake, a ``BEFORE UPDATE`` trigger on
 PostgreSQL, and on SQLite a second write of every task inserted (its stamp). Measured by
 ``python -m bench.scatter_cost`` (the index taken away on the same tables; docs/benchmarks.md,
-"Issue 24"): about 0.75 µs less PostgreSQL CPU per enqueued task at 10k rows (6 %; within
+"Issue 24"): about 0.7 µs less PostgreSQL CPU per enqueued task at 10k rows (6 %; within
 the noise at 10M); on SQLite, ``enqueue_many`` 11,800 → 13,600 tasks/s (``python -m
 bench.revision_ab``).
 
