@@ -52,9 +52,7 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from ax_kombu.store.schema import PROBE_SQL
-
-from . import bigtable
+from . import bigtable, dedup_index
 from .common import PG_ADMIN, private_server
 
 #: each index this bench takes away, as ax ships it (PostgreSQL), at fillfactor 70
@@ -65,8 +63,7 @@ _INDEXES = {
                "WITH (fillfactor = 70) WHERE status IN ('CREATED', 'DELAYED', 'READY', "
                "'SUCCESS', 'FAILED', 'CANCELLED')",
     "due": "CREATE INDEX ix_ax_due_time ON ax_due (trigger_time) WITH (fillfactor = 70)",
-    "probe": ("CREATE INDEX ix_ax_fingerprint_probe ON ax_fingerprint (({})) "
-              "WITH (fillfactor = 70)"),
+    "probe": dedup_index.INDEXES["probe"],
 }
 #: what stands in for ``waiting`` while it is away: the same index over the finished states
 _DONE_ONLY = ("CREATE INDEX ix_ax_task_status_trigger ON ax_task (status, trigger_time) "
@@ -100,7 +97,7 @@ def use(engine: Engine, present: frozenset[str], now: set[str]) -> None:
     for name in sorted(present ^ now):
         statements = [f"DROP INDEX IF EXISTS {_NAMES[name]}"]
         if name in present:
-            statements.append(_INDEXES[name].format(PROBE_SQL.format(t="")))
+            statements.append(_INDEXES[name])
         elif name == "waiting":
             statements.append(_DONE_ONLY)
         _autocommit(engine, *statements)

@@ -48,7 +48,6 @@ def _time(engine: Engine, task_id: int) -> int:
                                 {"id": task_id}).scalar_one())
 
 
-
 def test_migration_0016_gives_each_due_task_an_entry(empty_store: Engine) -> None:
     migrate(empty_store, "0015")
     rows = [task_row(1, 5_000, "DELAYED"), task_row(2, 6_000, "READY", node="~parked"),

@@ -77,7 +77,6 @@ def test_the_window_is_the_trigger_time_the_producer_asked_for(client: Client) -
     assert near_asked == first and near_asked.duplicate
 
 
-
 def test_purge_and_archive_take_a_task_s_entry_with_it(client: Client) -> None:
     engine = client.store.engine
     old = client.store.now_ms() - 3_600_000

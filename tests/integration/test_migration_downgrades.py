@@ -28,7 +28,6 @@ def _downgrade(engine: Engine, revision: str) -> None:
         command.downgrade(cfg, revision)
 
 
-
 def _indexes(engine: Engine) -> set[str]:
     return {i["name"] for i in inspect(engine).get_indexes("ax_fingerprint")}
 
