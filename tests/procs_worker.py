@@ -70,3 +70,15 @@ def double(payload: Any, ctx: Context) -> int:
 
 def _private(payload: Any, ctx: Context) -> None:
     raise AssertionError("a private function must never be called by dotted path")
+
+
+async def async_dotted(payload: Any, ctx: Context) -> None:
+    """An ``async def`` reached by dotted path (``tests.procs_worker:async_dotted``): refused,
+    its body never runs."""
+    _count(ctx)
+
+
+@ax.processor("t.returns_coroutine")
+def returns_coroutine(payload: Any, ctx: Context) -> Any:
+    """A plain function handing back a coroutine: the run fails; the body never runs."""
+    return async_dotted(payload, ctx)

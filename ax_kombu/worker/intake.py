@@ -85,7 +85,7 @@ from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.holds import HOLD_AFTER_S, Holds
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome, Pool, Submission
-from ax_kombu.worker.processors import Cancellation, Context, Resolver
+from ax_kombu.worker.processors import Cancellation, Context, Resolver, call
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
 from ax_kombu.worker.results import Counters, ResultWriter
 
@@ -406,7 +406,7 @@ class Intake:
         if type(task.payload) is UnreadablePayload:
             raise ProcessorRefused("the stored payload is not JSON")
         func = self._resolver.resolve(task.processor, task.callback_url)
-        return func(task.payload, ctx)
+        return call(func, task.payload, ctx)
 
     def _done(self, delivery: Delivery, outcome: Outcome) -> None:
         """A run's outcome (pool thread): to the result writer; its message is acked (and

@@ -27,6 +27,7 @@ Every processor is called as ``func(payload, ctx)`` with a :class:`Context`.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from ax_kombu.exceptions import (
     ConfigurationError,
     ProcessorNotFound,
     ProcessorRefused,
+    ValidationError,
 )
 from ax_kombu.worker.callbacks import (
     callback_processor,
@@ -60,15 +62,56 @@ def processor(task_type: str) -> Callable[[F], F]:
 
         @ax.processor("coupon.grant")
         def grant(payload, ctx): ...
+
+    Raises:
+        ValidationError: ``task_type`` is empty, or the callable is an ``async def``
+            (a worker runs processors on threads: it would get a coroutine and never
+            run its body).
     """
     if not task_type or not isinstance(task_type, str):
-        raise ValueError("processor() needs a non-empty task type")
+        raise ValidationError("processor() needs a non-empty task type")
 
     def register(func: F) -> F:
+        if is_async(func):
+            raise ValidationError(
+                f"processor {task_type!r}: {_name(func)} is an async def; ax runs processors "
+                "on worker threads and cannot await it yet. Register a plain function "
+                "(for example one that calls asyncio.run(...))")
         _registry[task_type] = func
         return func
 
     return register
+
+
+def is_async(func: Any) -> bool:
+    """True for an ``async def`` (or async generator) function, a partial of one, or an
+    object whose ``__call__`` is one."""
+    call = getattr(func, "__call__", None)  # noqa: B004 - an instance's async __call__
+    return any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+               for f in (func, call) if f is not None)
+
+
+def _name(func: Any) -> str:
+    return str(getattr(func, "__qualname__", None) or type(func).__name__)
+
+
+def call(func: Callable[..., Any], payload: Any, ctx: Context) -> Any:
+    """Run ``func(payload, ctx)`` and return its value.
+
+    Raises:
+        ProcessorRefused: it returned an awaitable (a coroutine or a future): its body was
+            not run here, so the run fails (no retry) rather than count as a success. A
+            coroutine is closed, so nothing later runs it half-way.
+    """
+    value = func(payload, ctx)
+    if inspect.isawaitable(value):
+        close = getattr(value, "close", None)
+        if callable(close):
+            close()
+        raise ProcessorRefused(
+            f"processor {_name(func)} returned {type(value).__name__}, an awaitable: its body "
+            "did not run (ax cannot await processors yet); register a plain function")
+    return value
 
 
 def registered(task_type: str) -> Callable[..., Any] | None:
@@ -228,5 +271,8 @@ class Resolver:
         if not callable(func) or getattr(func, "__module__", None) != module_name:
             raise ProcessorRefused(f"processor {name!r} refused: not a function defined in "
                                    f"{module_name}")
+        if is_async(func):
+            raise ProcessorRefused(f"processor {name!r} refused: an async def (ax cannot "
+                                   "await processors yet)")
         result: Processor = func
         return result

@@ -692,3 +692,28 @@ def test_a_start_whose_commit_reply_was_lost_still_runs_once(
         dispatch.dispatch([task_id])
         eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
     assert lost == [task_id] and procs_worker.calls[task_id] == 1
+
+
+def test_no_async_body_is_recorded_success_without_running(tmp_path: Path) -> None:
+    """A processor that hands back a coroutine, and an ``async def`` by dotted path: each
+    run FAILED with the reason, no retry, and no body ran (procs_worker counts runs)."""
+    settings = from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.db'}",
+                        broker_url=f"ax+sqlite:///{tmp_path / 'broker.db'}")
+    dispatch = Dispatch(settings)
+    try:
+        wrapped = [dispatch.enqueue("t.returns_coroutine", {"i": i}, max_retry=3)
+                   for i in range(10)]
+        dotted = [dispatch.enqueue("t.x", {"i": i}, processor="tests.procs_worker:async_dotted",
+                                   max_retry=3) for i in range(10)]
+        with running(settings):
+            dispatch.dispatch([*wrapped, *dotted])
+            eventually(lambda: all(dispatch.status(i) is Status.FAILED
+                                   for i in [*wrapped, *dotted]))
+        for task_id in wrapped:
+            view = dispatch.view(task_id)
+            assert view.retry_count == 0 and "an awaitable" in (view.last_error or "")
+        for task_id in dotted:
+            assert "async def" in (dispatch.view(task_id).last_error or "")
+        assert not set(procs_worker.calls) & {*wrapped, *dotted}
+    finally:
+        dispatch.close()

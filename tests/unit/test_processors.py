@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
@@ -17,10 +19,12 @@ from ax_kombu.exceptions import (
     ConfigurationError,
     ProcessorNotFound,
     ProcessorRefused,
+    ValidationError,
 )
 from ax_kombu.worker.processors import (
     Context,
     Resolver,
+    call,
     check_callback_url,
     host_allowed,
     load_modules,
@@ -175,3 +179,41 @@ def test_the_resolved_callback_uses_the_task_timeout(server: str) -> None:
     quick = CTX._replace(timeout_ms=200)
     with pytest.raises(CallbackFailed, match="within 0.2s"):
         call({}, quick)
+
+
+async def _async_body(payload: Any, ctx: Context) -> None:
+    ran.append(payload)
+
+ran: list[Any] = []
+
+
+class _AsyncCall:
+    async def __call__(self, payload: Any, ctx: Context) -> None:
+        ran.append(payload)
+
+
+@pytest.mark.parametrize("func", [_async_body, functools.partial(_async_body), _AsyncCall()],
+                         ids=["async-def", "partial", "async-call"])
+def test_registering_an_async_processor_is_refused_and_registers_nothing(func: Any) -> None:
+    with pytest.raises(ValidationError, match="async def.*plain function"):
+        processor("unit.async")(func)
+    assert registered("unit.async") is None
+
+
+def test_an_empty_task_type_is_a_validation_error() -> None:
+    with pytest.raises(ValidationError, match="non-empty task type"):
+        processor("")
+
+
+def test_a_processor_returning_an_awaitable_fails_and_its_body_never_runs() -> None:
+    ran.clear()
+
+    def sneaky(payload: Any, ctx: Context) -> Any:
+        return _async_body(payload, ctx)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine was never awaited" would be one
+        with pytest.raises(ProcessorRefused, match="returned coroutine, an awaitable"):
+            call(sneaky, {"i": 1}, CTX)
+    assert ran == []
+    assert call(lambda p, c: p * 2, 21, CTX) == 42
