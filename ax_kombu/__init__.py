@@ -31,11 +31,15 @@ from typing import Any
 
 from ax_kombu.api import AttemptView, Client, TaskId, TaskView
 from ax_kombu.config import Settings, from_env
+from ax_kombu.core.backoff import Backoff
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import (
     AxError,
+    Discard,
     IllegalTransition,
     JobNotFound,
+    Retry,
+    Snooze,
     TaskNotFound,
     ValidationError,
     WaitTimeout,
@@ -46,10 +50,14 @@ from ax_kombu.worker.processors import processor
 __all__ = [
     "AttemptView",
     "AxError",
+    "Backoff",
+    "Discard",
     "IllegalTransition",
     "JobNotFound",
     "JobView",
+    "Retry",
     "Settings",
+    "Snooze",
     "Status",
     "TaskId",
     "TaskNotFound",

@@ -167,6 +167,10 @@ class Settings:
     retry_backoff_base_ms: int = 1000
     retry_backoff_max_ms: int = 600_000
     retry_backoff_jitter: float = 0.5
+    #: worker: most times a task may snooze (``raise ax.Snooze(s)``: run again later, no
+    #: retry counted), counted as its attempts that were not retries; past it a snooze
+    #: counts as a failure.
+    max_snoozes: int = 100
     #: worker: on a warm shutdown, how long running tasks may take to finish.
     worker_grace_s: float = 30.0
     #: worker: most state changes written by one statement.
@@ -264,6 +268,8 @@ class Settings:
             raise ConfigurationError("retry_backoff_jitter must be within [0, 1]")
         if self.worker_grace_s < 0:
             raise ConfigurationError("worker_grace_s must be >= 0")
+        if self.max_snoozes < 0:
+            raise ConfigurationError(f"max_snoozes must be >= 0, got {self.max_snoozes}")
 
     @property
     def silence_ms(self) -> int:

@@ -6,6 +6,9 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
+
 
 class AxError(Exception):
     """Root of every error ax raises on purpose."""
@@ -77,6 +80,68 @@ class CallbackFailed(AxError):
     """A callback_url answered with a non-2xx status, failed, or did not answer in time."""
 
     exit_code = 1
+
+
+#: the longest delay a processor may ask for (as far ahead as ``ax.enqueue`` reaches)
+MAX_DELAY_S = 3650 * 86_400.0
+
+
+def delay_seconds(delay: float | timedelta, what: str) -> float:
+    """``delay`` (seconds, or a timedelta) as seconds.
+
+    Raises:
+        ValidationError: not a number, not finite, negative, or past :data:`MAX_DELAY_S`.
+    """
+    if isinstance(delay, timedelta):
+        delay = delay.total_seconds()
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+        raise ValidationError(f"{what} needs a delay in seconds (or a timedelta), got "
+                              f"{type(delay).__name__}")
+    if not (math.isfinite(delay) and 0 <= delay <= MAX_DELAY_S):
+        raise ValidationError(f"{what}: delay must be within 0..{MAX_DELAY_S:.0f} s, got {delay}")
+    return float(delay)
+
+
+class ProcessorDirective(AxError):
+    """Raised by a processor to say what its run's end means (Retry, Snooze, Discard)."""
+
+
+class Retry(ProcessorDirective):
+    """Retry the task (a retry counted against ``max_retry``), after ``delay`` seconds or
+    the type's back-off; with no retries left the task fails as usual."""
+
+    def __init__(self, delay: float | timedelta | None = None, reason: str = "") -> None:
+        self.delay = None if delay is None else delay_seconds(delay, "Retry")
+        self.reason = reason
+        shown = f"retry in {self.delay:g} s" if self.delay is not None else "retry requested"
+        super().__init__(reason or shown)
+
+    def __reduce__(self) -> tuple[type[Retry], tuple[float | None, str]]:
+        return type(self), (self.delay, self.reason)
+
+
+class Snooze(ProcessorDirective):
+    """Run the task again in ``delay`` seconds without counting a retry (at most
+    ``AX_MAX_SNOOZES`` times; past that a snooze counts as a failure)."""
+
+    def __init__(self, delay: float | timedelta, reason: str = "") -> None:
+        self.delay = delay_seconds(delay, "Snooze")
+        self.reason = reason
+        super().__init__(reason or f"snoozed for {self.delay:g} s")
+
+    def __reduce__(self) -> tuple[type[Snooze], tuple[float, str]]:
+        return type(self), (self.delay, self.reason)
+
+
+class Discard(ProcessorDirective):
+    """Fail the task at once, whatever retries are left; ``reason`` is its last_error."""
+
+    def __init__(self, reason: str = "") -> None:
+        self.reason = reason
+        super().__init__(reason or "discarded")
+
+    def __reduce__(self) -> tuple[type[Discard], tuple[str]]:
+        return type(self), (self.reason,)
 
 
 class NodeNameInUse(AxError):

@@ -9,12 +9,20 @@ shortened by a random share of at most ``jitter`` of it, so the delay lies in
 cap, and many tasks that failed together (a downstream outage) do not all
 come back in the same millisecond. The random source is passed in, so tests
 use a seeded ``random.Random``.
+
+A task type may have its own: :class:`Backoff` (``ax.Backoff``, in seconds), given to
+``@ax.processor(…, backoff=…)``, replaces the worker's ``AX_RETRY_BACKOFF_*`` for it; it
+travels in the type's :class:`RetryPolicy` with the exceptions it retries (``retry_on``).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from ax_kombu.exceptions import MAX_DELAY_S, ValidationError
 
 
 class Uniform(Protocol):
@@ -56,3 +64,46 @@ def backoff_ms(retry_count: int, base_ms: int, cap_ms: int, rng: Uniform,
 def default_rng() -> random.Random:
     """A fresh unseeded generator (for production use)."""
     return random.Random()
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """A task type's own back-off (``ax.Backoff``): retry n waits ``min(cap, base · 2ⁿ)``
+    seconds, shortened by a random share of at most ``jitter`` of it.
+
+    Raises:
+        ValidationError: ``base`` or ``cap`` not a number of seconds within
+            0..3650 days, ``cap`` below ``base``, or ``jitter`` outside [0, 1].
+    """
+
+    base: float = 1.0
+    cap: float = 600.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("base", "cap", "jitter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValidationError(f"Backoff {name} must be a finite number, got {value!r}")
+        if not 0 <= self.base <= self.cap <= MAX_DELAY_S:
+            raise ValidationError("Backoff needs 0 <= base <= cap <= 3650 days (seconds), got "
+                                  f"base={self.base}, cap={self.cap}")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValidationError(f"Backoff jitter must be within [0, 1], got {self.jitter}")
+
+    def delay_ms(self, retry_count: int, rng: Uniform) -> int:
+        """The delay before retry number ``retry_count`` (0-based), in ms."""
+        return backoff_ms(retry_count, round(self.base * 1000), round(self.cap * 1000), rng,
+                          self.jitter)
+
+
+class RetryPolicy(NamedTuple):
+    """What a failure means for one processor (``@ax.processor(…, retry_on=…, backoff=…)``;
+    applied by :func:`ax_kombu.worker.outcomes.decide`)."""
+
+    #: only these exceptions are retried (None: any); ``ax.Retry``, ``ax.Snooze`` and
+    #: ``ax.Discard`` keep their meaning whatever this holds
+    retry_on: tuple[type[BaseException], ...] | None = None
+    #: replaces ``AX_RETRY_BACKOFF_*`` for this processor's tasks (None: those)
+    backoff: Backoff | None = None

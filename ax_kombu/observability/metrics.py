@@ -76,7 +76,10 @@ job_misfires_total = Counter("ax_job_misfires_total",
 gate_total = Counter("ax_gate_total",
                      "Gated tasks (order key, limit, job strategy) by what the gated claim did: "
                      "start, wait (parked), cancel (discard), supersede (cover).", ["action"])
-execute_total = Counter("ax_execute_total", "Task runs by outcome (task_type: see type_label).",
+execute_total = Counter("ax_execute_total",
+                        "Task runs by outcome: result is success, error, timeout, abandoned, "
+                        "or what the processor raised: retry (ax.Retry), snooze (ax.Snooze), "
+                        "discard (ax.Discard); task_type: see type_label.",
                         ["queue", "result", "task_type"])
 execute_duration = Histogram("ax_execute_duration_seconds", "Run time of one task.", ["queue"],
                              buckets=_FINE)

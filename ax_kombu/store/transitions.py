@@ -57,7 +57,8 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 
 _PG_TYPES = {"id": "BIGINT", "att": "INTEGER", "st": "TEXT", "at": "BIGINT", "err": "TEXT",
              "res": "TEXT", "type": "TEXT", "node": "TEXT", "trig": "BIGINT", "disp": "BIGINT",
-             "start": "BIGINT", "fin": "BIGINT", "out": "TEXT", "dur": "BIGINT"}
+             "start": "BIGINT", "fin": "BIGINT", "out": "TEXT", "dur": "BIGINT",
+             "inc": "INTEGER"}
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,7 +164,7 @@ _FINISH = """
        SET status = v.st,
            finished_at = CASE WHEN v.st = 'DELAYED' THEN t.finished_at ELSE v.at END,
            trigger_time = CASE WHEN v.st = 'DELAYED' THEN v.at ELSE t.trigger_time END,
-           retry_count = t.retry_count + CASE WHEN v.st = 'DELAYED' THEN 1 ELSE 0 END,
+           retry_count = t.retry_count + CASE WHEN v.st = 'DELAYED' THEN v.inc ELSE 0 END,
            last_error = CASE WHEN v.st = 'SUCCESS' THEN t.last_error ELSE v.err END,
            result = CASE WHEN v.st = 'SUCCESS' THEN v.res ELSE t.result END,
            last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END,
@@ -225,8 +226,15 @@ def hand_back_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str
     return len(_run_batch(conn, ("id", "att"), _HAND_BACK, pairs, node=node))
 
 
+#: a run the processor snoozed (``ax.Snooze``): DELAYED again, no retry counted
+SNOOZED = "SNOOZED"
+#: a run the processor (or a callback's 4xx answer) discarded (``ax.Discard``): FAILED
+#: at once, whatever retries were left
+DISCARDED = "DISCARDED"
+
+
 class Finish(NamedTuple):
-    """The end of one run: SUCCESS, FAILED, or DELAYED (a retry).
+    """The end of one run: SUCCESS, FAILED, or DELAYED (a retry, or a snooze).
 
     ``at_ms`` is ``finished_at`` for SUCCESS and FAILED, the new
     ``trigger_time`` for DELAYED.
@@ -242,6 +250,9 @@ class Finish(NamedTuple):
     #: when the run really started (a run staged in its worker starts after its RUNNING
     #: move wrote ``started_at``); None keeps the written one
     started_at: int | None = None
+    #: how the run ended when its status alone does not say: :data:`SNOOZED` (DELAYED
+    #: without a retry counted) or :data:`DISCARDED` (FAILED); its attempt's ``outcome``
+    kind: str | None = None
 
 
 _FINISH_TARGETS = frozenset({S.SUCCESS, S.FAILED, S.DELAYED})
@@ -269,8 +280,9 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     """RUNNING → SUCCESS | FAILED | DELAYED for each result whose row is at its attempt.
 
     Columns set: SUCCESS ``finished_at``, ``result``; FAILED ``finished_at``,
-    ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1``,
-    ``last_error`` and ``last_run_node = NULL`` (a scheduler adopts it); and
+    ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1`` (unchanged for a
+    :data:`SNOOZED` run), ``last_error`` and ``last_run_node = NULL`` (a scheduler
+    adopts it); and
     ``started_at`` where the result gives the run's real start.
 
     ``last_error`` and ``result`` are written :func:`storable` (callers pass them
@@ -285,8 +297,10 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
         if result.status not in _FINISH_TARGETS:
             raise IllegalTransition(f"a run cannot end in {result.status}")
     rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, _storable(r.error),
-             _storable(r.result), r.started_at) for r in results]
-    return _run_batch(conn, ("id", "att", "st", "at", "err", "res", "start"), _FINISH, rows)
+             _storable(r.result), r.started_at, 0 if r.kind == SNOOZED else 1)
+            for r in results]
+    return _run_batch(conn, ("id", "att", "st", "at", "err", "res", "start", "inc"), _FINISH,
+                      rows)
 
 
 class Attempt(NamedTuple):
@@ -302,7 +316,9 @@ class Attempt(NamedTuple):
     dispatched_at: int | None
     started_at: int | None
     finished_at: int
-    #: SUCCESS, FAILED, RETRY, CANCELLED, LOST or UNACKED (see ax_kombu.store.schema)
+    #: SUCCESS, FAILED, RETRY, CANCELLED, LOST or UNACKED (see ax_kombu.store.schema);
+    #: SNOOZED (the processor raised ``ax.Snooze``: due again, no retry counted) or
+    #: DISCARDED (``ax.Discard``, or a callback's 4xx answer: failed, no retry)
     outcome: str
     error: str | None = None
     duration_ms: int | None = None

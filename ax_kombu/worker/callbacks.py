@@ -2,9 +2,19 @@
 
 A task with a ``callback_url`` runs as an HTTP ``POST`` of
 ``{"payload", "task_id", "attempt", "trace_id"}`` (JSON, with an ``X-Trace-Id``
-header; an occurrence of a recurring job adds ``"job"`` and ``"scheduled_at"``). A 2xx answer is success; anything else is a failure. A callback_url
-comes from whoever could enqueue a task (or write to the broker), so the call
-is made as if the URL were hostile:
+header; an occurrence of a recurring job adds ``"job"`` and ``"scheduled_at"``). A 2xx
+answer is success; anything else is a failure, whose meaning the status gives:
+
+- **4xx but 408 and 429**: the receiver refuses the request itself, and sending it again
+  cannot help: discarded (``ax.Discard``: FAILED at once, no retry).
+- **429, 5xx, 408**: retried (``ax.Retry``, counted against ``max_retry``) after the
+  answer's ``Retry-After`` (seconds, or an HTTP date), at most
+  :data:`MAX_RETRY_AFTER_S` (one hour); without one, after the worker's back-off.
+- **A connection error, no complete answer in time, a 3xx**: a plain failure, retried
+  after the back-off.
+
+A callback_url comes from whoever could enqueue a task (or write to the broker), so the
+call is made as if the URL were hostile:
 
 - **http and https only.** Any other scheme, or a URL without a host, is
   refused (:class:`~ax_kombu.exceptions.ProcessorRefused`: final, no retry).
@@ -57,6 +67,8 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
@@ -73,7 +85,7 @@ from urllib3.exceptions import (
 )
 
 from ax_kombu.config import redact_url
-from ax_kombu.exceptions import CallbackFailed, ProcessorRefused
+from ax_kombu.exceptions import CallbackFailed, Discard, ProcessorRefused, Retry
 from ax_kombu.worker.callback_http import Call, current_expired, deadline_scope, pools
 
 if TYPE_CHECKING:
@@ -81,6 +93,10 @@ if TYPE_CHECKING:
 
 #: bytes of a callback's answer that are read (and discarded); the rest is never read
 MAX_ANSWER = 65536
+#: the longest ``Retry-After`` honoured, in seconds: a longer one waits this long
+MAX_RETRY_AFTER_S = 3600.0
+#: 4xx statuses that are retried: Request Timeout, Too Many Requests
+_RETRIED_4XX = frozenset({408, 429})
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
@@ -223,6 +239,47 @@ def resolve_checked(target: Target, allowed: bool, timeout_s: float) -> list[str
     return addresses
 
 
+# --- what an answer means -------------------------------------------------------------------
+
+
+class CallbackDiscarded(Discard, CallbackFailed):
+    """A callback answered a 4xx status other than 408 and 429: FAILED, no retry."""
+
+
+class CallbackRetry(Retry, CallbackFailed):
+    """A callback answered 408, 429 or 5xx: retried, after its Retry-After if it gave one."""
+
+
+def retry_after(value: str | None, now_s: float, cap_s: float = MAX_RETRY_AFTER_S
+                ) -> float | None:
+    """The delay a ``Retry-After`` header asks for, in seconds within ``[0, cap_s]``: a
+    number of seconds, or an HTTP date (its distance from ``now_s``, epoch seconds; a past
+    date is 0). None: no header, or one that is neither.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), cap_s)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT (parsedate reads "-0000" as no zone)
+        when = when.replace(tzinfo=UTC)
+    return min(max(when.timestamp() - now_s, 0.0), cap_s)
+
+
+def answer_failure(status: int, retry_after_s: float | None) -> CallbackFailed:
+    """The error a non-2xx ``status`` is raised as (see the module docstring)."""
+    reason = f"callback answered HTTP {status}"
+    if 400 <= status < 500 and status not in _RETRIED_4XX:
+        return CallbackDiscarded(reason)
+    if status >= 500 or status in _RETRIED_4XX:
+        return CallbackRetry(retry_after_s, reason)
+    return CallbackFailed(reason)
+
+
 # --- the call -------------------------------------------------------------------------------
 
 
@@ -247,9 +304,17 @@ def _headers(target: Target, body: bytes, trace_id: str, secret: str) -> dict[st
     return headers
 
 
+class Answer(NamedTuple):
+    """What is kept of a callback's answer."""
+
+    status: int
+    #: its ``Retry-After`` header, as sent (None: none)
+    retry_after: str | None = None
+
+
 def _exchange(pool: HTTPConnectionPool, target: Target, body: bytes,
-              headers: dict[str, str], call: Call) -> int:
-    """Send the request and read at most MAX_ANSWER bytes of the answer; returns the status."""
+              headers: dict[str, str], call: Call) -> Answer:
+    """Send the request and read at most MAX_ANSWER bytes of the answer."""
     remaining = call.remaining()
     if remaining <= 0:
         raise Urllib3Timeout("deadline passed")
@@ -271,7 +336,7 @@ def _exchange(pool: HTTPConnectionPool, target: Target, body: bytes,
         answer.release_conn()
     if call.expired or (not complete and read < MAX_ANSWER):
         raise Urllib3Timeout("deadline passed")  # a truncated answer is no answer
-    return int(answer.status)
+    return Answer(int(answer.status), answer.headers.get("Retry-After"))
 
 
 def _failure(exc: BaseException, url: str, timeout_s: float) -> CallbackFailed:
@@ -302,7 +367,9 @@ def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float, *,
 
     Raises:
         ProcessorRefused: not http(s), a host not allowed, or an internal address.
-        CallbackFailed: a non-2xx status, a connection error, or no complete answer in time.
+        CallbackFailed: a non-2xx status, a connection error, or no complete answer in
+            time; for a status, a :class:`CallbackDiscarded` or a :class:`CallbackRetry`
+            (:func:`answer_failure`).
     """
     deadline = time.monotonic() + timeout_s
     hosts = tuple(allow_hosts)
@@ -315,14 +382,14 @@ def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float, *,
         fields.update(job=ctx.job, scheduled_at=ctx.scheduled_at)
     body = json.dumps(fields).encode()
     headers = _headers(target, body, ctx.trace_id, secret)
-    status = _call(target, addresses, body, headers, deadline, url, timeout_s)
-    if not 200 <= status < 300:
-        raise CallbackFailed(f"callback answered HTTP {status}")
-    return status
+    answer = _call(target, addresses, body, headers, deadline, url, timeout_s)
+    if not 200 <= answer.status < 300:
+        raise answer_failure(answer.status, retry_after(answer.retry_after, time.time()))
+    return answer.status
 
 
 def _call(target: Target, addresses: list[str], body: bytes, headers: dict[str, str],
-          deadline: float, url: str, timeout_s: float) -> int:
+          deadline: float, url: str, timeout_s: float) -> Answer:
     """The status of the first address that accepts a connection (the next on a refusal)."""
     with deadline_scope(deadline) as call:
         for i, address in enumerate(addresses):

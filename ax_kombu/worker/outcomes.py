@@ -1,8 +1,23 @@
 """What a run's outcome is stored as: the state change it leads to, and texts the store takes.
 
-Pure (no I/O): :func:`decide` turns one :class:`RunResult` into a
-:class:`~ax_kombu.store.transitions.Finish`, and everything it puts into a text
-column has passed through here first:
+Pure (no I/O): :func:`decide` turns one :class:`RunResult` (and its processor's
+:class:`~ax_kombu.core.backoff.RetryPolicy`, if it registered one) into a
+:class:`~ax_kombu.store.transitions.Finish`. What a failure means, first rule that applies:
+
+* a timeout, or a run abandoned at shutdown → a retry, if any is left (ax's doing, not
+  the processor's: ``retry_on`` does not apply);
+* :class:`~ax_kombu.exceptions.ProcessorRefused` → FAILED (retrying cannot help);
+* :class:`~ax_kombu.exceptions.Discard` → FAILED at once, attempt kind DISCARDED;
+* :class:`~ax_kombu.exceptions.Snooze` → DELAYED at the run's end + its delay, no retry
+  counted, attempt kind SNOOZED, while the task's attempts that were not retries
+  (``attempt − 1 − retry_count``: snoozes, and dispatches again after a lost message)
+  are fewer than ``AX_MAX_SNOOZES``; past that, a failure (next rules);
+* :class:`~ax_kombu.exceptions.Retry` → a retry after its delay (none given: the back-off);
+* any other exception that is not one of the policy's ``retry_on`` → FAILED at once;
+* otherwise → a retry after the back-off (the policy's, else ``AX_RETRY_BACKOFF_*``).
+
+A retry is DELAYED with ``retry_count + 1`` if ``retry_count < max_retry``, else FAILED.
+Everything decide puts into a text column has passed through here first:
 
 * an error's text (``last_error``, the attempt history) is redacted
   (:func:`~ax_kombu.config.redact_url`: a callback's URL may carry a token), made
@@ -28,10 +43,10 @@ from typing import Any, NamedTuple, TypeVar
 
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings, redact_url
-from ax_kombu.core.backoff import Uniform, backoff_ms
+from ax_kombu.core.backoff import RetryPolicy, Uniform, backoff_ms
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import ProcessorRefused
-from ax_kombu.store.transitions import Finish, storable
+from ax_kombu.exceptions import Discard, ProcessorRefused, Retry, Snooze
+from ax_kombu.store.transitions import DISCARDED, SNOOZED, Finish, storable
 from ax_kombu.worker.pools import Outcome
 
 #: longest error text stored (``last_error``, an attempt's ``error``), in characters
@@ -107,22 +122,75 @@ def stored_result(value: Any, limit: int) -> tuple[str | None, str | None]:
     return text, None
 
 
-def decide(result: RunResult, settings: Settings, rng: Uniform) -> Finish:
-    """The state change a run's outcome leads to (see :mod:`ax_kombu.worker.results`)."""
+def decide(result: RunResult, settings: Settings, rng: Uniform,
+           policy: RetryPolicy | None = None) -> Finish:
+    """The state change a run's outcome leads to: the rules in this module's docstring.
+
+    Args:
+        policy: the task's processor's own (None: retry any exception, with
+            ``AX_RETRY_BACKOFF_*``).
+    """
     task, outcome = result.task, result.outcome
     if outcome.ok:
         stored, _ = stored_result(outcome.value, settings.max_result_bytes)
         return Finish(task.task_id, task.attempt, Status.SUCCESS, result.ended_ms,
                       result=stored, started_at=task.started_at)
-    error = describe(result)
-    final = isinstance(outcome.error, ProcessorRefused) or task.retry_count >= task.max_retry
-    if final:
-        return Finish(task.task_id, task.attempt, Status.FAILED, result.ended_ms, error,
-                      started_at=task.started_at)
-    delay = backoff_ms(task.retry_count, settings.retry_backoff_base_ms,
-                       settings.retry_backoff_max_ms, rng, settings.retry_backoff_jitter)
-    return Finish(task.task_id, task.attempt, Status.DELAYED, result.ended_ms + delay, error,
-                  started_at=task.started_at)
+    error, raised = describe(result), outcome.error
+    retry = _Retry(result, settings, rng, policy)
+    if outcome.timed_out or outcome.abandoned is not None or raised is None:
+        return retry(error)
+    if isinstance(raised, ProcessorRefused):
+        return _end(result, Status.FAILED, result.ended_ms, error)
+    if isinstance(raised, Discard):
+        return _end(result, Status.FAILED, result.ended_ms, error, DISCARDED)
+    if isinstance(raised, Snooze):
+        if task.attempt - 1 - task.retry_count < settings.max_snoozes:
+            return _end(result, Status.DELAYED, result.ended_ms + _ms(raised.delay), error,
+                        SNOOZED)
+        return retry(error_text(f"snooze bound reached (AX_MAX_SNOOZES="
+                                f"{settings.max_snoozes}), counted as a failure: {error}"))
+    if isinstance(raised, Retry):
+        return retry(error, None if raised.delay is None else _ms(raised.delay))
+    if policy is not None and policy.retry_on is not None \
+            and not isinstance(raised, policy.retry_on):
+        return _end(result, Status.FAILED, result.ended_ms, error_text(
+            f"{error} (not retried: not one of the processor's retry_on)"))
+    return retry(error)
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def _end(result: RunResult, status: Status, at_ms: int, error: str,
+         kind: str | None = None) -> Finish:
+    task = result.task
+    return Finish(task.task_id, task.attempt, status, at_ms, error,
+                  started_at=task.started_at, kind=kind)
+
+
+class _Retry(NamedTuple):
+    """A run's retry: DELAYED after a delay (None: the back-off) if one is left, else FAILED."""
+
+    result: RunResult
+    settings: Settings
+    rng: Uniform
+    policy: RetryPolicy | None
+
+    def __call__(self, error: str, delay_ms: int | None = None) -> Finish:
+        result = self.result
+        if result.task.retry_count >= result.task.max_retry:
+            return _end(result, Status.FAILED, result.ended_ms, error)
+        if delay_ms is None:
+            delay_ms = self._backoff_ms()
+        return _end(result, Status.DELAYED, result.ended_ms + delay_ms, error)
+
+    def _backoff_ms(self) -> int:
+        retry_count, settings = self.result.task.retry_count, self.settings
+        if self.policy is not None and self.policy.backoff is not None:
+            return self.policy.backoff.delay_ms(retry_count, self.rng)
+        return backoff_ms(retry_count, settings.retry_backoff_base_ms,
+                          settings.retry_backoff_max_ms, self.rng, settings.retry_backoff_jitter)
 
 
 def refused(ended_ms: int, finish: Finish, error: BaseException) -> Finish:

@@ -22,6 +22,14 @@ A task names its processor in one of three ways, resolved in this order:
    :mod:`ax_kombu.worker.callbacks`.
 
 Every processor is called as ``func(payload, ctx)`` with a :class:`Context`.
+
+**What a failure means** is the processor's to say: it may raise ``ax.Retry(delay=…)``
+(a retry, after that delay), ``ax.Snooze(s)`` (run again later, no retry counted) or
+``ax.Discard(reason)`` (fail now), and a registration may carry a
+:class:`~ax_kombu.core.backoff.RetryPolicy` (``retry_on``: the only exceptions retried;
+``backoff``: its own back-off). The result
+writer looks the policy up by the task's processor name (:func:`policy_of`) and
+:func:`~ax_kombu.worker.outcomes.decide` applies it.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeVar
 
+from ax_kombu.core.backoff import Backoff, RetryPolicy
 from ax_kombu.exceptions import (
     ConfigurationError,
     ProcessorNotFound,
@@ -46,30 +55,42 @@ from ax_kombu.worker.callbacks import (
     post_callback,
 )
 
-__all__ = ["Context", "Resolver", "check_callback_url", "host_allowed", "load_modules",
-           "post_callback", "processor", "registered", "split_names"]
+__all__ = ["Context", "Resolver", "RetryPolicy", "check_callback_url", "host_allowed",
+           "load_modules", "policy_of", "post_callback", "processor", "registered",
+           "split_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Processor = Callable[[Any, "Context"], Any]
 
 _registry: dict[str, Callable[..., Any]] = {}
+_policies: dict[str, RetryPolicy] = {}
 
 
-def processor(task_type: str) -> Callable[[F], F]:
+def processor(task_type: str, *, retry_on: tuple[type[BaseException], ...] | None = None,
+              backoff: Backoff | None = None) -> Callable[[F], F]:
     """Register the decorated callable as the processor of ``task_type``.
 
     Example::
 
-        @ax.processor("coupon.grant")
-        def grant(payload, ctx): ...
+        @ax.processor("sms.send", retry_on=(TimeoutError,),
+                      backoff=ax.Backoff(base=1, cap=600, jitter=0.5))
+        def send(payload, ctx): ...
 
+    Args:
+        retry_on: the exception classes whose runs are retried; any other exception
+            fails its task at once (None: every exception is retried). ``ax.Retry``,
+            ``ax.Snooze`` and ``ax.Discard`` mean what they say whatever this holds, and
+            timeouts are retried.
+        backoff: this type's back-off, instead of the worker's ``AX_RETRY_BACKOFF_*``.
     Raises:
-        ValidationError: ``task_type`` is empty, or the callable is an ``async def``
-            (a worker runs processors on threads: it would get a coroutine and never
-            run its body).
+        ValidationError: ``task_type`` is empty, ``retry_on`` is not a tuple of exception
+            classes, ``backoff`` is not an ``ax.Backoff``, or the callable is an
+            ``async def`` (a worker runs processors on threads: it would get a coroutine
+            and never run its body). Nothing is registered.
     """
     if not task_type or not isinstance(task_type, str):
         raise ValidationError("processor() needs a non-empty task type")
+    policy = _policy(task_type, retry_on, backoff)
 
     def register(func: F) -> F:
         if is_async(func):
@@ -78,9 +99,33 @@ def processor(task_type: str) -> Callable[[F], F]:
                 "on worker threads and cannot await it yet. Register a plain function "
                 "(for example one that calls asyncio.run(...))")
         _registry[task_type] = func
+        if policy is None:
+            _policies.pop(task_type, None)
+        else:
+            _policies[task_type] = policy
         return func
 
     return register
+
+
+def _policy(task_type: str, retry_on: Any, backoff: Any) -> RetryPolicy | None:
+    """``processor()``'s policy arguments, checked (None: neither given)."""
+    if retry_on is not None and not (
+            isinstance(retry_on, tuple) and all(
+                isinstance(c, type) and issubclass(c, BaseException) for c in retry_on)):
+        raise ValidationError(f"processor {task_type!r}: retry_on must be a tuple of "
+                              f"exception classes, got {retry_on!r}")
+    if backoff is not None and not isinstance(backoff, Backoff):
+        raise ValidationError(f"processor {task_type!r}: backoff must be an ax.Backoff, got "
+                              f"{type(backoff).__name__}")
+    if retry_on is None and backoff is None:
+        return None
+    return RetryPolicy(retry_on, backoff)
+
+
+def policy_of(name: str | None) -> RetryPolicy | None:
+    """The policy registered with the processor ``name`` (None: none, or not registered)."""
+    return _policies.get(name) if name else None
 
 
 def is_async(func: Any) -> bool:

@@ -14,17 +14,22 @@ Decisions, for a run of attempt *a* of a task:
   ``retry_count + 1``, ``last_error``, ``last_run_node = NULL`` (a scheduler
   adopts it like any delayed task);
 * otherwise, or a processor refused as not allowed (retrying cannot help)
-  → FAILED with ``finished_at`` and ``last_error``.
+  → FAILED with ``finished_at`` and ``last_error``;
+* what the processor said its failure means (``ax.Retry``, ``ax.Snooze``,
+  ``ax.Discard``, its registration's ``retry_on`` and ``backoff``) comes first:
+  :func:`~ax_kombu.worker.outcomes.decide` has the rules, this writer looks the
+  registered policy up by the task's processor name.
 
 Every write is fenced by attempt and status RUNNING: a task cancelled or
 recovered by a scheduler meanwhile is left alone (counted as ``stale``).
 
 The same transaction stores a success's return value (as JSON, up to
 ``max_result_bytes``) and adds to the attempt history (``ax_attempt``) the runs
-that did not end their task: a retried failure (RETRY), a run whose end moved
-nothing (CANCELLED; a recovery that declared it lost wrote first and keeps its
-record), a success whose value was refused (with the note). A plain final end
-is the task row itself: a task that succeeds at once costs no history write.
+that did not end their task: a retried failure (RETRY), a snoozed run (SNOOZED), a
+run whose end moved nothing (CANCELLED; a recovery that declared it lost wrote first
+and keeps its record), a success whose value was refused (with the note); and a
+discarded run (DISCARDED), though it ends its task. A plain final end is the task
+row itself: a task that succeeds at once costs no history write.
 What goes into a text column is made storable first (:mod:`ax_kombu.worker.outcomes`:
 no NUL, no lone surrogate, error text capped).
 
@@ -70,13 +75,15 @@ from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
 from ax_kombu.core.backoff import Uniform, default_rng
 from ax_kombu.core.states import Status
+from ax_kombu.exceptions import Retry
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, transitions
 from ax_kombu.store.engine import lost_connection
 from ax_kombu.store.tasks import wake_schedulers
-from ax_kombu.store.transitions import Finish
+from ax_kombu.store.transitions import DISCARDED, SNOOZED, Finish
 from ax_kombu.worker.outcomes import RunResult, decide, refused, refused_alone, stored_result
 from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.processors import policy_of
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +168,37 @@ def _children(queue_name: str, kind: str, type_label: str) -> tuple[Any, Any]:
             metrics.execute_duration.labels(queue=queue_name))
 
 
+#: the worker's counter of each way a run ends (``ResultWriter.stats``)
+_COUNTED: dict[str | Status | None, str] = {
+    Status.SUCCESS: "succeeded", Status.FAILED: "failed", Status.DELAYED: "retried",
+    SNOOZED: "snoozed", DISCARDED: "discarded"}
+
+#: the ``result`` label of a run its processor ended with ax.Retry, ax.Snooze or ax.Discard
+_ASKED = {SNOOZED: "snooze", DISCARDED: "discard"}
+
+
+def _kind(result: RunResult, finish: Finish) -> str:
+    """A run's ``result`` label in ``ax_execute_total``."""
+    outcome = result.outcome
+    if outcome.ok:
+        return "success"
+    if outcome.timed_out:
+        return "timeout"
+    if outcome.abandoned is not None:
+        return "abandoned"
+    if finish.kind is not None:
+        return _ASKED[finish.kind]
+    return "retry" if isinstance(outcome.error, Retry) else "error"
+
+
 def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
     """A batch's runs in the metrics: a count per (queue, outcome, type label), durations,
     retry counts."""
     runs: dict[tuple[str, str, str], list[float]] = {}
-    for result in batch:
-        outcome = result.outcome
-        kind = ("success" if outcome.ok else "timeout" if outcome.timed_out
-                else "abandoned" if outcome.abandoned is not None else "error")
+    for result, finish in zip(batch, finishes, strict=True):
+        kind = _kind(result, finish)
         key = (result.task.priority, kind, metrics.type_label(result.task.task_type))
-        runs.setdefault(key, []).append(outcome.duration_s)
+        runs.setdefault(key, []).append(result.outcome.duration_s)
     for (queue_name, kind, type_label), durations in runs.items():
         total, duration = _children(queue_name, kind, type_label)
         total.inc(len(durations))
@@ -317,7 +345,8 @@ class ResultWriter:
         """Write ``batch``. One the store refuses for its data is halved until the refused
         outcome is alone (:func:`~ax_kombu.worker.outcomes.refused_alone`), which is then
         recorded FAILED with the reason; the others are written as they are."""
-        finishes = [decide(q.result, self.settings, self.rng) for q in batch]
+        finishes = [decide(q.result, self.settings, self.rng, policy_of(q.result.task.processor))
+                    for q in batch]
         for (queued, finish), error in refused_alone(
                 list(zip(batch, finishes, strict=True)),
                 lambda pairs: self._commit([q for q, _ in pairs], [f for _, f in pairs])):
@@ -380,7 +409,7 @@ class ResultWriter:
         transitions.record_attempts(conn, [  # a plain final end: the task row
             self._attempt(r, f, f.task_id in moved)
             for r, f in zip(batch, finishes, strict=True)
-            if f.status is Status.DELAYED or f.task_id not in moved
+            if f.status is Status.DELAYED or f.task_id not in moved or f.kind is not None
             or _result_not_stored(r, f)])
         retries = [f.at_ms for f in finishes if f.status is Status.DELAYED and f.task_id in moved]
         if retries:  # due soon: schedulers load it now, not at the next preload
@@ -415,7 +444,7 @@ class ResultWriter:
         return transitions.Attempt(
             task.task_id, task.attempt, task.task_type, self.node, task.trigger_time,
             task.dispatched_at, task.started_at, result.ended_ms,
-            _OUTCOMES[finish.status] if moved else "CANCELLED", error,
+            (finish.kind or _OUTCOMES[finish.status]) if moved else "CANCELLED", error,
             round(outcome.duration_s * 1000))
 
     def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
@@ -434,9 +463,10 @@ class ResultWriter:
                 log.info("result not recorded: the task was cancelled or recovered meanwhile",
                          extra=extra)
                 continue
-            self.stats.add({Status.SUCCESS: "succeeded", Status.FAILED: "failed",
-                            Status.DELAYED: "retried"}[finish.status])
-            if finish.status is not Status.SUCCESS:
+            self.stats.add(_COUNTED.get(finish.kind) or _COUNTED[finish.status])
+            if finish.kind == SNOOZED:
+                log.info("task run snoozed", extra={**extra, "error": finish.error})
+            elif finish.status is not Status.SUCCESS:
                 log.warning("task run failed", extra={**extra, "error": finish.error})
         if succeeded:
             self.stats.add("succeeded", succeeded)

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from ax_kombu.core.backoff import backoff_ms, ceiling_ms
+from ax_kombu.core.backoff import Backoff, backoff_ms, ceiling_ms
+from ax_kombu.exceptions import ValidationError
 
 
 class Fixed:
@@ -64,3 +65,25 @@ def test_same_seed_same_delays() -> None:
 def test_jitter_outside_zero_one_is_refused(jitter: float) -> None:
     with pytest.raises(ValueError):
         backoff_ms(0, 100, 1000, Fixed(0.5), jitter=jitter)
+
+
+# --- a task type's own back-off (ax.Backoff, seconds) ---------------------------------------
+
+
+def test_a_type_backoff_is_in_seconds_and_doubles_to_its_cap() -> None:
+    backoff = Backoff(base=1, cap=600, jitter=0.5)
+    assert [backoff.delay_ms(n, Fixed(0.0)) for n in (0, 1, 2, 9, 10, 50)] == [
+        1000, 2000, 4000, 512_000, 600_000, 600_000]
+    assert backoff.delay_ms(3, Fixed(0.999999)) == 4001  # at most half taken off
+    assert Backoff(base=0.25, cap=1, jitter=0).delay_ms(1, Fixed(0.9)) == 500
+    assert Backoff() == Backoff(base=1.0, cap=600.0, jitter=0.5)
+
+
+@pytest.mark.parametrize("options", [
+    {"base": -1}, {"cap": -5, "base": 0}, {"base": 10, "cap": 5}, {"jitter": -0.1},
+    {"jitter": 1.5}, {"base": float("nan")}, {"cap": float("inf")}, {"base": "1"},
+    {"jitter": True}, {"cap": 3651 * 86_400},
+])
+def test_a_bad_type_backoff_is_refused(options: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Backoff(**options)  # type: ignore[arg-type]
