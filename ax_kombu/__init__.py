@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from ax_kombu.api import AttemptView, Client, TaskId, TaskView
+from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.backoff import Backoff
 from ax_kombu.core.states import Status
@@ -41,10 +41,13 @@ from ax_kombu.exceptions import (
     Retry,
     Snooze,
     TaskNotFound,
+    TooLateToMove,
     ValidationError,
     WaitTimeout,
 )
+from ax_kombu.moving import UNCHANGED as _UNCHANGED
 from ax_kombu.recurring import JobView, periodic
+from ax_kombu.views import AttemptView, Move, TaskId, TaskView
 from ax_kombu.worker.processors import processor
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "IllegalTransition",
     "JobNotFound",
     "JobView",
+    "Move",
     "Retry",
     "Settings",
     "Snooze",
@@ -62,9 +66,11 @@ __all__ = [
     "TaskId",
     "TaskNotFound",
     "TaskView",
+    "TooLateToMove",
     "ValidationError",
     "WaitTimeout",
     "cancel",
+    "cancel_many",
     "client",
     "configure",
     "enqueue",
@@ -76,7 +82,9 @@ __all__ = [
     "pause",
     "periodic",
     "processor",
+    "reschedule",
     "resume",
+    "run_now",
     "schedule",
     "set_limit",
     "unschedule",
@@ -120,7 +128,8 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
             timeout_ms: int | None = None, processor: str | None = None,
             callback_url: str | None = None, trace_id: str | None = None,
             order_key: str | None = None, order_policy: str = "hold_failed",
-            shards: int | str | None = None) -> TaskId:
+            shards: int | str | None = None, unique: str = "always",
+            on_conflict: str = "keep", connection: Any = None) -> TaskId:
     """Schedule one task.
 
     Args:
@@ -132,6 +141,11 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
             Either reaches at most 3650 days ahead.
         priority: "high", "default" or "slow" — the queue it is dispatched to.
         biz_key: makes enqueue idempotent per (task_type, biz_key); ≤ 255 characters.
+        unique: with a biz_key, ``"always"`` (default: the key is held for good) or
+            ``"pending"`` (held only until its task finishes; then a new task takes it).
+        on_conflict: with a biz_key, ``"keep"`` (default: the existing task stays as it
+            is) or ``"replace"`` (a holder that has not started takes this payload and
+            time, as :func:`reschedule` moves it: a debounce; ``.replaced`` is True).
         max_retry: retries after a failure, 0..1000 (default AX_DEFAULT_MAX_RETRY).
         timeout_ms: how long one run may take, 1 ms..7 days (default AX_DEFAULT_TIMEOUT_MS).
         processor: a registered name or ``package.module:function`` (≤ 255); or
@@ -147,25 +161,34 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
             task per live worker consuming the priority's queue, resolved when it is
             dispatched, each run on its worker (a worker that dies before its shard
             starts: the shard goes to another one).
+        connection: write in the caller's transaction instead of one of ax's own: a
+            SQLAlchemy Connection or Session on the ax database, a psycopg2 or psycopg 3
+            connection, or ``django.db.connection`` inside ``atomic()``. The task commits
+            or rolls back with the caller's writes (:mod:`ax_kombu.store.borrowed` says
+            what holds, and which locks last until the commit).
     Returns:
         The task id, an int; ``.created`` is False if it duplicated an existing task;
-        with ``shards``, it is shard 0's and ``.shards`` lists every shard's id.
+        ``.replaced`` is True if it replaced one; with ``shards``, it is shard 0's and
+        ``.shards`` lists every shard's id.
     Raises:
-        ValidationError: bad input; nothing was written.
+        ValidationError: bad input, or a ``connection`` that cannot be used; nothing was
+            written.
     """
     return client().enqueue(task_type, payload, run_at=run_at, delay=delay, priority=priority,
                             biz_key=biz_key, max_retry=max_retry, timeout_ms=timeout_ms,
                             processor=processor, callback_url=callback_url, trace_id=trace_id,
-                            order_key=order_key, order_policy=order_policy, shards=shards)
+                            order_key=order_key, order_policy=order_policy, shards=shards,
+                            unique=unique, on_conflict=on_conflict, connection=connection)
 
 
-def enqueue_many(items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
-    """Schedule many tasks in one transaction; each item holds :func:`enqueue`'s arguments.
+def enqueue_many(items: Iterable[Mapping[str, Any]], *, connection: Any = None) -> list[TaskId]:
+    """Schedule many tasks in one transaction (with ``connection``, the caller's, as for
+    :func:`enqueue`); each item holds :func:`enqueue`'s arguments.
 
     Raises:
         ValidationError: any item is invalid (the message names it); nothing was written.
     """
-    return client().enqueue_many(items)
+    return client().enqueue_many(items, connection=connection)
 
 
 def get(task_id: int) -> TaskView:
@@ -179,9 +202,62 @@ def wait(task_id: int, timeout: float = 30.0) -> TaskView:
     return client().wait(task_id, timeout)
 
 
-def cancel(task_id: int) -> TaskView:
-    """Cancel a task that has not finished. Raises TaskNotFound or IllegalTransition."""
-    return client().cancel(task_id)
+def cancel(task_id: int | None = None, *, task_type: str | None = None,
+           biz_key: str | None = None) -> TaskView:
+    """Cancel a task that has not finished, named by its id or by ``(task_type, biz_key)``.
+    A task staged on a worker is stopped before it starts; a running one sees
+    ``ctx.cancelled``.
+
+    Raises:
+        ValidationError: both or neither ways of naming the task.
+        TaskNotFound: no such task.
+        IllegalTransition: it has already finished.
+    """
+    return client().cancel(task_id, task_type=task_type, biz_key=biz_key)
+
+
+def cancel_many(*, task_type: str | None = None, status: str | None = None,
+                biz_keys: Iterable[str] | None = None,
+                since: float | timedelta | None = None) -> int:
+    """Cancel every unfinished task matching all the filters given (as ``ax list``'s);
+    returns how many.
+
+    Args:
+        task_type: only tasks of this type.
+        status: only tasks in this (unfinished) status.
+        biz_keys: only tasks holding one of these keys.
+        since: only tasks created within the last ``since`` seconds (or timedelta).
+    Raises:
+        ValidationError: neither task_type nor biz_keys, a final status, a bad filter;
+            nothing changed.
+    """
+    return client().cancel_many(task_type=task_type, status=status, biz_keys=biz_keys,
+                                since=since)
+
+
+def reschedule(task_id: int | None = None, *, task_type: str | None = None,
+               biz_key: str | None = None, run_at: datetime | None = None,
+               delay: float | timedelta | None = None, payload: Any = _UNCHANGED) -> TaskView:
+    """Move a task that has not started to ``run_at`` (or ``delay`` from now), and give it
+    ``payload`` if given. One compare-and-set decides: the task then runs at the new time
+    and never at the old one (:mod:`ax_kombu.store.moves`); the move is kept in
+    ``TaskView.moves``.
+
+    Raises:
+        ValidationError: bad arguments (both or neither ways of naming the task, neither
+            run_at nor delay…); nothing changed.
+        TaskNotFound: no such task.
+        TooLateToMove: it is claimed, staged on a worker for its start, or running.
+        IllegalTransition: it has finished.
+    """
+    return client().reschedule(task_id, task_type=task_type, biz_key=biz_key, run_at=run_at,
+                               delay=delay, payload=payload)
+
+
+def run_now(task_id: int | None = None, *, task_type: str | None = None,
+            biz_key: str | None = None) -> TaskView:
+    """Move a task that has not started to now; raises as :func:`reschedule`."""
+    return client().run_now(task_id, task_type=task_type, biz_key=biz_key)
 
 
 def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None = None,

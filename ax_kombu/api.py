@@ -21,35 +21,33 @@ Both hold across concurrent producers in many processes (see
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any, Self
+from typing import Any
 
 from ax_kombu import recurring
 from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
 from ax_kombu.core.ids import LeasedIds
-from ax_kombu.core.states import Status
 from ax_kombu.exceptions import (
-    IllegalTransition,
     JobNotFound,
     TaskNotFound,
     ValidationError,
     WaitTimeout,
 )
+from ax_kombu.moving import Moving
 from ax_kombu.recurring import JobView
-from ax_kombu.store import Store, gates, transitions
+from ax_kombu.store import Store, gates, moves
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.archive import fetch_archived
+from ax_kombu.store.borrowed import Borrowing
+from ax_kombu.store.enqueue import KEY_POLICY, insert_tasks, write_tasks
 from ax_kombu.store.leases import StoreLessor
-from ax_kombu.store.tasks import attempts_of, fetch_task, insert_tasks
-from ax_kombu.store.transitions import Attempt
+from ax_kombu.store.tasks import attempts_of, fetch_task
 from ax_kombu.validation import (
     MAX_TASK_TYPE,
     broadcast_row,
@@ -60,90 +58,35 @@ from ax_kombu.validation import (
     shard_rows,
     show,
 )
+from ax_kombu.views import TaskId, TaskView
 
 _TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "biz_key",
                         "max_retry", "timeout_ms", "processor", "callback_url", "trace_id",
-                        "order_key", "order_policy", "shards"})
+                        "order_key", "order_policy", "shards", "unique", "on_conflict"})
+_UNIQUE = ("always", "pending")
+_ON_CONFLICT = ("keep", "replace")
+def _key_policy(unique: Any, on_conflict: Any, biz_key: Any,
+                shards: Any) -> tuple[str, str] | None:
+    """An item's :data:`~ax_kombu.store.enqueue.KEY_POLICY`, None for the default.
+
+    Raises:
+        ValidationError: an unknown value, a policy without a biz_key, or with shards.
+    """
+    if unique not in _UNIQUE:
+        raise ValidationError(f"unique must be one of {', '.join(_UNIQUE)}, got {show(unique)}")
+    if on_conflict not in _ON_CONFLICT:
+        raise ValidationError(f"on_conflict must be one of {', '.join(_ON_CONFLICT)}, got "
+                              f"{show(on_conflict)}")
+    if (unique, on_conflict) == ("always", "keep"):
+        return None
+    if biz_key is None:
+        raise ValidationError("unique= and on_conflict= apply to a biz_key; give one")
+    if shards is not None:
+        raise ValidationError("unique= and on_conflict= cannot be combined with shards")
+    return (unique, on_conflict)
 
 
-class TaskId(int):
-    """A task id (an ``int``) that also says whether this call created the task."""
-
-    created: bool
-    #: with ``shards=N``: the ids of all N shards, in shard order (this id is shard 0's)
-    shards: tuple[int, ...]
-
-    def __new__(cls, value: int, created: bool = True, shards: tuple[int, ...] = ()) -> Self:
-        obj = super().__new__(cls, value)
-        obj.created = created
-        obj.shards = shards
-        return obj
-
-    @property
-    def duplicate(self) -> bool:
-        """True when the call matched an existing task and created nothing."""
-        return not self.created
-
-
-@dataclass(frozen=True)
-class TaskView:
-    """A read-only snapshot of one task row."""
-
-    task_id: int
-    task_type: str
-    status: Status
-    trigger_time: int
-    priority: str
-    payload: Any
-    retry_count: int
-    max_retry: int
-    timeout_ms: int
-    processor_name: str | None
-    callback_url: str | None
-    biz_key: str | None
-    fingerprint: str
-    trace_id: str
-    attempt: int
-    last_run_node: str | None
-    created_at: int
-    dispatched_at: int | None
-    started_at: int | None
-    finished_at: int | None
-    last_error: str | None
-    #: the recurring job this task is an occurrence of, and the occurrence's time (epoch ms)
-    job: str | None = None
-    scheduled_at: int | None = None
-    order_key: str | None = None
-    shard_index: int | None = None
-    shard_total: int | None = None
-    #: a shard of ``shards="workers"``: the worker it was sent to
-    target_node: str | None = None
-    #: the processor's return value (SUCCESS; None if it returned None or it was not stored)
-    result: Any = None
-    #: where it runs: 'ax' (a processor), 'callback', 'celery' or 'celery_ax' (a Celery
-    #: worker with the AxBootstep); see ax_kombu.store.schema
-    runner: str = "ax"
-    #: every ended attempt, oldest first (one still under way is not listed: the row's
-    #: ``attempt``, ``last_run_node`` and ``started_at`` describe it)
-    attempts: tuple[Attempt, ...] = ()
-    #: the task was moved to the archive tables (``ax archive``, ``AX_RETENTION``)
-    archived: bool = False
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]] = (),
-                 archived: bool = False) -> TaskView:
-        data = {k: row[k] for k in cls.__dataclass_fields__ if k not in ("attempts", "archived")}
-        data["status"] = Status(row["status"])
-        data["payload"] = json.loads(row["payload"])
-        data["result"] = json.loads(row["result"]) if row.get("result") is not None else None
-        return cls(**data, attempts=tuple(Attempt(**a) for a in attempts), archived=archived)
-
-
-#: one ended attempt of a task, as ``TaskView.attempts`` lists them (see ax_kombu.store.schema)
-AttemptView = Attempt
-
-
-class Client:
+class Client(Moving):
     """A producer's handle on one store. Thread-safe; one per process is enough."""
 
     def __init__(self, settings: Settings) -> None:
@@ -153,8 +96,10 @@ class Client:
         self.ids = LeasedIds(StoreLessor(self.store.engine), owner,
                              settings.node_lease_s * 1000, self.store.now_ms)
         self.pid = os.getpid()
+        self.borrowing = Borrowing(self.store.engine)
 
-    def enqueue(self, task_type: str, payload: Any = None, **options: Any) -> TaskId:
+    def enqueue(self, task_type: str, payload: Any = None, *, connection: Any = None,
+                **options: Any) -> TaskId:
         """Create one task; see :func:`ax_kombu.enqueue` for the arguments.
 
         Returns:
@@ -162,7 +107,8 @@ class Client:
         Raises:
             ValidationError: bad input; nothing was written.
         """
-        return self.enqueue_many([dict(options, task_type=task_type, payload=payload)])[0]
+        item = dict(options, task_type=task_type, payload=payload)
+        return self.enqueue_many([item], connection=connection)[0]
 
     def enqueue_to(self, runner: str, task_type: str, payload: Any = None,
                    **options: Any) -> TaskId:
@@ -175,16 +121,20 @@ class Client:
         """
         return self._enqueue([dict(options, task_type=task_type, payload=payload)], runner)[0]
 
-    def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[TaskId]:
-        """Create many tasks in one transaction; each item holds enqueue's arguments.
+    def enqueue_many(self, items: Iterable[Mapping[str, Any]], *,
+                     connection: Any = None) -> list[TaskId]:
+        """Create many tasks in one transaction — this call's own, or with ``connection``
+        the caller's (:mod:`ax_kombu.store.borrowed`); each item holds enqueue's arguments.
 
         Raises:
             ValidationError: any item is invalid (a processor name shaped like a Celery
-                route too, see the module docstring); nothing was written.
+                route too, see the module docstring), or ``connection`` cannot be used;
+                nothing was written.
         """
-        return self._enqueue(items, None)
+        return self._enqueue(items, None, connection)
 
-    def _enqueue(self, items: Iterable[Mapping[str, Any]], runner: str | None) -> list[TaskId]:
+    def _enqueue(self, items: Iterable[Mapping[str, Any]], runner: str | None,
+                 connection: Any = None) -> list[TaskId]:
         if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
             raise ValidationError("enqueue_many takes an iterable of mappings of enqueue "
                                   f"arguments, got {type(items).__name__}")
@@ -195,13 +145,18 @@ class Client:
             return []
         for row, task_id in zip(rows, self.ids.next_ids(len(rows)), strict=True):
             row["task_id"] = task_id
-        results = iter(insert_tasks(self.store.engine, rows, self.settings.dedup_window_ms,
-                                    wake_before_ms=now + self.settings.preload_window_ms))
+        args = (rows, self.settings.dedup_window_ms, now + self.settings.preload_window_ms, now)
+        if connection is None:
+            written = insert_tasks(self.store.engine, *args)
+        else:
+            with self.borrowing.connection(connection) as conn:
+                written = write_tasks(conn, *args)
+        results = iter(written)
         out = []
         for group in groups:
             got = [next(results) for _ in group]
-            out.append(TaskId(got[0][0], got[0][1],
-                              tuple(t for t, _ in got) if group[0].get("shard_total") else ()))
+            shards = tuple(w.task_id for w in got) if group[0].get("shard_total") else ()
+            out.append(TaskId(got[0].task_id, got[0].created, shards, got[0].replaced))
         return out
 
     def _rows(self, now: int, index: int, item: Mapping[str, Any],
@@ -217,9 +172,13 @@ class Client:
             raise ValidationError(f"item {index} has no task_type")
         args = dict(item)
         shards = shard_count(args.pop("shards", None))
+        policy = _key_policy(args.pop("unique", "always"), args.pop("on_conflict", "keep"),
+                             args.get("biz_key"), shards)
         row = build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
                         runner=runner, **args)
         check_route(row)
+        if policy is not None:
+            row[KEY_POLICY] = policy
         if shards == "workers":
             return [broadcast_row(row)]
         return [row] if shards is None else shard_rows(row, int(shards))
@@ -234,12 +193,13 @@ class Client:
         with self.store.engine.connect() as conn:
             row = fetch_task(conn, int(task_id))
             history = attempts_of(conn, int(task_id)) if row is not None else []
+            moved = moves.moves_of(conn, int(task_id)) if row is not None else []
             cold = fetch_archived(conn, int(task_id)) if row is None else None
         if cold is not None:
             return TaskView.from_row(cold[0], cold[1], archived=True)
         if row is None:
             raise TaskNotFound(f"no task {task_id}")
-        return TaskView.from_row(dict(row._mapping), history)
+        return TaskView.from_row(dict(row._mapping), history, moves=moved)
 
     def wait(self, task_id: int, timeout: float = 30.0) -> TaskView:
         """Wait until the task has finished (SUCCESS, FAILED or CANCELLED); returns it.
@@ -261,22 +221,6 @@ class Client:
                 raise WaitTimeout(f"task {task_id} is still {view.status} after {timeout} s")
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
-
-    def cancel(self, task_id: int) -> TaskView:
-        """Cancel a task that has not finished.
-
-        Raises:
-            TaskNotFound: no such task.
-            IllegalTransition: the task is already SUCCESS, FAILED or CANCELLED.
-        """
-        with self.store.engine.begin() as conn:
-            moved = transitions.transition(conn, [int(task_id)], states.ACTIVE, Status.CANCELLED,
-                                      values={"finished_at": self.store.now_ms()})
-        view = self.get(task_id)
-        if not moved:
-            raise IllegalTransition(f"task {task_id} is {view.status}; only a task that has "
-                                    "not finished can be cancelled")
-        return view
 
     # -- recurring jobs (ax_kombu.recurring) -----------------------------------------------------
 
@@ -383,5 +327,6 @@ class Client:
         return sorted(recurring.declared())
 
     def close(self) -> None:
+        self.borrowing.close()
         self.ids.release()
         self.store.close()

@@ -52,6 +52,12 @@ class IllegalTransition(AxError):
     exit_code = 4
 
 
+class TooLateToMove(IllegalTransition):
+    """A task asked to move has been claimed, is staged for its start, or is running."""
+
+    exit_code = 4
+
+
 class StoreError(AxError):
     """The task store could not be reached or refused an operation."""
 

@@ -90,8 +90,9 @@ from ax_kombu.store import gates, nodes, recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.console import tasks_by_status
 from ax_kombu.store.engine import db_now_ms, make_engine
+from ax_kombu.store.enqueue import insert_tasks
 from ax_kombu.store.stats import schedule_delays
-from ax_kombu.store.tasks import forget_fingerprints, insert_tasks
+from ax_kombu.store.tasks import forget_fingerprints
 from ax_kombu.validation import build_row
 
 from .common import PG_ADMIN, machine, private_server, scratch_database, wait_quiet

@@ -26,7 +26,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
-from ax_kombu.store import tasks as task_store
+from ax_kombu.store import enqueue as task_store
 
 from . import bigtable
 from .common import PG_ADMIN, private_server

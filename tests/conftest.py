@@ -58,7 +58,7 @@ def _clean_pg(url: str) -> None:
     engine = make_engine(url)
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_attempt, "
-                          "ax_task_archive, ax_attempt_archive, ax_fingerprint, ax_due"))
+                          "ax_task_archive, ax_attempt_archive, ax_fingerprint, ax_due, ax_move"))
         conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
     engine.dispose()
 

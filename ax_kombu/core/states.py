@@ -4,6 +4,8 @@
 
     (enqueue) ─▶ DELAYED (future) | READY (due)   (a preload only reads them)
     DELAYED | READY ─▶ DISPATCHING             (claimed by a scheduler node)
+                    | DELAYED | READY          (moved: reschedule, run_now, a replacing
+                                                enqueue; ax_kombu.store.moves)
     DISPATCHING ─▶ RUNNING (a worker took it) | READY (publish failed, ack timeout,
                    worker pool full, an earlier incarnation's claim)
                  | FAILED (dispatched AX_MAX_DISPATCHES times, never started)
@@ -51,8 +53,9 @@ CLAIMABLE = (S.CREATED, S.DELAYED, S.READY)
 
 TRANSITIONS: Mapping[Status, frozenset[Status]] = {
     S.CREATED: frozenset({S.DELAYED, S.READY, S.DISPATCHING, S.CANCELLED}),
-    S.DELAYED: frozenset({S.DISPATCHING, S.CANCELLED}),
-    S.READY: frozenset({S.DISPATCHING, S.CANCELLED}),
+    # a pending task moved to another time is DELAYED or READY by its new time
+    S.DELAYED: frozenset({S.DELAYED, S.READY, S.DISPATCHING, S.CANCELLED}),
+    S.READY: frozenset({S.DELAYED, S.READY, S.DISPATCHING, S.CANCELLED}),
     S.DISPATCHING: frozenset({S.RUNNING, S.READY, S.FAILED, S.CANCELLED}),
     S.RUNNING: frozenset({S.SUCCESS, S.FAILED, S.DELAYED, S.CANCELLED}),
     S.SUCCESS: frozenset(),

@@ -31,6 +31,7 @@ from ax_kombu.config import redact_url
 from ax_kombu.core.states import FINAL, S, Status
 from ax_kombu.exceptions import StoreError, ValidationError
 from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.moves import forget_moves
 from ax_kombu.store.schema import attempts, tasks
 from ax_kombu.store.tasks import forget_fingerprints, keep_final_attempts, wake_schedulers
 from ax_kombu.store.transitions import transition
@@ -297,6 +298,7 @@ def _delete_all(engine: Engine, status: Status, cutoff: int, batch: int) -> Purg
             ids = _delete_batch(conn, status, cutoff, batch)
             if ids:
                 total_attempts += conn.execute(_DELETE_ATTEMPTS, {"ids": ids}).rowcount
+                forget_moves(conn, ids)
         total_tasks += len(ids)
         if len(ids) < batch:
             return Purged(total_tasks, total_attempts)

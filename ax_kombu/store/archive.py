@@ -75,6 +75,7 @@ from ax_kombu.exceptions import ValidationError
 from ax_kombu.store.admin import BATCH_MAX, _guarded, check_count
 from ax_kombu.store.archive_file import JsonlGzFile
 from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.moves import forget_moves
 from ax_kombu.store.schema import attempt_archive, attempts, task_archive, tasks
 from ax_kombu.store.tasks import final_attempt, forget_fingerprints
 
@@ -198,6 +199,7 @@ def _copy(conn: Connection, target: Table, source: Table) -> Any:
 
 def _delete(conn: Connection, ids: Sequence[int]) -> int:
     moved = conn.execute(_DELETE_ATTEMPTS, {"ids": list(ids)}).rowcount
+    forget_moves(conn, ids)  # a task's moves are not archived (docstring of ax_move)
     forget_fingerprints(conn, [(r[0], r[1]) for r in conn.execute(_DELETE_TASKS,
                                                                  {"ids": list(ids)})])
     return int(moved)

@@ -150,6 +150,9 @@ tasks = Table(
     #: callback_url, else 'ax' (:func:`_default_runner`)
     Column("runner", String(12), nullable=False, default=_default_runner,
            server_default="ax"),
+    #: the biz_key this finished task held until an ``enqueue(..., unique="pending")`` of
+    #: the same key took it over (migration 0019); no index: only listings read it
+    Column("released_key", String(255)),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -246,6 +249,22 @@ attempts = Table(
     Column("duration_ms", BigInteger),
     Index("ix_ax_attempt_type_finished", "task_type", "finished_at"),
 )
+
+#: one row per move of a pending task (``ax.reschedule``, ``ax.run_now``, an enqueue with
+#: ``on_conflict="replace"``; migration 0019), written by the statement's transaction.
+#: ``kind``: 'reschedule', 'run_now' or 'replace'; ``attempt``: the task's at the move.
+#: Index: ``(task_id)`` — one task's history. Archive and purge delete a task's moves.
+moves = Table(
+    "ax_move", metadata,
+    Column("task_id", BigInteger, nullable=False),
+    Column("moved_at", BigInteger, nullable=False),
+    Column("from_time", BigInteger, nullable=False),
+    Column("to_time", BigInteger, nullable=False),
+    Column("kind", String(12), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Index("ix_ax_move_task", "task_id"),
+)
+
 
 def _cold_copy(source: Table, name: str, *indexes: Index) -> Table:
     """``source``'s columns (types, nullability, primary key) under ``name``: no server

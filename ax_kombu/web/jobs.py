@@ -13,13 +13,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ax_kombu.api import Client, TaskView
+from ax_kombu.api import Client
 from ax_kombu.exceptions import JobNotFound
 from ax_kombu.recurring import JobView
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.views import TaskView
 from ax_kombu.web.console import back_to, checked_form, console_of
 
 NEXT_FIRES = 5

@@ -17,16 +17,16 @@ from ax_kombu.core.states import Status
 from ax_kombu.store.admin import purge_finished
 from ax_kombu.store.archive import archive_finished
 from ax_kombu.store.engine import migrate
-from ax_kombu.store.tasks import (
-    PROBE_BUCKET_BITS,
-    PROBE_SQL,
-    insert_tasks,
-    probes,
-    prune_fingerprints,
-)
+from ax_kombu.store.enqueue import PROBE_BUCKET_BITS, PROBE_SQL, Written, insert_tasks, probes
+from ax_kombu.store.tasks import prune_fingerprints
 
 from .harness import task_row
 
+
+
+def _pairs(written: list[Written]) -> list[tuple[int, bool]]:
+    """``(task_id, created)`` of each row written."""
+    return [(w.task_id, w.created) for w in written]
 
 def _entries(engine: Engine) -> list[tuple[str, int, int]]:
     with engine.connect() as conn:
@@ -111,7 +111,7 @@ def test_migration_0012_carries_the_existing_fingerprints_over(empty_store: Engi
     names = {i["name"] for i in inspect(empty_store).get_indexes("ax_task")}
     assert "ix_ax_task_fingerprint" not in names
     again = [task_row(10 + r["task_id"], 5_100, fingerprint=r["fingerprint"]) for r in rows]
-    found = insert_tasks(empty_store, again, window_ms=5_000)
+    found = _pairs(insert_tasks(empty_store, again, window_ms=5_000))
     # the pending and the finished task are duplicates; the cancelled one is not
     assert found == [(1, False), (2, False), (13, True)]
 
@@ -155,9 +155,9 @@ def test_migration_0015_keys_postgresql_s_entries_by_a_hash_of_the_fingerprint(
         else:
             assert key == ["fingerprint", "trigger_time", "task_id"]
     assert _entries(empty_store) == [("a" * 32, 5_000, 1), ("b" * 32, 9_000, 2)]
-    found = insert_tasks(empty_store, [task_row(3, 6_000, fingerprint="a" * 32),
+    found = _pairs(insert_tasks(empty_store, [task_row(3, 6_000, fingerprint="a" * 32),
                                        task_row(4, 20_000, fingerprint="b" * 32)],
-                         5_000)
+                         5_000))
     assert found == [(1, False), (4, True)]  # 2 is 11 s away: outside the window
 
 
@@ -182,8 +182,8 @@ def test_migration_0017_keys_postgresql_s_entries_by_their_probe(empty_store: En
                 "SELECT count(*) FROM pg_stats WHERE tablename = 'ix_ax_fingerprint_probe'"
             )).scalar_one() == 1
     assert _entries(empty_store) == [("a" * 32, edge - 1_000, 1), ("b" * 32, 9_000, 2)]
-    found = insert_tasks(empty_store, [task_row(3, edge + 2_000, fingerprint="a" * 32),  # the next bucket
-                                       task_row(4, 20_000, fingerprint="b" * 32)], 5_000)
+    found = _pairs(insert_tasks(empty_store, [task_row(3, edge + 2_000, fingerprint="a" * 32),  # the next bucket
+                                       task_row(4, 20_000, fingerprint="b" * 32)], 5_000))
     assert found == [(1, False), (4, True)]
 
 
@@ -212,12 +212,12 @@ def test_an_entry_s_probe_is_the_one_its_lookup_computes(client: Client) -> None
                 for i, (r, d) in enumerate(zip(rows, by, strict=True))]
 
     # 4 s away, the first three across the edge
-    assert insert_tasks(engine, moved(100, [4_000, -4_000, -4_000, -4_000, 4_000, -4_000]),
-                        5_000) == originals
+    assert _pairs(insert_tasks(engine, moved(100, [4_000, -4_000, -4_000, -4_000, 4_000, -4_000]),
+                               5_000)) == originals
     later = [3_500_000] * len(rows)
-    assert insert_tasks(engine, moved(200, later), 3_600_000) == originals  # an hour's window
-    assert insert_tasks(engine, moved(300, later), 5_000) == [(300 + i, True)
-                                                              for i in range(len(rows))]
+    assert _pairs(insert_tasks(engine, moved(200, later), 3_600_000)) == originals  # an hour
+    assert _pairs(insert_tasks(engine, moved(300, later), 5_000)) == [(300 + i, True)
+                                                                      for i in range(len(rows))]
 
 
 def _plan(conn: Any, statement: Any, params: dict[str, Any]) -> str:
@@ -241,7 +241,8 @@ def test_the_duplicate_check_enters_its_indexes_by_their_keys(client: Client) ->
     for each batch: 120 ms per 1,000 tasks at 1M rows, and growing; with the two as IN
     lists, a type the statistics did not know yet was read whole, every row of it fetched,
     for each batch). The schedulers' prune deletes the entries it chose by their addresses."""
-    from ax_kombu.store.tasks import _FIND_BIZ_PG, _FIND_FP_PG, _PRUNE
+    from ax_kombu.store.enqueue import _FIND_BIZ_PG, _FIND_FP_PG
+    from ax_kombu.store.tasks import _PRUNE
 
     engine = client.store.engine
     if engine.dialect.name != "postgresql":

@@ -1,5 +1,6 @@
-"""Migrations 0016 (``ax_due``), 0017 (the duplicate check's probe index) and 0018
-(``ax_task.armed`` no longer kept) taken back and applied again on a database holding tasks:
+"""Migrations 0016 (``ax_due``), 0017 (the duplicate check's probe index), 0018
+(``ax_task.armed`` no longer kept) and 0019 (``ax_move``, ``released_key``) taken back and
+applied again on a database holding tasks:
 each downgrade leaves the schema its previous revision made (the stamp of ``ax_task.armed``
 back, ``ax_due``'s table and triggers gone, 0015's hash index back), the duplicate check
 keeps finding the stored tasks at every step, and upgrading again restores what the
@@ -14,7 +15,7 @@ from alembic import command
 from sqlalchemy import Engine, inspect, text
 
 from ax_kombu.store.engine import alembic_config, current_revision, migrate
-from ax_kombu.store.tasks import insert_tasks
+from ax_kombu.store.enqueue import insert_tasks
 
 from .harness import task_row
 
@@ -51,7 +52,7 @@ def _duplicates_found(engine: Engine, fresh_id: int) -> bool:
     got = insert_tasks(engine, [task_row(fresh_id, 10_001_000, "DELAYED", "a" * 32),
                                 task_row(fresh_id + 1, 50_000_000, "DELAYED", f"{fresh_id:032x}")],
                        5_000)
-    return got == [(1, False), (fresh_id + 1, True)]
+    return [(w.task_id, w.created) for w in got] == [(1, False), (fresh_id + 1, True)]
 
 
 def _armed(engine: Engine) -> tuple[bool, bool, list[Any]]:
@@ -65,7 +66,7 @@ def _armed(engine: Engine) -> tuple[bool, bool, list[Any]]:
     return indexed, stamped, stamps
 
 
-def test_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
+def test_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     engine = empty_store
     postgres = engine.dialect.name == "postgresql"
     migrate(engine)
@@ -74,6 +75,15 @@ def test_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     assert _armed(engine) == (False, False, [None, None])
     with engine.connect() as conn:  # the waiting task has its ax_due entry all the same
         assert conn.execute(text("SELECT task_id FROM ax_due")).scalars().all() == [1]
+
+    _downgrade(engine, "0018")
+    assert current_revision(engine) == "0018"
+    assert "ax_move" not in inspect(engine).get_table_names()
+    assert "released_key" not in {c["name"] for c in inspect(engine).get_columns("ax_task")}
+    insert_tasks(engine, [task_row(5, 10_000_000, "DELAYED", "e" * 32)], 5_000)
+    with engine.connect() as conn:  # ax_due's triggers outlived the dropped column
+        assert conn.execute(text("SELECT task_id FROM ax_due ORDER BY task_id")
+                            ).scalars().all() == [1, 5]
 
     _downgrade(engine, "0017")
     assert current_revision(engine) == "0017"
@@ -96,13 +106,14 @@ def test_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0018"
+    assert current_revision(engine) == "0019"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
     assert _armed(engine)[:2] == (False, False)
     with engine.connect() as conn:  # the waiting tasks got their entries back, the rest none
         due = sorted(conn.execute(text("SELECT task_id, trigger_time FROM ax_due")).all())
-    assert [tuple(r) for r in due] == [(1, 10_000_000), (3, 30_000_000), (11, 50_000_000),
+    assert [tuple(r) for r in due] == [(1, 10_000_000), (3, 30_000_000), (5, 10_000_000),
+                                       (11, 50_000_000),
                                        (21, 50_000_000), (41, 50_000_000)]
     assert _duplicates_found(engine, 30)

@@ -32,3 +32,15 @@ def test_final_states_have_no_way_out_but_manual_retry() -> None:
     assert TRANSITIONS[Status.CANCELLED] == frozenset({Status.READY})  # ax retry
     assert TRANSITIONS[Status.FAILED] == frozenset({Status.READY})
     assert FINAL == {Status.SUCCESS, Status.FAILED, Status.CANCELLED}
+
+
+@pytest.mark.parametrize("source", [Status.CREATED, Status.DELAYED, Status.READY])
+@pytest.mark.parametrize("target", [Status.DELAYED, Status.READY])
+def test_a_pending_task_may_be_moved_to_another_time(source: Status, target: Status) -> None:
+    assert check([source], target) == (source,)
+
+
+@pytest.mark.parametrize("source", [Status.DISPATCHING, Status.SUCCESS, Status.FAILED])
+def test_a_claimed_or_finished_task_is_not_moved_to_a_later_time(source: Status) -> None:
+    with pytest.raises(IllegalTransition):
+        check([source], Status.DELAYED)
