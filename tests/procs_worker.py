@@ -82,3 +82,40 @@ async def async_dotted(payload: Any, ctx: Context) -> None:
 def returns_coroutine(payload: Any, ctx: Context) -> Any:
     """A plain function handing back a coroutine: the run fails; the body never runs."""
     return async_dotted(payload, ctx)
+
+
+# --- what a failure means (issue 37) --------------------------------------------------------
+
+
+@ax.processor("t.retry_in")
+def retry_in(payload: Any, ctx: Context) -> str:
+    """Asks for a retry in ``payload["s"]`` seconds on its first run, then succeeds."""
+    _count(ctx)
+    if ctx.retry_count == 0:
+        raise ax.Retry(delay=float(payload["s"]), reason="not yet")
+    return "done"
+
+
+@ax.processor("t.snooze")
+def snooze(payload: Any, ctx: Context) -> str:
+    """Snoozes ``payload["s"]`` seconds on its first ``payload["times"]`` runs."""
+    _count(ctx)
+    if calls[ctx.task_id] <= int(payload["times"]):
+        raise ax.Snooze(float(payload["s"]))
+    return "woke"
+
+
+@ax.processor("t.discard")
+def discard(payload: Any, ctx: Context) -> None:
+    _count(ctx)
+    raise ax.Discard(str(payload["reason"]))
+
+
+@ax.processor("t.timeouts_only", retry_on=(TimeoutError,),
+              backoff=ax.Backoff(base=0.2, cap=0.2, jitter=0))
+def timeouts_only(payload: Any, ctx: Context) -> None:
+    """Retried only for a TimeoutError, after its own back-off of exactly 200 ms."""
+    _count(ctx)
+    if payload["raise"] == "timeout":
+        raise TimeoutError("the gateway is slow")
+    raise ValueError("bad phone number")
