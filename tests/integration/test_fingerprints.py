@@ -23,7 +23,6 @@ from ax_kombu.store.tasks import prune_fingerprints
 from .harness import task_row
 
 
-
 def _pairs(written: list[Written]) -> list[tuple[int, bool]]:
     """``(task_id, created)`` of each row written."""
     return [(w.task_id, w.created) for w in written]
