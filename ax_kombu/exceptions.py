@@ -113,8 +113,14 @@ class ProcessorDirective(AxError):
 
 
 class Retry(ProcessorDirective):
-    """Retry the task (a retry counted against ``max_retry``), after ``delay`` seconds or
-    the type's back-off; with no retries left the task fails as usual."""
+    """Retry the task after ``delay`` (None: its back-off); counted against ``max_retry``.
+
+    Args:
+        delay: seconds, or a timedelta, from the run's end (0 to 3650 days).
+        reason: the run's error text (default: the delay).
+    Raises:
+        ValidationError: a bad delay (the run then fails as any other error does).
+    """
 
     def __init__(self, delay: float | timedelta | None = None, reason: str = "") -> None:
         self.delay = None if delay is None else delay_seconds(delay, "Retry")
@@ -127,8 +133,14 @@ class Retry(ProcessorDirective):
 
 
 class Snooze(ProcessorDirective):
-    """Run the task again in ``delay`` seconds without counting a retry (at most
-    ``AX_MAX_SNOOZES`` times; past that a snooze counts as a failure)."""
+    """Run the task again after ``delay``, no retry counted (past AX_MAX_SNOOZES: a failure).
+
+    Args:
+        delay: seconds, or a timedelta, from the run's end (0 to 3650 days).
+        reason: the run's text in the history (default: the delay).
+    Raises:
+        ValidationError: a bad delay (the run then fails as any other error does).
+    """
 
     def __init__(self, delay: float | timedelta, reason: str = "") -> None:
         self.delay = delay_seconds(delay, "Snooze")
