@@ -24,8 +24,10 @@ likewise until the caller commits.
 **Which database.** The connection must reach the database the ax store uses:
 PostgreSQL — the same database of the same server (its name, the server's start time and
 port agree); SQLite — the same file. Anything else is a :class:`ValidationError`, and
-nothing was written. A connection in autocommit mode is refused the same way: its writes
-could not be rolled back with the caller's.
+nothing was written. A connection in autocommit mode is refused the same way (its writes
+could not be rolled back with the caller's), and so is a PostgreSQL transaction above READ
+COMMITTED: under REPEATABLE READ or SERIALIZABLE the duplicate check would read the
+transaction's first snapshot, blind to a producer that committed the same key meanwhile.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from ax_kombu.exceptions import ValidationError
 
 _PG_IDENTITY = text("SELECT current_database(), "
                     "CAST(pg_postmaster_start_time() AS TEXT), current_setting('port')")
+_PG_ISOLATION = text("SELECT current_setting('transaction_isolation')")
 
 #: the driver connection being borrowed, for the borrowing engine's ``creator``
 _lent: contextvars.ContextVar[Any] = contextvars.ContextVar("ax_lent_connection")
@@ -163,6 +166,13 @@ class Borrowing:
             raise ValidationError(f"connection= is on {conn.dialect.name}, the ax store on "
                                   f"{self._store.dialect.name}: pass a connection to the ax "
                                   "database")
+        if conn.dialect.name == "postgresql":
+            isolation = conn.execute(_PG_ISOLATION).scalar_one()
+            if isolation != "read committed":
+                raise ValidationError(
+                    f"connection= is in a {isolation} transaction: ax's duplicate check must "
+                    "see producers that committed while it waited for their lock, which only "
+                    "READ COMMITTED does; enqueue from a READ COMMITTED transaction")
         theirs = _identity(conn)
         if theirs != self._store_identity():
             self._identity = None  # the store's server may have restarted: ask once more

@@ -232,3 +232,16 @@ class _FakePsycopg:
 
     __module__ = "psycopg"
     autocommit = False
+
+
+@pytest.mark.integration
+def test_a_transaction_above_read_committed_is_refused(pg_client: Client, pg_url: str) -> None:
+    raw = psycopg2.connect(_dsn(pg_url))
+    try:
+        raw.set_session(isolation_level="REPEATABLE READ")
+        with pytest.raises(ValidationError, match="repeatable read.*READ COMMITTED"):
+            pg_client.enqueue("t", {"iso": 1}, connection=raw)
+        raw.rollback()
+    finally:
+        raw.close()
+    assert _tasks(pg_client) == 0
