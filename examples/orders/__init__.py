@@ -1,0 +1,1 @@
+"""An order service whose unpaid orders close themselves (see README.md here)."""
