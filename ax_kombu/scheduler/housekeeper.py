@@ -31,13 +31,17 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   always shows it), and nodes silent for ``heartbeat_misses`` intervals are
   claimed dead exactly once — but only by a node whose own beats have been
   landing for a whole window (:mod:`ax_kombu.scheduler.liveness`).
+* **Strays** — every ``preload_interval_ms`` (every 250 ms for a silence window
+  after a find): the other shares' claimable tasks that no live owner fires — a
+  scheduler killed or paused still counts as live for its silence window, and nobody
+  else reads its share until then — are taken into this node's wheel once overdue,
+  and the claim decides who sends them (:mod:`ax_kombu.scheduler.strays`).
 * **Recovery** — every ``recovery_interval_s``: unstarted DISPATCHING tasks
   are re-dispatched with a doubling ack timeout (bounded, never to a queue
   without consumer), and RUNNING tasks of workers not alive are retried or
-  failed; claimable tasks of the other schedulers' shares overdue by a silence
-  window are taken into this node's wheel too (a scheduler that beats but
-  cannot preload holds nothing up for longer). Whatever recovery frees
-  triggers a preload at once.
+  failed; the other shares' claimable tasks overdue by a silence window, however
+  old, are taken too (one made claimable again for a time the strays' probe no
+  longer looks at). Whatever recovery frees triggers a preload at once.
 * **Pruning** — every ``PRUNE_INTERVAL_MS``: the ``ax_node`` rows of nodes
   stopped longer than ``node_retention_s`` ago are deleted
   (:func:`ax_kombu.store.nodes.prune_stopped`), and the duplicate check's entries of
@@ -76,6 +80,7 @@ from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, Stage
+from ax_kombu.scheduler.strays import Strays
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, recovery
 from ax_kombu.store import tasks as task_store
@@ -104,7 +109,7 @@ DUE_PRUNE_AFTER_MS = 60_000
 #: longest the heartbeat's thread waits for the timing loop to drop the wheel when fenced
 DROP_WAIT_S = 2.0
 #: the steps, in the order a pass takes them
-STEPS = ("jobs", "preload", "judge", "overdue", "recovery", "prune", "due")
+STEPS = ("jobs", "preload", "strays", "judge", "overdue", "recovery", "prune", "due")
 
 
 class Housekeeper(Stage):
@@ -130,6 +135,7 @@ class Housekeeper(Stage):
         self._node_id = heartbeat.node_id
         self._timing = timing
         self._jobs = jobs
+        self._strays = Strays(settings, store, timing, self._node_id)
         self._on_fenced = on_fenced
         self.liveness = Liveness(settings, store, heartbeat, info, self._fenced, self.wake)
         self._wake_pending = True
@@ -207,6 +213,8 @@ class Housekeeper(Stage):
             self._step("jobs", self._materialise, now)
         if self._preload_due(now):
             self._step("preload", self._preload, now)
+        if now >= self._next["strays"]:
+            self._step("strays", self._watch_strays, now)
         if now >= self._next["judge"]:
             self._check_skew()
             self._step("judge", self._judge, now)
@@ -308,25 +316,13 @@ class Housekeeper(Stage):
     def _recover(self, now: int) -> None:
         self._next["recovery"] = now + int(self._settings.recovery_interval_s * 1000)
         self.liveness.recover(now)
-        self._take_strays(now)
+        self._strays.backstop(now, self._share)
 
-    def _take_strays(self, now: int) -> None:
-        """Take into the wheel the other shares' tasks overdue by a silence window (see
-        :func:`ax_kombu.store.recovery.overdue_elsewhere`); the claim decides who sends
-        them."""
-        settings = self._settings
-        room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
-        if room <= 0 or self._share.of <= 1:
-            return
-        with self._store.engine.begin() as conn:
-            strays = recovery.overdue_elsewhere(conn, now - settings.silence_ms, self._share,
-                                                room, settings.claim_lead_ms)
-        if strays:
-            log.warning("took tasks of another scheduler's share that were overdue",
-                        extra={"node": self._node_id, "tasks": len(strays),
-                               "overdue_ms": settings.silence_ms})
-            metrics.recovered_total.labels("stray").inc(len(strays))
-            self._timing.hand(strays)
+    def _watch_strays(self, now: int) -> None:
+        """The other shares' overdue tasks (:mod:`ax_kombu.scheduler.strays`)."""
+        self._next["strays"] = now + self._strays.interval_ms(now)  # after an error too
+        if self._strays.watch(now, self._share):
+            self._next["strays"] = now + self._strays.interval_ms(now)
 
     def _prune(self, now: int) -> None:
         """Delete the rows of nodes stopped longer than ``node_retention_s`` ago, and the

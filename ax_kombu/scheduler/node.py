@@ -47,7 +47,9 @@ Guarantees:
   tasks between them by id (:mod:`ax_kombu.store.recovery`), so if a node is
   killed (even ``kill -9``) its share is read by the others once its heartbeat
   is ``heartbeat_misses × heartbeat_interval_s`` old (+ one preload round), and
-  at once after a clean stop (it wakes them). A claimed-but-unpublished batch
+  at once after a clean stop (it wakes them); meanwhile they take each of its
+  tasks once it is overdue (the housekeeper's strays: about two preload intervals
+  for the first, then half a second). A claimed-but-unpublished batch
   returns at once if the node is restarted under the same name (a new
   incarnation takes over what the old one claimed: :mod:`ax_kombu.store.nodes`),
   else via the ack timeout.

@@ -8,7 +8,10 @@ reads only its **share**: the live schedulers, sorted by name, split the task id
 them (:class:`Share`; every scheduler reads ``ax_node`` each round). When the set of live
 schedulers changes, each one reads its new share's whole window again, so a scheduler that
 stopped or died is covered once the others see it gone (at its ``stopped_at``, or after
-its silence window).
+its silence window). Until then, what falls due in a dead scheduler's share is found by
+the others as soon as it is overdue (:func:`overdue_elsewhere`, a few index probes that
+find nothing while every owner fires its share): a killed scheduler's tasks are late by
+about two preload intervals, not by its silence window.
 
 A preload round reads, for its share:
 
@@ -242,17 +245,21 @@ def prune_due(conn: Connection, before_ms: int, limit: int, share: Share = ALL) 
 
 
 def overdue_elsewhere(conn: Connection, before_ms: int, share: Share, limit: int,
-                      celery_lag_ms: int = 0) -> list[tuple[int, int]]:
-    """Claimable tasks of the *other* shares due before ``before_ms``: a backstop for a
-    scheduler that beats but cannot preload (its database calls fail while its heartbeat's
-    do not), or a share nobody read while the schedulers disagreed on who is alive. At most
-    ``limit``, oldest first, as :func:`preload` returns them; none for a scheduler alone.
-    On PostgreSQL, ``conn`` must be in a transaction (planner settings are made for it)."""
+                      celery_lag_ms: int = 0, since_ms: int = 0) -> list[tuple[int, int]]:
+    """Claimable tasks of the *other* shares due before ``before_ms``: those of a
+    scheduler killed or paused and not yet past its silence window (it still counts as
+    live, so nobody else reads its share), of one that beats but cannot preload (its
+    database calls fail while its heartbeat's do not), or of a share nobody read while
+    the schedulers disagreed on who is alive. At most ``limit``, oldest first, as
+    :func:`preload` returns them; none for a scheduler alone. ``since_ms``: only those
+    due at or after it (the index ranges start there: parked tasks, READY in the same
+    range, are walked only from there on). On PostgreSQL, ``conn`` must be in a
+    transaction (planner settings are made for it)."""
     if share.of <= 1:
         return []
     if conn.dialect.name == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
-    params = {"lo": 0, "hi": before_ms, "n": limit, "celery_lag": celery_lag_ms}
+    params = {"lo": since_ms, "hi": before_ms, "n": limit, "celery_lag": celery_lag_ms}
     return [(r[0], r[2]) for r in conn.execute(text(_band(share.sql(others=True))), params)]
 
 
