@@ -20,6 +20,7 @@ from ax_kombu.cli.limits import limits
 from ax_kombu.cli.list import list_tasks
 from ax_kombu.cli.plan import plan
 from ax_kombu.cli.purge import purge
+from ax_kombu.cli.reschedule import reschedule
 from ax_kombu.cli.retry import retry
 from ax_kombu.cli.status import status
 from ax_kombu.cli.web import web
@@ -42,6 +43,6 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
     ctx.obj = obj
 
 
-for command in (enqueue, inspect, cancel, db, status, jobs, limits, plan, list_tasks, retry,
-                purge, archive, web):
+for command in (enqueue, inspect, cancel, reschedule, db, status, jobs, limits, plan,
+                list_tasks, retry, purge, archive, web):
     main.add_command(command)

@@ -1,4 +1,6 @@
-"""``ax inspect ID`` — one task, every field."""
+"""``ax inspect ID`` — one task, every field, its ended attempts (each with its outcome:
+SUCCESS, FAILED, RETRY, SNOOZED, DISCARDED, CANCELLED, LOST, UNACKED) and the moves of its
+trigger time (reschedule, run_now, a replacing enqueue)."""
 
 from __future__ import annotations
 
@@ -45,8 +47,13 @@ def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
     for attempt in history:
         for name in ("trigger_time", "dispatched_at", "started_at", "finished_at"):
             attempt[name] = _iso(attempt[name])
+    moved = [m._asdict() for m in view.pop("moves")]
+    for move in moved:
+        for name in ("moved_at", "from_time", "to_time"):
+            move[name] = _iso(move[name])
     if as_json:
-        click.echo(json.dumps({**view, "attempts": history}, indent=2, ensure_ascii=False))
+        click.echo(json.dumps({**view, "attempts": history, "moves": moved}, indent=2,
+                              ensure_ascii=False))
         return
     if view.pop("archived"):
         click.echo(f"{'archived':>15}: yes (in ax_task_archive; ax archive / AX_RETENTION)")
@@ -54,6 +61,7 @@ def inspect(ctx: click.Context, task_id: int, as_json: bool) -> None:
         shown = json.dumps(value, ensure_ascii=False) if key in ("payload", "result") else value
         click.echo(f"{key:>15}: {'' if shown is None else shown}")
     _print_attempts(history)
+    _print_moves(moved)
 
 
 def _print_attempts(history: list[dict[str, Any]]) -> None:
@@ -64,3 +72,11 @@ def _print_attempts(history: list[dict[str, Any]]) -> None:
         line = (f"  #{a['attempt']:<3} {a['outcome']:<9} {a['node'] or '-':<20} "
                 f"ended {a['finished_at']}  {took}")
         click.echo(line + (f"  {a['error']}" if a["error"] else ""))
+
+
+def _print_moves(moved: list[dict[str, Any]]) -> None:
+    """The moves of its trigger time (``ax_move``): when, from → to, by what."""
+    click.echo(f"{'moves':>15}: {len(moved) or 'none'}")
+    for m in moved:
+        click.echo(f"  {m['moved_at']}  {m['from_time']} → {m['to_time']}  {m['kind']:<10} "
+                   f"(attempt {m['attempt']})")

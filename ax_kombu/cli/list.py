@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -13,6 +14,8 @@ from ax_kombu.config import parse_duration_ms
 from ax_kombu.store import Store
 from ax_kombu.store.admin import LIST_DEFAULT, LIST_MAX, TaskFilter, parse_status
 from ax_kombu.store.admin import list_tasks as select_tasks
+
+FC = TypeVar("FC", bound=Callable[..., Any])
 
 _COLUMNS = ("id", "type", "status", "trigger", "attempt", "last_run_node", "last_error")
 _ERROR_WIDTH = 60
@@ -45,11 +48,35 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
             for r in rows]
 
 
+#: the filters ``ax list`` shares with ``ax cancel`` (same flags, same meanings)
+status_option = click.option("--status", default=None, help="Only tasks in this status.")
+type_option = click.option("--type", "task_type", default=None, help="Only tasks of this type.")
+since_option = click.option("--since", default=None,
+                            help="Only tasks created this long ago or later (1h, 2d).")
+
+
+def biz_key_option(multiple: bool = False) -> Callable[[FC], FC]:
+    """``--biz-key``: one key (``ax list``), or a key per flag (``multiple``)."""
+    if multiple:
+        return click.option("--biz-key", "biz_keys", multiple=True,
+                            help="Only the tasks with this business key (repeat for more).")
+    return click.option("--biz-key", default=None, help="Only the task with this business key.")
+
+
+def since_ms(since: str | None) -> int | None:
+    """``--since`` in ms (None: not given).
+
+    Raises:
+        ConfigurationError: not a duration.
+    """
+    return None if since is None else parse_duration_ms(since)
+
+
 @click.command("list")
-@click.option("--status", default=None, help="Only tasks in this status.")
-@click.option("--type", "task_type", default=None, help="Only tasks of this type.")
-@click.option("--biz-key", default=None, help="Only the task with this business key.")
-@click.option("--since", default=None, help="Only tasks created this long ago or later (1h, 2d).")
+@status_option
+@type_option
+@biz_key_option()
+@since_option
 @click.option("--limit", default=LIST_DEFAULT, show_default=True, type=int,
               help=f"Show at most this many (up to {LIST_MAX}).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -59,7 +86,7 @@ def list_tasks(ctx: click.Context, status: str | None, task_type: str | None,
     """List tasks, newest first."""
     wanted = TaskFilter(status=None if status is None else parse_status(status),
                         task_type=task_type, biz_key=biz_key,
-                        since_ms=None if since is None else parse_duration_ms(since),
+                        since_ms=since_ms(since),
                         limit=limit)
     store = Store(settings_from(ctx))
     try:

@@ -25,6 +25,7 @@ HERE = Path(__file__).parent
 PAYLOAD_CAP = 4096
 #: what a page says after an action redirected to it (``?note=``); other values show nothing
 NOTES = {"cancelled": "Cancelled.", "retried": "Retried: READY, due now.",
+         "run-now": "Moved to now: due at once.", "rescheduled": "Rescheduled.",
          "paused": "Paused.", "resumed": "Resumed.", "started": "One occurrence created, due now.",
          "limit-set": "Limit set.", "limit-cleared": "Limit cleared."}
 

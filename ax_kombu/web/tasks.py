@@ -1,21 +1,26 @@
 """Tasks: search (keyset pages, :func:`ax_kombu.store.console.search_tasks`), one task with
-its attempts, and the two actions the CLI has — ``ax cancel`` (:meth:`Client.cancel`) and
-``ax retry`` (:func:`ax_kombu.store.admin.retry_ids`)."""
+its attempts and moves, and the actions the CLI has — ``ax cancel`` (:meth:`Client.cancel`),
+``ax retry`` (:func:`ax_kombu.store.admin.retry_ids`) and, for a task that has not started,
+``ax reschedule`` (:meth:`Client.run_now`, :meth:`Client.reschedule`). A move the store
+refuses (the task was claimed meanwhile, or finished) changes nothing, and the task's page
+says why."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import UTC, datetime
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ax_kombu.core.states import FINAL, Status
-from ax_kombu.exceptions import IllegalTransition, ValidationError
+from ax_kombu.config import parse_duration_ms
+from ax_kombu.core.states import CLAIMABLE, FINAL, Status
+from ax_kombu.exceptions import AxError, IllegalTransition, ValidationError
 from ax_kombu.store.admin import RETRYABLE, parse_status, retry_ids
 from ax_kombu.store.console import TaskSearch, search_tasks
+from ax_kombu.views import TaskView
 from ax_kombu.web.console import back_to, checked_form, console_of
 
 PAGE = 50
@@ -30,14 +35,19 @@ def _int(name: str, text: str) -> int:
         raise ValidationError(f"{name} must be a whole number, not {text!r}") from None
 
 
-def _ms(name: str, text: str) -> int:
-    """``2026-12-05T01:02`` (UTC, as a datetime-local field sends it) as epoch ms."""
+def _time(name: str, text: str) -> datetime:
+    """``2026-12-05T01:02`` (UTC, as a datetime-local field sends it; or with an offset)."""
     try:
         at = datetime.fromisoformat(text)
     except ValueError:
         raise ValidationError(f"{name} must be a date and time like 2026-12-05T01:02, "
                               f"not {text!r}") from None
-    return int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _ms(name: str, text: str) -> int:
+    """:func:`_time` as epoch ms."""
+    return int(_time(name, text).timestamp() * 1000)
 
 
 def parse_search(query: Mapping[str, str]) -> TaskSearch:
@@ -74,12 +84,18 @@ def task_list(request: Request) -> Response:
                         paged="before" in request.query_params)
 
 
+def _task_page(request: Request, view: TaskView, status_code: int = 200,
+               error: str | None = None) -> Response:
+    return console_of(request).page(
+        request, "task.html", status_code, task=view, error=error,
+        can_cancel=view.status not in FINAL and not view.archived,
+        can_retry=view.status in RETRYABLE and not view.archived,
+        can_move=view.status in CLAIMABLE and not view.archived)
+
+
 def task_page(request: Request) -> Response:
-    console = console_of(request)
-    view = console.client.get(_int("task id", request.path_params["task_id"]))
-    return console.page(request, "task.html", task=view,
-                        can_cancel=view.status not in FINAL and not view.archived,
-                        can_retry=view.status in RETRYABLE and not view.archived)
+    view = console_of(request).client.get(_int("task id", request.path_params["task_id"]))
+    return _task_page(request, view)
 
 
 async def cancel(request: Request) -> Response:
@@ -100,7 +116,56 @@ async def retry(request: Request) -> Response:
     return back_to(f"/tasks/{task_id}", "retried")
 
 
+def _postpone_to(form: Mapping[str, object]) -> tuple[datetime | None, timedelta | None]:
+    """The Postpone form's ``at`` (UTC unless it has an offset) or ``delay`` (``10m``), as
+    ``reschedule``'s ``run_at`` and ``delay``.
+
+    Raises:
+        ValidationError: neither or both given, or one is malformed.
+    """
+    delay, at = (str(form.get(k, "")).strip() for k in ("delay", "at"))
+    if bool(delay) == bool(at):
+        raise ValidationError("postpone needs a delay (e.g. 10m) or a time, not both")
+    if at:
+        return _time("time", at), None
+    try:
+        return None, timedelta(milliseconds=parse_duration_ms(delay))
+    except AxError as exc:
+        raise ValidationError(f"delay: {exc}") from None
+
+
+async def _move(request: Request, how: Callable[[int], TaskView], note: str) -> Response:
+    """Move the task with ``how``; a refusal shows on the task's page (409, or 400 for bad
+    input) and changes nothing."""
+    task_id = _int("task id", request.path_params["task_id"])
+    try:
+        await run_in_threadpool(how, task_id)
+    except (IllegalTransition, ValidationError) as exc:
+        view = await run_in_threadpool(console_of(request).client.get, task_id)
+        status = 409 if isinstance(exc, IllegalTransition) else 400
+        return _task_page(request, view, status, str(exc))
+    return back_to(f"/tasks/{task_id}", note)
+
+
+async def run_now(request: Request) -> Response:
+    await checked_form(request)
+    return await _move(request, console_of(request).client.run_now, "run-now")
+
+
+async def postpone(request: Request) -> Response:
+    form = await checked_form(request)
+    client = console_of(request).client
+
+    def move(task_id: int) -> TaskView:
+        run_at, delay = _postpone_to(form)
+        return client.reschedule(task_id, run_at=run_at, delay=delay)
+
+    return await _move(request, move, "rescheduled")
+
+
 ROUTES = [Route("/tasks", task_list, methods=["GET"]),
           Route("/tasks/{task_id}", task_page, methods=["GET"]),
           Route("/tasks/{task_id}/cancel", cancel, methods=["POST"]),
-          Route("/tasks/{task_id}/retry", retry, methods=["POST"])]
+          Route("/tasks/{task_id}/retry", retry, methods=["POST"]),
+          Route("/tasks/{task_id}/run-now", run_now, methods=["POST"]),
+          Route("/tasks/{task_id}/postpone", postpone, methods=["POST"])]

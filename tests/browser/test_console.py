@@ -3,8 +3,9 @@ Playwright) against real ``ax-scheduler``, ``ax-worker`` and ``ax web`` processe
 PostgreSQL and Redis, with ``AX_WEB_TOKEN`` set.
 
 It logs in, sees both nodes on the overview, finds a failed task by its biz_key, reads
-its attempts and error, retries it and sees it SUCCESS, pauses a recurring job and sees no
-new occurrence for 3 s, sets a limit; a visitor without the session cookie is sent to the
+its attempts and error, retries it and sees it SUCCESS, runs a task due in an hour at once
+(Run now) and sees it end SUCCESS, pauses a recurring job and sees no new occurrence for
+3 s, sets a limit; a visitor without the session cookie is sent to the
 login form, and a POST without the CSRF token is refused with 403 and changes nothing. It
 saves the screenshots the README shows (docs/img/console-*.png).
 
@@ -158,6 +159,18 @@ def test_console_in_a_browser(system: System, console: str, browser: Any) -> Non
     system.wait_for(shows_success, 30, "the retried task shows SUCCESS")
     expect(page.locator("tr.attempt")).to_have_count(2)
     page.screenshot(path=str(SHOTS / "console-task.png"), full_page=True)
+
+    # -- a task due in an hour: Run now → it runs, its move listed ------------------------------
+    later = int(system.client.enqueue("web.tick", {"later": True}, delay=3600,
+                                      processor="web.tick"))
+    page.goto(f"{console}/tasks/{later}")
+    expect(page.locator("#status")).to_have_text("DELAYED")
+    page.click("button:text('Run now')")
+    expect(page.locator(".note")).to_contain_text("Moved to now")
+    system.wait_for(lambda: system.client.get(later).status == "SUCCESS", 30,
+                    "the task moved to now ran")
+    page.reload()
+    expect(page.locator("tr.move.kind-run_now")).to_have_count(1)
 
     # -- jobs: pause, then no new occurrence for 3 s --------------------------------------------
     system.wait_for(lambda: len(occurrences(system)) >= 2, 30, "the job fired")

@@ -19,7 +19,7 @@ from ax_kombu.store.schema import jobs, limits, tasks
 from ax_kombu.web.app import create_app
 
 from .ax_cli import run_ax
-from .test_admin_cli import make, row
+from .test_admin_cli import add_attempt, make, row
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -241,3 +241,68 @@ def test_refuses_to_bind_a_public_address_without_token(pg_url: str) -> None:
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "AX_WEB_TOKEN" in lines[0] and lines[0].startswith("ax: error:")
+
+
+def test_run_now_and_postpone_change_the_row_and_list_the_moves(web: TestClient,
+                                                                client: Client) -> None:
+    waiting = make(client, "t", "DELAYED")
+    page = web.get(f"/tasks/{waiting}").text
+    assert f'action="/tasks/{waiting}/run-now"' in page
+    assert f'action="/tasks/{waiting}/postpone"' in page
+    for path in (f"/tasks/{waiting}/run-now", f"/tasks/{waiting}/postpone"):
+        assert web.post(path, data={"csrf": "0" * 64, "delay": "1m"}).status_code == 403
+    assert row(client, waiting).status == "DELAYED" and client.get(waiting).moves == ()
+
+    moved = post(web, f"/tasks/{waiting}/run-now")
+    assert moved.headers["location"] == f"/tasks/{waiting}?note=run-now"
+    assert row(client, waiting).status == "READY"
+    assert row(client, waiting).trigger_time <= client.store.now_ms()
+
+    before = client.store.now_ms()
+    assert post(web, f"/tasks/{waiting}/postpone", delay="10m").status_code == 303
+    later = row(client, waiting)
+    assert later.status == "DELAYED"
+    assert before + 600_000 <= later.trigger_time <= client.store.now_ms() + 600_000
+    assert post(web, f"/tasks/{waiting}/postpone", at="2030-01-01T00:00:00").status_code == 303
+    assert row(client, waiting).trigger_time == 1_893_456_000_000  # read as UTC
+
+    for bad in ({"delay": "soon"}, {}, {"delay": "1m", "at": "2030-01-01T00:00"}):
+        refused = post(web, f"/tasks/{waiting}/postpone", **bad)
+        assert refused.status_code == 400 and 'id="refused"' in refused.text, bad
+    assert row(client, waiting).trigger_time == 1_893_456_000_000
+
+    page = web.get(f"/tasks/{waiting}?note=rescheduled").text
+    assert "Rescheduled." in page
+    kinds = re.findall(r'<tr class="move kind-(\w+)">', page)
+    assert kinds == ["run_now", "reschedule", "reschedule"]
+    assert "2030-01-01 00:00:00.000" in page
+
+
+def test_postpone_of_a_claimed_task_shows_the_refusal_and_changes_nothing(
+        web: TestClient, client: Client) -> None:
+    claimed = make(client, "t", "DISPATCHING", attempt=1,
+                   trigger_time=client.store.now_ms() - 1000)
+    before = row(client, claimed)
+    page = web.get(f"/tasks/{claimed}").text
+    assert "/postpone" not in page and "/run-now" not in page  # only Cancel is offered
+    assert f'action="/tasks/{claimed}/cancel"' in page
+    for path, fields in ((f"/tasks/{claimed}/postpone", {"delay": "10m"}),
+                         (f"/tasks/{claimed}/run-now", {})):
+        refused = post(web, path, **fields)
+        assert refused.status_code == 409, path
+        assert 'id="refused"' in refused.text and "already started" in refused.text
+        assert 'id="status">DISPATCHING' in refused.text  # the task's own page
+    assert row(client, claimed) == before and client.get(claimed).moves == ()
+
+    done = make(client, "t", "SUCCESS")
+    refused = post(web, f"/tasks/{done}/run-now")
+    assert refused.status_code == 409 and "SUCCESS" in refused.text
+    assert post(web, "/tasks/123/run-now").status_code == 404
+
+
+def test_task_page_shows_each_attempts_outcome_kind(web: TestClient, client: Client) -> None:
+    task_id = make(client, "t", "DELAYED", attempt=3)
+    for attempt, outcome in enumerate(("SNOOZED", "RETRY", "LOST"), start=1):
+        add_attempt(client, task_id, attempt, outcome)
+    page = web.get(f"/tasks/{task_id}").text
+    assert re.findall(r'class="attempt outcome-(\w+)"', page) == ["SNOOZED", "RETRY", "LOST"]
