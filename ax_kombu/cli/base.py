@@ -6,13 +6,14 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import click
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env, parse_duration_ms, redact_url
-from ax_kombu.exceptions import AxError
+from ax_kombu.exceptions import AxError, ValidationError
 
 
 class OneLineGroup(click.Group):
@@ -101,3 +102,23 @@ class JsonValue(click.ParamType):  # type: ignore[type-arg]
             return json.loads(value)
         except json.JSONDecodeError as exc:
             self.fail(f"not valid JSON ({exc.msg} at position {exc.pos}): {value!r}", param, ctx)
+
+
+class IsoTime(click.ParamType):  # type: ignore[type-arg]
+    """An ISO 8601 time with a UTC offset (``Z`` or ``+08:00``), as an aware datetime."""
+
+    name = "iso-time"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> datetime:
+        if isinstance(value, datetime):
+            return value
+        try:
+            at = datetime.fromisoformat(str(value))
+        except ValueError:
+            raise ValidationError(f"--at {value!r} is not an ISO 8601 time, e.g. "
+                                  "2026-12-24T20:00:00+08:00") from None
+        if at.utcoffset() is None:
+            raise ValidationError(f"--at {value!r} has no UTC offset; add one, e.g. "
+                                  f"{at.isoformat()}+08:00 or {at.isoformat()}Z")
+        return at

@@ -8,19 +8,23 @@ from typing import Any
 import click
 
 from ax_kombu.api import Client
-from ax_kombu.cli.base import Duration, JsonValue, settings_from
+from ax_kombu.cli.base import Duration, IsoTime, JsonValue, settings_from
 from ax_kombu.config import PRIORITIES
-from ax_kombu.exceptions import ValidationError
 
 
 @click.command()
 @click.argument("task_type")
 @click.option("--payload", type=JsonValue(), default="null", help="JSON payload.")
 @click.option("--delay", type=Duration(), default=None, help="Run after this long (5s, 2m, …).")
-@click.option("--at", "run_at", default=None,
+@click.option("--at", "run_at", type=IsoTime(), default=None,
               help="Run at this ISO time with a zone, e.g. 2026-12-24T20:00:00+08:00.")
 @click.option("--priority", type=click.Choice(PRIORITIES), default="default", show_default=True)
 @click.option("--biz-key", default=None, help="Idempotency key, unique per task type.")
+@click.option("--unique", type=click.Choice(["always", "pending"]), default="always",
+              show_default=True, help="Hold the biz key for good, or only while pending.")
+@click.option("--on-conflict", type=click.Choice(["keep", "replace"]), default="keep",
+              show_default=True,
+              help="replace: a pending task with the biz key takes this payload and time.")
 @click.option("--max-retry", type=int, default=None)
 @click.option("--timeout", "timeout_ms", type=Duration(), default=None, help="e.g. 30s")
 @click.option("--processor", default=None, help="Registered name or package.module:function.")
@@ -34,22 +38,17 @@ from ax_kombu.exceptions import ValidationError
               help="Make N shards of the task (1..1024), or one per live worker of its queue.")
 @click.pass_context
 def enqueue(ctx: click.Context, /, task_type: str, payload: Any, delay: int | None,
-            run_at: str | None, **options: Any) -> None:
+            run_at: datetime | None, **options: Any) -> None:
     """Schedule one task and print its id."""
-    when = None
-    if run_at is not None:
-        try:
-            when = datetime.fromisoformat(run_at)
-        except ValueError:
-            raise ValidationError(f"--at {run_at!r} is not an ISO 8601 time") from None
     shards = options.get("shards")
     if shards is not None and shards.isdigit():
         options["shards"] = int(shards)  # else "workers", or a bad value the library names
     client = Client(settings_from(ctx))
     try:
-        task_id = client.enqueue(task_type, payload, run_at=when,
+        task_id = client.enqueue(task_type, payload, run_at=run_at,
                                  delay=None if delay is None else delay / 1000.0, **options)
     finally:
         client.close()
-    suffix = "" if task_id.created else "  (duplicate: existing task, nothing created)"
+    suffix = ("" if task_id.created else "  (replaced: the pending task took this payload "
+              "and time)" if task_id.replaced else "  (duplicate: existing task, nothing created)")
     click.echo(f"{' '.join(map(str, task_id.shards)) or int(task_id)}{suffix}")

@@ -15,28 +15,8 @@ from typing import Any
 
 import click
 
-from ax_kombu.cli.base import Duration, client_for
+from ax_kombu.cli.base import Duration, IsoTime, client_for
 from ax_kombu.exceptions import ValidationError
-
-
-class IsoTime(click.ParamType):  # type: ignore[type-arg]
-    """An ISO 8601 time with a UTC offset (``Z`` or ``+08:00``), as an aware datetime."""
-
-    name = "iso-time"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> datetime:
-        if isinstance(value, datetime):
-            return value
-        try:
-            at = datetime.fromisoformat(str(value))
-        except ValueError:
-            raise ValidationError(f"--at {value!r} is not an ISO 8601 time, e.g. "
-                                  "2026-12-24T20:00:00+08:00") from None
-        if at.utcoffset() is None:
-            raise ValidationError(f"--at {value!r} has no UTC offset; add one, e.g. "
-                                  f"{at.isoformat()}+08:00 or {at.isoformat()}Z")
-        return at
 
 
 def _check_form(task_id: int | None, task_type: str | None, biz_key: str | None,

@@ -172,3 +172,12 @@ def test_inspect_shows_moves_and_outcome_kinds(ax: Ax, client: Client) -> None:
     [line] = [t for t in text.splitlines() if "→" in t]
     assert line.split()[1:5] == [move["from_time"], "→", move["to_time"], "reschedule"]
     assert any(t.split()[1:2] == ["SNOOZED"] for t in text.splitlines() if "#1" in t)
+
+
+def test_enqueue_takes_the_key_policies_and_an_offset_time(ax: Ax) -> None:
+    first = ax.ok("enqueue", "digest", "--payload", '{"n": 1}', "--biz-key", "u1",
+                  "--delay", "10m").strip()
+    again = ax.ok("enqueue", "digest", "--payload", '{"n": 2}', "--biz-key", "u1",
+                  "--delay", "20m", "--on-conflict", "replace")
+    assert again.startswith(first) and "replaced" in again
+    assert "no UTC offset" in ax.fails(2, "enqueue", "digest", "--at", "2030-01-01T00:00:00")
