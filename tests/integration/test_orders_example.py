@@ -5,9 +5,7 @@ test's ax database, dropped afterwards); the last test also needs Redis."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -15,12 +13,12 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 import ax_kombu as ax
-from ax_kombu.config import Settings, from_env
-from ax_kombu.worker.node import Worker
+from ax_kombu.config import from_env
 from ax_kombu.worker.processors import Resolver
 from examples.orders import app
 
 from .harness import eventually, scheduler_running
+from .test_worker import running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -112,26 +110,11 @@ def test_extending_moves_the_close_task(shop: Engine) -> None:
         (before["trigger_time"], after["trigger_time"], "reschedule")]
 
 
-@contextmanager
-def _worker(settings: Settings) -> Iterator[Worker]:
-    """A worker running the app's processor in a thread (as ``-A examples.orders.app``)."""
-    worker = Worker(settings, resolver=Resolver(modules=["examples.orders.app"]))
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
-    thread.start()
-    eventually(worker.ready.is_set, what="worker consuming")
-    try:
-        yield worker
-    finally:
-        worker.request_stop()
-        thread.join(30)
-    assert not thread.is_alive() and codes == [0]
-
-
 def test_an_unpaid_order_is_closed_by_a_real_scheduler_and_worker(
         shop: Engine, pg_url: str, redis_broker: dict[str, str]) -> None:
     settings = from_env({}, database_url=pg_url, heartbeat_interval_s=0.2, **redis_broker)
-    with _worker(settings), scheduler_running(settings):
+    with running(settings, resolver=Resolver(modules=["examples.orders.app"])), \
+            scheduler_running(settings):
         unpaid, paid = _place(shop, close_after=0.5), _place(shop, close_after=0.5)
         assert app.pay_order(paid)
         eventually(lambda: _orders(shop)[unpaid] == "closed", timeout=30,
