@@ -119,15 +119,16 @@ def test_a_reschedule_racing_the_claim_never_runs_at_the_old_time(
     results = _race([lambda t=t: system.client.reschedule(t, delay=3) for t in ids])
     moved = {t: r.trigger_time for t, r in zip(ids, results, strict=True)
              if not isinstance(r, Exception)}
-    refused = [t for t, r in zip(ids, results, strict=True) if isinstance(r, TooLateToMove)]
-    assert len(moved) + len(refused) == N_BURST, [r for r in results if isinstance(r, Exception)
-                                                  and not isinstance(r, TooLateToMove)][:3]
+    # refused: claimed, staged or running (TooLateToMove), or on a slow day already ended
+    # (IllegalTransition) by the time its move was tried
+    refused = [t for t, r in zip(ids, results, strict=True) if isinstance(r, IllegalTransition)]
+    assert len(moved) + len(refused) == N_BURST
     system.wait_final(N_BURST, 40)
     runs = log.by_task()
     assert all(len(runs.get(t, [])) == 1 for t in ids), "a task was lost or ran twice"
     at_old_time = [t for t, new in moved.items()
                    if runs[t][0].trigger != new or runs[t][0].start < new - CLOCK_TOLERANCE_MS]
-    print(f"\n{N_BURST} due together: {len(moved)} moved, {len(refused)} refused as too late")
+    print(f"\n{N_BURST} due together: {len(moved)} moved, {len(refused)} refused")
     assert moved, "no reschedule won the race: the test did not exercise it"
     assert not at_old_time, f"{len(at_old_time)} moved tasks ran at their old time"
     assert all(runs[t][0].trigger == due for t in refused)

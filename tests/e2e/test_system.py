@@ -9,7 +9,8 @@ same smaller flow on the embedded default (SQLite store + ax's SQLite broker):
 * timeouts: recorded as such, FAILED without retries left, the slot accounted for;
 * pool isolation: a saturated slow pool does not delay high-priority tasks;
 * ``kill -9`` of a worker mid-task: nothing lost, only its running tasks run twice;
-* SIGTERM of a worker: warm shutdown, exit 0, nothing lost or run twice.
+* SIGTERM of a worker: warm shutdown, exit 0, nothing lost or run twice
+  (these two on Redis alone: a broker changes nothing in how a worker's fault is handled).
 
 Every wait polls the database against a deadline; a failure shows each daemon's log tail.
 """
@@ -28,6 +29,15 @@ import pytest
 from .system import CLOCK_TOLERANCE_MS, Run, RunLog, System, pct
 
 PRIORITIES = ("high", "default", "slow")
+
+
+@pytest.fixture
+def redis_system(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterator[System]:
+    """On Redis alone, for a fault whose handling no broker changes (one tier each: the
+    fault suite, tests/faults, kills and stops workers too)."""
+    ax = System(pg_url, redis_broker, tmp_path)
+    yield ax
+    ax.close()
 
 
 @pytest.fixture
@@ -292,7 +302,8 @@ def kill_mid_task(system: System, victim: str, log: RunLog, tasks: list[dict[str
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_a_worker_killed_mid_task_loses_nothing(system: System, tmp_path: Path) -> None:
+def test_a_worker_killed_mid_task_loses_nothing(redis_system: System, tmp_path: Path) -> None:
+    system = redis_system
     log = RunLog(tmp_path / "runs.jsonl")
     system.env = RECOVERY
     system.scheduler("sched-0")
@@ -312,7 +323,9 @@ def test_a_worker_killed_mid_task_loses_nothing(system: System, tmp_path: Path) 
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_sigterm_stops_a_worker_warm_and_loses_nothing(system: System, tmp_path: Path) -> None:
+def test_sigterm_stops_a_worker_warm_and_loses_nothing(redis_system: System,
+                                                       tmp_path: Path) -> None:
+    system = redis_system
     log = RunLog(tmp_path / "runs.jsonl")
     system.scheduler("sched-0")
     # the victim also holds received-but-unstarted work (prefetch 2 × pool) to give back
