@@ -3,15 +3,15 @@ listed, and a server that drips its answer holds a pool slot no longer than the 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
+from ..loopback_http import serving
 from .system import System
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(120)]
@@ -46,13 +46,8 @@ class _Server(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     _Server.hits.clear()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(_Server) as url:
+        yield url
 
 
 def _system(pg_url: str, broker: dict[str, str], tmp: Path, **env: str) -> System:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.server
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from ..loopback_http import serving
 from .system import System
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(120)]
@@ -52,12 +52,8 @@ class _Failing(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def receiver() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook"
-    server.shutdown()
-    server.server_close()
+    with serving(_Failing) as url:
+        yield f"{url}/hook"
 
 
 @pytest.fixture

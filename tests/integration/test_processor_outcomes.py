@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import pytest
@@ -24,6 +24,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 
 from .. import procs_worker
+from ..loopback_http import serving
 from .harness import eventually
 from .test_worker import Dispatch, running
 
@@ -189,12 +190,8 @@ class _Receiver(BaseHTTPRequestHandler):
 @pytest.fixture
 def receiver() -> Iterator[str]:
     _Receiver.calls = {}
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(_Receiver) as url:
+        yield url
 
 
 def test_a_callbacks_status_says_what_its_failure_means(

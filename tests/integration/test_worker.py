@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +43,7 @@ from ax_kombu.worker.node import Worker
 from ax_kombu.worker.processors import Context, Resolver
 
 from .. import procs_worker
+from ..loopback_http import serving
 from .harness import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -576,25 +577,21 @@ def test_the_embedded_default_runs_processors_and_callbacks(tmp_path: Path) -> N
     settings = from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.db'}",
                         broker_url=f"ax+sqlite:///{tmp_path / 'broker.db'}",
                         callback_allow_hosts="127.0.0.1")  # the hook is on loopback
-    hook = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
-    threading.Thread(target=hook.serve_forever, daemon=True).start()
     _Hook.received = []
     dispatch = Dispatch(settings)
     try:
-        plain = [dispatch.enqueue("t.noop", {"i": i}) for i in range(20)]
-        hooked = dispatch.enqueue("coupon.grant", {"user": 7},
-                                  callback_url=f"http://127.0.0.1:{hook.server_address[1]}/h")
-        with running(settings):
-            dispatch.dispatch([*plain, hooked])
-            eventually(lambda: all(dispatch.status(i) is Status.SUCCESS
-                                   for i in [*plain, hooked]))
+        with serving(_Hook) as hook:
+            plain = [dispatch.enqueue("t.noop", {"i": i}) for i in range(20)]
+            hooked = dispatch.enqueue("coupon.grant", {"user": 7}, callback_url=f"{hook}/h")
+            with running(settings):
+                dispatch.dispatch([*plain, hooked])
+                eventually(lambda: all(dispatch.status(i) is Status.SUCCESS
+                                       for i in [*plain, hooked]))
         view = dispatch.view(hooked)
         assert _Hook.received == [{"body": {"payload": {"user": 7}, "task_id": hooked,
                                             "attempt": 1, "trace_id": view.trace_id},
                                    "trace": view.trace_id}]
     finally:
-        hook.shutdown()
-        hook.server_close()
         dispatch.close()
 
 

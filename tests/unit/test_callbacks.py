@@ -31,6 +31,8 @@ from ax_kombu.worker import callbacks
 from ax_kombu.worker.callbacks import address_refusal, host_allowed, post_callback
 from ax_kombu.worker.processors import Context, Resolver
 
+from ..loopback_http import serving
+
 pytestmark = pytest.mark.timeout(30)
 
 CTX = Context(task_id=7, attempt=1, trace_id="tr-cb", trigger_time=1000, task_type="t",
@@ -125,12 +127,8 @@ class _Receiver(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     _Receiver.seen, _Receiver.huge_sent = [], []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(_Receiver) as url:
+        yield url
     callbacks.pools.clear()
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import pytest
@@ -34,6 +33,7 @@ from ax_kombu.worker.processors import (
 )
 
 from .. import procs_worker
+from ..loopback_http import serving
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -132,13 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     _Handler.seen = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(_Handler) as url:
+        yield url
 
 
 def test_a_2xx_answer_is_success_and_the_post_carries_task_and_trace(server: str) -> None:
