@@ -16,7 +16,7 @@ Guarantees of :meth:`Client.enqueue` / :meth:`Client.enqueue_many`:
   non-cancelled one is not created again; the existing id comes back with
   ``created=False``.
 Both hold across concurrent producers in many processes (see
-:mod:`ax_kombu.store.tasks`).
+:mod:`ax_kombu.store.enqueue`).
 """
 
 from __future__ import annotations

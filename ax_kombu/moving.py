@@ -61,7 +61,6 @@ def cancel_selection(now_ms: int, task_type: Any, status: Any, biz_keys: Any,
     return moves.Selection(task_type, statuses, keys, created_from)
 
 
-
 class Moving:
     """Client methods that move or cancel tasks (they read back through ``get``)."""
 
@@ -127,13 +126,13 @@ class Moving:
             raise ValidationError("reschedule needs run_at or delay (run_now() moves a task "
                                   "to now)")
         to_time = trigger_ms(now, run_at, delay)
-        change = moves.Change(to_time, kind)
-        if payload is not UNCHANGED:
-            with self.store.engine.connect() as conn:
-                found_type = moves.find(conn, target).task_type
-            text = canonical_json(payload, self.settings.max_payload_bytes)
-            change = moves.Change(to_time, kind, text, fingerprint(found_type, text))
+        text = None if payload is UNCHANGED else canonical_json(
+            payload, self.settings.max_payload_bytes)
         with self.store.engine.begin() as conn:
+            change = moves.Change(to_time, kind)
+            if text is not None:  # the fingerprint is of the task's own type
+                task_type = moves.find(conn, target).task_type
+                change = moves.Change(to_time, kind, text, fingerprint(task_type, text))
             moved, _ = moves.move(conn, target, change, now,
                                   now + self.settings.preload_window_ms)
         return self.get(moved)

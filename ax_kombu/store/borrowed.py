@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,9 +47,13 @@ from sqlalchemy.pool import NullPool
 
 from ax_kombu.exceptions import ValidationError
 
+#: one round trip: what names the database (the first three), and the transaction's isolation
 _PG_IDENTITY = text("SELECT current_database(), "
-                    "CAST(pg_postmaster_start_time() AS TEXT), current_setting('port')")
-_PG_ISOLATION = text("SELECT current_setting('transaction_isolation')")
+                    "CAST(pg_postmaster_start_time() AS TEXT), current_setting('port'), "
+                    "current_setting('transaction_isolation')")
+_AUTOCOMMIT = ("connection= is in autocommit mode: ax's writes would commit on their own, not "
+               "with your transaction (turn autocommit off, or with Django enqueue inside "
+               "transaction.atomic())")
 
 #: the driver connection being borrowed, for the borrowing engine's ``creator``
 _lent: contextvars.ContextVar[Any] = contextvars.ContextVar("ax_lent_connection")
@@ -142,9 +147,7 @@ class Borrowing:
     def _engine_for(self, raw: Any) -> Engine:
         driver = _driver_of(raw)
         if getattr(raw, "autocommit", False) is True:
-            raise ValidationError("connection= is in autocommit mode: ax's writes would commit "
-                                  "on their own, not with your transaction (turn autocommit "
-                                  "off, or with Django enqueue inside transaction.atomic())")
+            raise ValidationError(_AUTOCOMMIT)
         if self._store.dialect.name != "postgresql":
             raise ValidationError(
                 f"connection= got a {driver} connection, but the ax store is SQLite; pass a "
@@ -160,20 +163,17 @@ class Borrowing:
         """Raise ValidationError unless ``conn`` is on the store's database, in a
         transaction that can roll back."""
         if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
-            raise ValidationError("connection= is in autocommit mode: ax's writes would "
-                                  "commit on their own, not with your transaction")
+            raise ValidationError(_AUTOCOMMIT)
         if conn.dialect.name != self._store.dialect.name:
             raise ValidationError(f"connection= is on {conn.dialect.name}, the ax store on "
                                   f"{self._store.dialect.name}: pass a connection to the ax "
                                   "database")
-        if conn.dialect.name == "postgresql":
-            isolation = conn.execute(_PG_ISOLATION).scalar_one()
-            if isolation != "read committed":
-                raise ValidationError(
-                    f"connection= is in a {isolation} transaction: ax's duplicate check must "
-                    "see producers that committed while it waited for their lock, which only "
-                    "READ COMMITTED does; enqueue from a READ COMMITTED transaction")
-        theirs = _identity(conn)
+        theirs, isolation = _identity(conn)
+        if isolation not in (None, "read committed"):
+            raise ValidationError(
+                f"connection= is in a {isolation} transaction: ax's duplicate check must "
+                "see producers that committed while it waited for their lock, which only "
+                "READ COMMITTED does; enqueue from a READ COMMITTED transaction")
         if theirs != self._store_identity():
             self._identity = None  # the store's server may have restarted: ask once more
             if theirs != self._store_identity():
@@ -184,19 +184,21 @@ class Borrowing:
     def _store_identity(self) -> tuple[Any, ...]:
         if self._identity is None:
             with self._store.connect() as conn:
-                self._identity = _identity(conn)
+                self._identity = _identity(conn)[0]
         return self._identity
 
 
-def _identity(conn: Connection) -> tuple[Any, ...]:
-    """What names a database: PostgreSQL — its name, the server's start time and port;
-    SQLite — the real path of the main database file."""
+def _identity(conn: Connection) -> tuple[tuple[Any, ...], str | None]:
+    """What names a database — PostgreSQL: its name, the server's start time and port;
+    SQLite: the real path of the main database file — and the transaction's isolation level
+    (PostgreSQL; None on SQLite, whose writers are serialised)."""
     if conn.dialect.name == "postgresql":
-        return tuple(conn.execute(_PG_IDENTITY).one())
+        *names, isolation = conn.execute(_PG_IDENTITY).one()
+        return tuple(names), str(isolation)
     for _seq, name, path in conn.exec_driver_sql("PRAGMA database_list"):
         if name == "main":
-            return ("sqlite", os.path.realpath(path) if path else ":memory:")
-    return ("sqlite", None)
+            return ("sqlite", os.path.realpath(path) if path else ":memory:"), None
+    return ("sqlite", None), None
 
 
 def _show(identity: tuple[Any, ...]) -> str:
@@ -208,7 +210,7 @@ def _show(identity: tuple[Any, ...]) -> str:
 def _session_connection(given: Any) -> Connection | None:
     """``given.connection()`` when ``given`` is a SQLAlchemy ORM Session, else None (the
     ORM is imported only by a caller that uses it)."""
-    orm = __import__("sys").modules.get("sqlalchemy.orm")
+    orm = sys.modules.get("sqlalchemy.orm")
     if orm is not None and isinstance(given, orm.Session):
         found: Connection = given.connection()
         return found

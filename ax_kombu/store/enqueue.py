@@ -135,6 +135,11 @@ class Verdict(NamedTuple):
     task_id: int
     holder: Holder | None = None
 
+    @property
+    def creates(self) -> bool:
+        """The row is inserted (``new`` or ``take``)."""
+        return self.kind in ("new", "take")
+
 
 class _Dedup:
     """Decides, row by row, which rows are duplicates of existing or earlier ones, and
@@ -272,16 +277,15 @@ def write_tasks(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: 
     verdicts: list[Verdict] = []
     for row in rows:
         verdict = dedup.judge(row)
-        if verdict.kind in ("new", "take"):
+        if verdict.creates:
             dedup.add(row)
         verdicts.append(verdict)
     verdicts = key_holders.settle(conn, rows, verdicts, now_ms)
-    fresh = [row for row, v in zip(rows, verdicts, strict=True) if v.kind in ("new", "take")]
+    fresh = [row for row, v in zip(rows, verdicts, strict=True) if v.creates]
     _write(conn, fresh)
     _wake(conn, [*fresh, *(r for r, v in zip(rows, verdicts, strict=True)
                            if v.kind == "replace")], wake_before_ms)
-    return [Written(v.task_id, v.kind in ("new", "take"), v.kind == "replace")
-            for v in verdicts]
+    return [Written(v.task_id, v.creates, v.kind == "replace") for v in verdicts]
 
 
 def _wake(conn: Connection, rows: Sequence[Mapping[str, Any]], before_ms: int | None) -> None:

@@ -25,7 +25,7 @@ from ax_kombu.store import moves
 from ax_kombu.store.schema import tasks
 
 if TYPE_CHECKING:
-    from ax_kombu.store.enqueue import Verdict
+    from ax_kombu.store.enqueue import Holder, Verdict
 
 _FINAL = sorted(str(s) for s in states.FINAL)
 
@@ -58,7 +58,7 @@ def _release(conn: Connection, task_ids: list[int]) -> set[int]:
     return set(conn.execute(stmt).scalars())
 
 
-def _replace(conn: Connection, holder: Any, row: Mapping[str, Any], now_ms: int) -> bool:
+def _replace(conn: Connection, holder: Holder, row: Mapping[str, Any], now_ms: int) -> bool:
     """Give the holder ``row``'s payload and trigger time; False if it could not move."""
     if holder.fresh is not None:  # written by this very batch: not in the table yet
         fresh = cast(MutableMapping[str, Any], holder.fresh)

@@ -172,7 +172,7 @@ tasks = Table(
 #: trigger time (``trigger_time >> 20``) in the high bits, the first 32 bits of its
 #: fingerprint in the low ones (ax's fingerprints are hex digests); ``{t}`` is the table's
 #: alias and dot, or empty. ``ix_ax_fingerprint_probe`` (migration 0017) is a B-tree on
-#: exactly this expression (:func:`ax_kombu.store.tasks.probes` computes it in Python).
+#: exactly this expression (:func:`ax_kombu.store.enqueue.probes` computes it in Python).
 PROBE_BUCKET_BITS = 20
 PROBE_SQL = (f"((({{t}}trigger_time >> {PROBE_BUCKET_BITS}) << 32) "
              "| ('x' || left({t}fingerprint, 8))::bit(32)::bigint)")
