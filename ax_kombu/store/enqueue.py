@@ -30,6 +30,7 @@ from sqlalchemy import Connection, Engine, Executable, bindparam, insert, select
 
 from ax_kombu.observability import metrics
 from ax_kombu.store import keys as key_holders
+from ax_kombu.store.keys import Holder, Verdict
 from ax_kombu.store.schema import PROBE_BUCKET_BITS, PROBE_SQL, fingerprints, tasks
 from ax_kombu.store.tasks import wake_schedulers
 
@@ -115,30 +116,6 @@ def _lock_key(kind: str, value: str) -> int:
 
 def _biz_ident(row: Mapping[str, Any]) -> tuple[str, str] | None:
     return (row["task_type"], row["biz_key"]) if row.get("biz_key") is not None else None
-
-
-class Holder(NamedTuple):
-    """The task holding a ``(task_type, biz_key)``: its id and status, or the row of this
-    batch that takes it (``fresh``)."""
-
-    task_id: int
-    status: str
-    fresh: Mapping[str, Any] | None = None
-
-
-class Verdict(NamedTuple):
-    """What enqueue does with one row: ``new`` (insert it), ``take`` (insert it once the
-    finished holder of its key gave the key up), ``replace`` (the pending holder takes the
-    row's payload and time) or ``duplicate``; ``task_id`` is the task the caller gets."""
-
-    kind: str
-    task_id: int
-    holder: Holder | None = None
-
-    @property
-    def creates(self) -> bool:
-        """The row is inserted (``new`` or ``take``)."""
-        return self.kind in ("new", "take")
 
 
 class _Dedup:

@@ -1,7 +1,7 @@
 """What an enqueue does with a business key already held: take it, or replace the holder.
 
-The verdicts come from :class:`ax_kombu.store.enqueue._Dedup`, under the enqueue's key locks;
-this module carries out the two that change an existing task, each as a compare-and-set
+The verdicts (:class:`Verdict`) come from :class:`ax_kombu.store.enqueue._Dedup`, under the
+enqueue's key locks; this module carries out the two that change an existing task, each as a compare-and-set
 whose rowcount decides (a holder that moved on meanwhile makes the row a duplicate):
 
 * **take** (``unique="pending"``, the holder has finished): the holder gives the key up —
@@ -15,7 +15,7 @@ whose rowcount decides (a holder that moved on meanwhile makes the row a duplica
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection, update
 
@@ -24,10 +24,31 @@ from ax_kombu.exceptions import IllegalTransition, TaskNotFound
 from ax_kombu.store import moves
 from ax_kombu.store.schema import tasks
 
-if TYPE_CHECKING:
-    from ax_kombu.store.enqueue import Holder, Verdict
-
 _FINAL = sorted(str(s) for s in states.FINAL)
+
+
+class Holder(NamedTuple):
+    """The task holding a ``(task_type, biz_key)``: its id and status, or the row of this
+    batch that takes it (``fresh``)."""
+
+    task_id: int
+    status: str
+    fresh: Mapping[str, Any] | None = None
+
+
+class Verdict(NamedTuple):
+    """What enqueue does with one row: ``new`` (insert it), ``take`` (insert it once the
+    finished holder of its key gave the key up), ``replace`` (the pending holder takes the
+    row's payload and time) or ``duplicate``; ``task_id`` is the task the caller gets."""
+
+    kind: str
+    task_id: int
+    holder: Holder | None = None
+
+    @property
+    def creates(self) -> bool:
+        """The row is inserted (``new`` or ``take``)."""
+        return self.kind in ("new", "take")
 
 
 def settle(conn: Connection, rows: Sequence[Mapping[str, Any]], verdicts: list[Verdict],
