@@ -1,8 +1,9 @@
 """What an enqueue does with a business key already held: take it, or replace the holder.
 
 The verdicts (:class:`Verdict`) come from :class:`ax_kombu.store.enqueue._Dedup`, under the
-enqueue's key locks; this module carries out the two that change an existing task, each as a compare-and-set
-whose rowcount decides (a holder that moved on meanwhile makes the row a duplicate):
+enqueue's key locks; this module carries out the two that change an existing task, each as
+a compare-and-set whose rowcount decides (a holder that moved on meanwhile makes the row a
+duplicate):
 
 * **take** (``unique="pending"``, the holder has finished): the holder gives the key up —
   ``biz_key`` → ``released_key`` where its status is still final (``ax retry`` may have
