@@ -1,13 +1,13 @@
 """ax-scheduler: preload → timing wheel → batched claim → Kombu publish, plus recovery.
 
 One node (:mod:`~ax_kombu.scheduler.node`: lifecycle, signals, shutdown) runs
-its stages on their own threads: the timing loop
+its loops on their own threads: the timing loop
 (:mod:`~ax_kombu.scheduler.timing`), the claimer
 (:mod:`~ax_kombu.scheduler.claimer`), the dispatcher
 (:mod:`~ax_kombu.scheduler.dispatcher`) and the housekeeper
 (:mod:`~ax_kombu.scheduler.housekeeper`: preload, heartbeat, recovery). They
-meet only at hand-offs and share one stage thread shape
-(:mod:`~ax_kombu.scheduler.stage`).
+meet only at mailboxes and share one loop thread shape
+(:mod:`~ax_kombu.scheduler.loop`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ Contracts:
 * **Broker down → no claims**: while the dispatcher reports the broker
   unreachable, fired ids go back to the wheel for ``republish_delay_ms`` and
   nothing is claimed, so no task is moved to DISPATCHING that cannot be sent.
-* On :meth:`~ax_kombu.scheduler.stage.Stage.stop` the claimer ends after the
+* On :meth:`~ax_kombu.scheduler.loop.Loop.stop` the claimer ends after the
   batch in hand; what is fired but unclaimed stays claimable in the store, for
   the other schedulers' preload.
 """
@@ -60,7 +60,7 @@ from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.lease import Lease
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher
-from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff, Stage
+from ax_kombu.scheduler.loop import MAX_SLEEP_S, Loop, Mailbox
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.claims import claim, still_claimable
@@ -83,7 +83,7 @@ class _Claim(NamedTuple):
     resume: bool
 
 
-class Claimer(Stage):
+class Claimer(Loop):
     """Claims fired ids batch after batch and puts the claimed rows in the dispatcher's inbox.
 
     Args:
@@ -98,7 +98,7 @@ class Claimer(Stage):
             covers that incarnation (see :mod:`ax_kombu.scheduler.dispatcher`).
     """
 
-    def __init__(self, settings: Settings, store: Store, node_id: str, fired: HandOff[int],
+    def __init__(self, settings: Settings, store: Store, node_id: str, fired: Mailbox[int],
                  timing: TimingLoop, dispatcher: Dispatcher, ids: LeasedIds,
                  lease: Lease | None = None) -> None:
         super().__init__("ax-claimer", fired.ready)

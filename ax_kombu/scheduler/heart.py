@@ -36,12 +36,12 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
-from ax_kombu.scheduler.stage import Stage
+from ax_kombu.scheduler.loop import Loop
 
 log = logging.getLogger(__name__)
 
 
-class Heart(Stage):
+class Heart(Loop):
     """Beats every ``interval_s`` until :meth:`stop`.
 
     Args:

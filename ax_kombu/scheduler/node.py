@@ -1,14 +1,14 @@
 """ax-scheduler: preload → timing wheel → batched claim → Kombu publish, plus recovery.
 
-One node runs its stages each on its own thread, so that no stage waits on
-another's I/O. This module is the node's lifecycle: it builds the stages,
-registers the node, starts them, and stops them in order. The stages, on the
+One node runs its loops each on its own thread, so that no loop waits on
+another's I/O. This module is the node's lifecycle: it builds the loops,
+registers the node, starts them, and stops them in order. The loops, on the
 database clock:
 
 1. **Preload** (:mod:`~ax_kombu.scheduler.housekeeper`): this node's share of
    the tasks due within ``preload_window_ms`` is read into memory (a read: the
    rows are not written), periodically and at once on a producer's wake-up;
-   memory is bounded by the window and ``max_held``.
+   memory is bounded by the window and ``max_loaded``.
 2. **Timing wheel** (:mod:`~ax_kombu.scheduler.timing`; the thread that calls
    :meth:`Scheduler.run`): an 8 s millisecond wheel in front of a delay
    queue; due ids fire ``claim_lead_ms`` early, in trigger order, as a slot
@@ -19,7 +19,7 @@ database clock:
    to DISPATCHING for exactly one node, with a new attempt number, and the
    claim is durable before anything is handed on.
 4. **Publish** (:mod:`~ax_kombu.scheduler.dispatcher`; overlaps the next
-   claim): each claimed batch at once, staged up to ``claim_lead_ms`` ahead
+   claim): each claimed batch at once, up to ``claim_lead_ms`` ahead (the claim lead)
    (a worker starts each task at its trigger time, never before), to the
    queue of its priority, with publisher confirms on RabbitMQ. A batch that does not
    certainly reach the broker goes back to READY; the claimer stops claiming
@@ -32,8 +32,8 @@ database clock:
 6. **Heartbeat** (:mod:`~ax_kombu.scheduler.heart`): on a thread and a database
    connection of its own, so no housekeeping step, failing or slow, delays a beat.
 
-The stages meet only at hand-offs (:class:`~ax_kombu.scheduler.stage.HandOff`,
-a deque plus an event, each read by one stage): ids for the wheel (read by
+The loops meet only at mailboxes (:class:`~ax_kombu.scheduler.loop.Mailbox`,
+a deque plus an event, each read by one loop): ids for the wheel (read by
 the timing loop alone, which alone touches the wheel), fired ids (read by the
 claimer alone), and claimed rows (the dispatcher's inbox).
 
@@ -98,9 +98,9 @@ from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.scheduler.handoff import CeleryHandOff
 from ax_kombu.scheduler.heart import Heart
 from ax_kombu.scheduler.housekeeper import Housekeeper
+from ax_kombu.scheduler.loop import Mailbox
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.retention import Retention
-from ax_kombu.scheduler.stage import HandOff
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.engine import make_engine
@@ -133,7 +133,7 @@ class Scheduler:
         self.settings = settings
         self.store = Store(settings)
         self.node_id = node_id or nodes.default_node_id("scheduler")
-        # the heartbeat writes through an engine of its own: no other stage can hold it up
+        # the heartbeat writes through an engine of its own: no other loop can delay it
         self._beat_engine = make_engine(settings.database_url, pool_size=1)
         self.heartbeat = nodes.Heartbeat(self.store, self.node_id, "scheduler",
                                          silence_ms=settings.silence_ms,
@@ -141,7 +141,7 @@ class Scheduler:
         self.crash = CrashFlag()
         # a landed beat proves the incarnation live for a while; publishing needs it
         self.lease = Lease(settings.lease_s)
-        fired: HandOff[int] = HandOff()
+        fired: Mailbox[int] = Mailbox()
         self.timing = TimingLoop(settings, self.store.clock, fired)
         # Celery-bound tasks end (SUCCESS) once their publish is confirmed: scheduler.handoff
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
@@ -178,7 +178,7 @@ class Scheduler:
 
     def request_stop(self, cold: bool = False) -> None:
         """Warm stop (or cold, if ``cold`` or already stopping). Safe from a signal handler:
-        it sets a flag and wakes the timing loop, which stops the other stages."""
+        it sets a flag and wakes the timing loop, which stops the other loops."""
         self._stop = "cold" if cold or self._stop else "warm"
         self.timing.stop()
 
@@ -216,16 +216,16 @@ class Scheduler:
         self.timing.run_once()
 
     def start(self) -> bool:
-        """Wait for the database (logging, backing off), register, start the stages.
+        """Wait for the database (logging, backing off), register, start the loops.
 
         Returns False if a stop was requested before the database answered.
         """
         if not self._register():
             return False
         self.dispatcher.probe()
-        for stage in (self.heart, self.dispatcher, self.claimer, self.housekeeper,
+        for loop in (self.heart, self.dispatcher, self.claimer, self.housekeeper,
                       self.retention):
-            stage.start()
+            loop.start()
         log.info("scheduler started", extra={"node": self.node_id})
         return True
 
@@ -255,7 +255,7 @@ class Scheduler:
     def _info(self) -> dict[str, Any]:
         """What the heartbeat publishes about this node."""
         timer = self.timing.timer
-        return {"held": len(timer), "due": self.claimer.due,
+        return {"loaded": len(timer), "due": self.claimer.due,
                 "wheel": timer.wheel_depth, "delay_queue": timer.delayed_depth,
                 "clock_offset_ms": round(self.store.clock.offset_ms, 1),
                 "published": self.dispatcher.published}

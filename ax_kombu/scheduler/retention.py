@@ -1,11 +1,11 @@
 """Retention: with ``AX_RETENTION`` set, a scheduler archives finished tasks continuously.
 
 Every ``retention_interval_s`` (first one interval after the node starts), the
-stage moves the tasks that finished more than ``retention`` ms ago, with their
+loop moves the tasks that finished more than ``retention`` ms ago, with their
 attempts, into the archive tables, ``retention_batch`` per transaction with a pause
 of ``retention_pause_ms`` after each, until none is left or the node stops (:func:`ax_kombu.store.archive.archive_finished`: the
 guarantees are there). It holds nothing else while it runs and shares no state
-with the other stages, only the store's connection pool.
+with the other loops, only the store's connection pool.
 
 Every scheduler with ``AX_RETENTION`` runs it; one would be enough, and several at
 once are safe: a batch skips the rows another node's batch holds
@@ -21,14 +21,14 @@ import threading
 
 from ax_kombu.config import Settings
 from ax_kombu.exceptions import AxError
-from ax_kombu.scheduler.stage import Stage
+from ax_kombu.scheduler.loop import Loop
 from ax_kombu.store import Store
 from ax_kombu.store.archive import Pace, archive_finished
 
 log = logging.getLogger(__name__)
 
 
-class Retention(Stage):
+class Retention(Loop):
     """Archives finished tasks older than ``settings.retention`` every
     ``settings.retention_interval_s``; :meth:`start` does nothing when retention is off."""
 

@@ -16,9 +16,9 @@ Contracts:
   (:meth:`ax_kombu.scheduler.claimer.Claimer._keep_unclaimed`), where firing
   late would make the task late.
 * An id fires ``claim_lead_ms`` before it is due, in trigger order, into the
-  claimer's hand-off (:mod:`ax_kombu.scheduler.claimer`), so that the claim,
+  claimer's mailbox (:mod:`ax_kombu.scheduler.claimer`), so that the claim,
   the publish and the worker's RUNNING commit are over by the due time (the
-  task is staged: the worker holds it until its trigger time, see
+  task is published ahead: the worker keeps it in a stage until its trigger time, see
   :mod:`ax_kombu.worker.intake`). Firing is a slot lookup, never a scan.
 * The loop reads the database clock locally
   (:meth:`ax_kombu.store.clock.DbClock.local_ms`) and never touches the
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from ax_kombu.config import Settings
 from ax_kombu.core.wheel import TriggerTimer
-from ax_kombu.scheduler.stage import MAX_SLEEP_S, HandOff
+from ax_kombu.scheduler.loop import MAX_SLEEP_S, Mailbox
 from ax_kombu.store.clock import DbClock
 
 #: the wheel's levels: 256 × 32 one-millisecond ticks ≈ 8.2 s; later tasks wait in the delay queue
@@ -58,10 +58,10 @@ class TimingLoop:
     Args:
         settings: ``claim_lead_ms`` and ``republish_delay_ms`` are read.
         clock: the database clock, read locally only.
-        fired: the claimer's hand-off.
+        fired: the claimer's mailbox.
     """
 
-    def __init__(self, settings: Settings, clock: DbClock, fired: HandOff[int]) -> None:
+    def __init__(self, settings: Settings, clock: DbClock, fired: Mailbox[int]) -> None:
         self._lead_ms = settings.claim_lead_ms
         self._republish_delay_ms = settings.republish_delay_ms
         self._clock = clock
@@ -69,7 +69,7 @@ class TimingLoop:
         now = int(time.time() * 1000)  # replaced by database time in start_at()
         self.timer: TriggerTimer[int] = TriggerTimer(now, level_sizes=WHEEL_LEVELS)
         #: ids for the wheel; read by this loop alone (``ready`` also wakes it for a stop)
-        self.incoming: HandOff[Pairs] = HandOff()
+        self.incoming: Mailbox[Pairs] = Mailbox()
         self._stopping = False
         self._drop = False
 
@@ -85,7 +85,7 @@ class TimingLoop:
         self.incoming.ready.set()
 
     def drop_all(self) -> None:
-        """From any thread: forget everything held, at the start of the next pass."""
+        """From any thread: forget everything loaded, at the start of the next pass."""
         self._drop = True
         self.incoming.ready.set()
 
@@ -105,7 +105,7 @@ class TimingLoop:
                               for start in range(0, len(pairs), ABSORB_CHUNK))
 
     def retry_later(self, ids: Sequence[int]) -> None:
-        """Fire ``ids`` again after ``republish_delay_ms`` (they are still held by this node)."""
+        """Fire ``ids`` again after ``republish_delay_ms`` (this node still has them claimed)."""
         due = int(self._clock.local_ms()) + self._republish_delay_ms
         self.hand([(task_id, due) for task_id in ids])
 

@@ -1,16 +1,16 @@
-"""What the scheduler's stages share: the hand-off between two stages, and the stage thread.
+"""What the scheduler's loops share: the mailbox between two loops, and the loop thread.
 
-A :class:`HandOff` is the only place two stages meet: a deque that any thread
-appends to and exactly one stage reads, plus an event that wakes that reader.
+A :class:`Mailbox` is the only place two loops meet: a deque that any thread
+appends to and exactly one loop reads, plus an event that wakes that reader.
 The reader re-checks the deque after every wake-up, so a wake-up that races
 with a ``clear()`` delays an item by at most one sleep (``MAX_SLEEP_S``),
 never loses it.
 
-A :class:`Stage` is one daemon thread with a start/stop pair: ``stop()`` only
+A :class:`Loop` is one daemon thread with a start/stop pair: ``stop()`` only
 sets flags (the thread ends after its current step, and any back-off is cut
-short); ``join()`` waits for it. A stage that meets a database error logs it
+short); ``join()`` waits for it. A loop that meets a database error logs it
 and backs off ``DB_BACKOFF_S`` on its own thread; a database error never ends
-a stage.
+a loop.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger(__name__)
 
-#: longest any stage sleeps before looking at its stop flag again
+#: longest any loop sleeps before looking at its stop flag again
 MAX_SLEEP_S = 0.25
-#: how long a stage waits after a database error before trying again
+#: how long a loop waits after a database error before trying again
 DB_BACKOFF_S = 1.0
 
 T = TypeVar("T")
 
 
-class HandOff(Generic[T]):
-    """Items from any thread to one reading stage: ``items`` (a deque) plus ``ready`` (an event).
+class Mailbox(Generic[T]):
+    """Items from any thread to one reading loop: ``items`` (a deque) plus ``ready`` (an event).
 
     Only the reader takes items out; it may put items it could not handle back
     at the front. ``ready`` is also set to make the reader look at its stop flag.
@@ -58,12 +58,12 @@ class HandOff(Generic[T]):
             self.ready.clear()
 
 
-class Stage(threading.Thread):
-    """One stage of a scheduler node on its own daemon thread; ``run()`` until :meth:`stop`.
+class Loop(threading.Thread):
+    """One loop of a scheduler node on its own daemon thread; ``run()`` until :meth:`stop`.
 
     Args:
         name: the thread's name (``ax-…``), as seen in thread dumps.
-        wake: the event the stage sleeps on; :meth:`stop` sets it.
+        wake: the event the loop sleeps on; :meth:`stop` sets it.
     """
 
     def __init__(self, name: str, wake: threading.Event) -> None:
@@ -76,7 +76,7 @@ class Stage(threading.Thread):
         return self._stopped.is_set()
 
     def stop(self) -> None:
-        """Ask the stage to end after its current step; cuts a back-off short. Does not wait."""
+        """Ask the loop to end after its current step; cuts a back-off short. Does not wait."""
         self._stopped.set()
         self._wake.set()
 
