@@ -65,7 +65,7 @@ class StoreError(AxError):
 
 
 class IdExhausted(AxError):
-    """No snowflake node id could be leased (all 1024 are held)."""
+    """No snowflake node id could be reserved (all 1024 are taken)."""
 
     exit_code = 5
 

@@ -23,7 +23,7 @@
   (:attr:`ax_kombu.config.Settings.rabbitmq_persistent`): the database, not the broker,
   keeps the task, and the ack timeout sends again what a restarted broker lost. A
   Celery-bound message is always persistent.
-* Nothing is held here: every message is published when handed over. The scheduler
+* Nothing waits here: every message is published when handed over. The scheduler
   hands a Celery-bound task over only once it is due (:mod:`ax_kombu.store.claims`).
 """
 

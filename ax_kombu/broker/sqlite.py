@@ -199,7 +199,7 @@ class Channel(virtual.Channel):  # type: ignore[misc]  # kombu is untyped
                 raise ValueError('visibility_timeout must be > 0 or None')
         self.busy_timeout = float(self.busy_timeout)
 
-    # -- database access (call with self._lock held) -------------------------
+    # -- database access (call with self._lock taken) -------------------------
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is not None and self._db_pid != os.getpid():

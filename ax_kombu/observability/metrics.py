@@ -43,7 +43,7 @@ schedule_delay = Histogram("ax_schedule_delay_seconds",
                            "staged ahead), by queue.", ["queue"], buckets=_FINE)
 schedule_batch_size = Histogram("ax_schedule_batch_size", "Tasks claimed per claim statement.",
                                 buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000))
-wheel_queue_depth = Gauge("ax_wheel_queue_depth", "Tasks held in memory by the scheduler.",
+wheel_queue_depth = Gauge("ax_wheel_queue_depth", "Tasks loaded in the scheduler's memory (timing wheel and delay queue).",
                           ["layer"], multiprocess_mode="livesum")
 dispatch_total = Counter("ax_dispatch_total", "Dispatch outcomes per task.", ["result"])
 dispatch_latency = Histogram("ax_dispatch_latency_seconds",
@@ -117,7 +117,7 @@ oldest_overdue = Gauge(
 pool_size = Gauge("ax_pool_size", "Slots (threads) of this worker's pool for a queue.", ["queue"],
                   multiprocess_mode="livesum")
 pool_busy = Gauge("ax_pool_busy",
-                  "Slots of this worker's pool for a queue held by a run (stuck runs included).",
+                  "Slots of this worker's pool for a queue taken by a run (stuck runs included).",
                   ["queue"], multiprocess_mode="livesum")
 pool_prefetched = Gauge(
     "ax_pool_prefetched",
