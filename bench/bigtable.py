@@ -29,7 +29,7 @@ afterwards); ``--server shared`` uses the one at ``AX_BENCH_PG_URL`` as it is co
   check's probes of a batch then fall anywhere in its index); half as many each with a biz
   key of its own; and ``--single`` ``Client.enqueue`` calls (calls/s), due a day ahead.
 * **preload, idle**: the housekeeper's preload round (``nodes.live_names`` +
-  ``recovery.preload``, one transaction, the ``Loaded`` carried from call to call as the
+  ``preload.preload``, one transaction, the ``Loaded`` carried from call to call as the
   scheduler carries it) with nothing due in its 10 s window, ``--idle-calls`` calls a round.
 * **preload, busy**: ``--busy`` tasks enqueued due inside one 10 s window (20 minutes
   ahead), then the preload round that reads that window (all of them come back), as a
@@ -86,7 +86,7 @@ from ax_kombu.api import Client
 from ax_kombu.cli.status import DELAY_WINDOW_MS, _store_view
 from ax_kombu.config import PRIORITIES, Settings, from_env
 from ax_kombu.core.ids import EPOCH_MS, compose
-from ax_kombu.store import gates, nodes, recovery
+from ax_kombu.store import gates, nodes, preload, recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.console import tasks_by_status
 from ax_kombu.store.engine import db_now_ms, make_engine
@@ -167,9 +167,9 @@ _HOT = _ROWS + (
     "WHERE task_id >= :fp_kept_id OR trigger_time >= :fp_due_from) "
     "INSERT INTO ax_due (task_id, trigger_time, runner, armed) "
     "SELECT task_id, trigger_time, runner, 0 FROM ins")
-#: what the schedulers' pruning of ``ax_due`` leaves (:func:`recovery.prune_due`, in one
+#: what the schedulers' pruning of ``ax_due`` leaves (:func:`preload.prune_due`, in one
 #: statement): the entries of tasks still due at their time
-_PRUNED_DUE = f"DELETE FROM ax_due AS d WHERE NOT {recovery._STILL_DUE}"
+_PRUNED_DUE = f"DELETE FROM ax_due AS d WHERE NOT {preload._STILL_DUE}"
 #: the archive table: written by ``ax archive``, the final rows as they are
 _COLD = _ROWS + "INSERT INTO ax_task_archive (" + _COLUMNS + ") SELECT " + _COLUMNS + " FROM f"
 
@@ -300,13 +300,13 @@ def enqueue_single(client: Client, tag: str, count: int) -> list[int]:
             for i in range(count)]
 
 
-def preload_round(engine: Engine, settings: Settings, loaded: recovery.Loaded,
-                  horizon_ms: int, now_ms: int) -> tuple[list[tuple[int, int]], recovery.Loaded]:
+def preload_round(engine: Engine, settings: Settings, loaded: preload.Loaded,
+                  horizon_ms: int, now_ms: int) -> tuple[list[tuple[int, int]], preload.Loaded]:
     """One preload round as the housekeeper makes it (its ``_preload``), on ``engine``."""
     with engine.begin() as conn:
         live = nodes.live_names(conn, "scheduler", now_ms - settings.silence_ms)
-        share = recovery.Share.among(live, NODE)
-        return recovery.preload(conn, loaded, horizon_ms, settings.preload_batch, share,
+        share = preload.Share.among(live, NODE)
+        return preload.preload(conn, loaded, horizon_ms, settings.preload_batch, share,
                                 settings.claim_lead_ms)
 
 
@@ -315,7 +315,7 @@ def idle_preloads(client: Client, calls: int) -> None:
     stopped (after a first full read, made before)."""
     store, settings = client.store, client.settings
     now = store.now_ms()
-    _, loaded = preload_round(store.engine, settings, recovery.Loaded(),
+    _, loaded = preload_round(store.engine, settings, preload.Loaded(),
                               now + settings.preload_window_ms, now)
     for _ in range(calls):
         now = store.now_ms()
@@ -334,7 +334,7 @@ def enqueue_window(client: Client, tag: str, count: int, lo_ms: int) -> list[int
     return [t for a in range(0, count, 1000) for t in client.enqueue_many(items[a:a + 1000])]
 
 
-def busy_preload(engine: Engine, settings: Settings, loaded: recovery.Loaded, expect: int
+def busy_preload(engine: Engine, settings: Settings, loaded: preload.Loaded, expect: int
                  ) -> list[tuple[int, int]]:
     """The preload round that reads the window from ``loaded.until`` (the scheduler's
     state: read up to there, as of a mark taken before the tasks were enqueued, so they are
@@ -371,7 +371,7 @@ def busy_round(t: Filled, tag: str, count: int, lo_ms: int, calls: int = 3
     engine, settings = t.client.store.engine, t.client.settings
     with engine.connect() as conn:
         before = conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one()
-        loaded = recovery.Loaded(lo_ms, recovery.read_mark(conn))
+        loaded = preload.Loaded(lo_ms, preload.read_mark(conn))
     ids = enqueue_window(t.client, tag, count, lo_ms)
     with engine.connect() as conn:  # where PostgreSQL put them and their ax_due entries
         pages, due_pages = (conn.execute(text(
@@ -505,7 +505,7 @@ def plans(url: str, client: Client, lo_ms: int, busy: int) -> dict[str, list[str
     out: dict[str, list[str]] = {}
     try:
         now = client.store.now_ms()
-        _, loaded = preload_round(ex.engine, settings, recovery.Loaded(),
+        _, loaded = preload_round(ex.engine, settings, preload.Loaded(),
                                   now + settings.preload_window_ms, now)
         ex.take()
         now = client.store.now_ms()
@@ -518,7 +518,7 @@ def plans(url: str, client: Client, lo_ms: int, busy: int) -> dict[str, list[str
             out[what], ids = explain_enqueue(ex, client, count, batch, keyed)
             remove(client.store.engine, ids)
         with ex.engine.connect() as conn:
-            loaded = recovery.Loaded(lo_ms, recovery.read_mark(conn))
+            loaded = preload.Loaded(lo_ms, preload.read_mark(conn))
         ids = enqueue_window(client, "plans", busy, lo_ms)
         rows = busy_preload(ex.engine, settings, loaded, busy)
         out["preload, busy"] = ex.take()

@@ -11,7 +11,7 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   ``NOTIFY``, :class:`ax_kombu.store.notify.WakeListener`), and again straight
   away while it keeps finding full batches: this node's share of the claimable
   tasks due within ``preload_window_ms`` is *read* (nothing is written:
-  :func:`ax_kombu.store.recovery.preload`) and handed to the timing loop; one for
+  :func:`ax_kombu.store.preload.preload`) and handed to the timing loop; one for
   stock Celery workers ``claim_lead_ms`` after its trigger time, so that it fires
   when due and is never staged (:mod:`ax_kombu.store.claims`). Each round reads
   ``ax_node`` for the live schedulers, which split the task ids between them;
@@ -50,7 +50,7 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   while there are more.
 * **Due entries** — every ``DUE_PRUNE_INTERVAL_MS``: the ``ax_due`` entries of this
   node's share whose time passed ``DUE_PRUNE_AFTER_MS`` ago and whose task has moved on
-  (:func:`ax_kombu.store.recovery.prune_due`), a batch a pass, every second while there
+  (:func:`ax_kombu.store.preload.prune_due`), a batch a pass, every second while there
   are more.
 
 **A failing step stops nothing.** Each step is isolated: one that raises —
@@ -82,7 +82,7 @@ from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.stage import MAX_SLEEP_S, Stage
 from ax_kombu.scheduler.strays import Strays
 from ax_kombu.scheduler.timing import TimingLoop
-from ax_kombu.store import Store, nodes, recovery
+from ax_kombu.store import Store, nodes, preload, recovery
 from ax_kombu.store import tasks as task_store
 from ax_kombu.store.notify import WakeListener
 
@@ -142,8 +142,8 @@ class Housekeeper(Stage):
         #: the wheel was dropped (the node was fenced): read the whole share again
         self._reread = threading.Event()
         #: how far this node has read its share of the window, and which share
-        self._loaded = recovery.Loaded()
-        self._share = recovery.Share()
+        self._loaded = preload.Loaded()
+        self._share = preload.Share()
         self._poll_ms = settings.preload_interval_ms
         self._listener: WakeListener | None = None
         if store.engine.dialect.name == "postgresql":
@@ -285,13 +285,13 @@ class Housekeeper(Stage):
         lag = settings.claim_lead_ms  # a stock Celery worker's task fires when due, unstaged
         reread = self._reread.is_set()
         self._reread.clear()  # set again by a fence while this preload runs
-        loaded = recovery.Loaded() if reread else self._loaded
+        loaded = preload.Loaded() if reread else self._loaded
         try:
             with self._store.engine.begin() as conn:
                 live = nodes.live_names(conn, "scheduler", now - settings.silence_ms)
-                share = recovery.Share.among(live, self._node_id)
+                share = preload.Share.among(live, self._node_id)
                 moved = share != self._share
-                rows, loaded = recovery.preload(conn, recovery.Loaded() if moved else loaded,
+                rows, loaded = preload.preload(conn, preload.Loaded() if moved else loaded,
                                                 horizon, room, share, lag)
         except BaseException:
             self._wake_pending = True  # try again after the back-off
@@ -352,10 +352,10 @@ class Housekeeper(Stage):
 
     def _prune_due(self, now: int) -> None:
         """Delete a batch of this share's ``ax_due`` entries whose task has moved on
-        (:func:`~ax_kombu.store.recovery.prune_due`); again soon while batches come back
+        (:func:`~ax_kombu.store.preload.prune_due`); again soon while batches come back
         full."""
         with self._store.engine.begin() as conn:
-            deleted = recovery.prune_due(conn, now - DUE_PRUNE_AFTER_MS, PRUNE_BATCH,
+            deleted = preload.prune_due(conn, now - DUE_PRUNE_AFTER_MS, PRUNE_BATCH,
                                          self._share)
         metrics.due_pruned_total.inc(deleted)
         self._next["due"] = now + (PRUNE_AGAIN_MS if deleted == PRUNE_BATCH

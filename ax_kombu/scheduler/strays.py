@@ -1,12 +1,12 @@
 """Strays: the other shares' tasks nobody fires, taken into this node's wheel.
 
 The live schedulers split the claimable tasks between them by id
-(:class:`ax_kombu.store.recovery.Share`), and a scheduler killed, paused or unable to
+(:class:`ax_kombu.store.preload.Share`), and a scheduler killed, paused or unable to
 preload still counts as live for its silence window (``heartbeat_misses ×
 heartbeat_interval_s``, 15 s by default): until then nobody else reads its share. Its
 tasks are not left to wait for that window. A scheduler looks, on the housekeeper's
 thread, for the claimable tasks of the *other* shares that are overdue
-(:func:`ax_kombu.store.recovery.overdue_elsewhere`) and hands them to its timing loop;
+(:func:`ax_kombu.store.preload.overdue_elsewhere`) and hands them to its timing loop;
 the claim, a compare-and-set, decides who sends each, so a task two schedulers hold is
 still dispatched once per attempt.
 
@@ -32,7 +32,7 @@ import logging
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.timing import TimingLoop
-from ax_kombu.store import Store, recovery
+from ax_kombu.store import Store, preload
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Strays:
         """How long after ``now`` to watch again (eagerly after a find)."""
         return EAGER_STRAYS_MS if now < self._eager_until else self._settings.preload_interval_ms
 
-    def watch(self, now: int, share: recovery.Share) -> int:
+    def watch(self, now: int, share: preload.Share) -> int:
         """Take the other shares' recent overdue tasks (see the module docstring); returns
         how many."""
         eager = now < self._eager_until
@@ -79,18 +79,18 @@ class Strays:
             self._eager_until = now + self._settings.silence_ms
         return found
 
-    def backstop(self, now: int, share: recovery.Share) -> int:
+    def backstop(self, now: int, share: preload.Share) -> int:
         """Take the other shares' tasks overdue by a silence window, however old."""
         return self._take(now, 0, self._settings.silence_ms, share, quiet=False)
 
-    def _take(self, now: int, since: int, after_ms: int, share: recovery.Share,
+    def _take(self, now: int, since: int, after_ms: int, share: preload.Share,
               quiet: bool) -> int:
         settings = self._settings
         room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
         if room <= 0 or share.of <= 1 or self._timing.dropping:
             return 0
         with self._store.engine.begin() as conn:
-            strays = recovery.overdue_elsewhere(conn, now - after_ms, share, room,
+            strays = preload.overdue_elsewhere(conn, now - after_ms, share, room,
                                                 settings.claim_lead_ms, since)
         if strays:
             log.log(logging.INFO if quiet else logging.WARNING,

@@ -202,12 +202,12 @@ fingerprints = Table(
 )
 
 #: when claimable tasks fall due, for the scheduler's steady preload rounds (migration 0016,
-#: :mod:`ax_kombu.store.recovery`): an entry per task made due at a time (inserted
+#: :mod:`ax_kombu.store.preload`): an entry per task made due at a time (inserted
 #: claimable, made claimable again, given a new trigger time, woken from parked), written by
 #: the database's triggers whoever writes the task, never updated. ``armed``: the writer's
 #: transaction (PostgreSQL) or the next value of a counter (SQLite, ``ax_armed``). An
 #: entry its task has moved on from is refused by the claim, and deleted by the schedulers
-#: once its time has passed (:func:`ax_kombu.store.recovery.prune_due`). Four numbers wide,
+#: once its time has passed (:func:`ax_kombu.store.preload.prune_due`). Four numbers wide,
 #: so the entries written together share a few pages, however large ``ax_task`` is.
 #: Indexes: ``(trigger_time)`` — the band of a preload round, and the prune;
 #: ``(armed)`` — what became due since the last round. No primary key.

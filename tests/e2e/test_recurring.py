@@ -33,7 +33,7 @@ from sqlalchemy import text
 from ax_kombu.core import cron
 from ax_kombu.scheduler.recurrence import ON_TIME_MS
 from ax_kombu.store.engine import make_engine
-from ax_kombu.store.recovery import Share
+from ax_kombu.store.preload import Share
 
 from .recurring_tasks import LEDGER_ENV
 from .system import CLOCK_TOLERANCE_MS, REPO, Daemon, System, pct, stop_all
@@ -324,7 +324,7 @@ def test_killing_a_scheduler_midway_misses_and_repeats_no_occurrence(cluster: Cl
 
 
 def holder(cluster: Cluster, schedulers: list[Daemon]) -> tuple[Daemon, int] | None:
-    """The scheduler whose share (:class:`ax_kombu.store.recovery.Share`) has the most
+    """The scheduler whose share (:class:`ax_kombu.store.preload.Share`) has the most
     undispatched occurrences, if any has one."""
     live = [d.name for d in schedulers]
     counts = [(int(cluster.query(f"SELECT COUNT(*) FROM ax_task WHERE {UNDISPATCHED}"

@@ -36,7 +36,7 @@ import pytest
 from sqlalchemy import text
 
 from ax_kombu.store.engine import make_engine
-from ax_kombu.store.recovery import Share
+from ax_kombu.store.preload import Share
 
 from .system import Daemon
 from .test_recurring import (

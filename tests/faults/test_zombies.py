@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from ax_kombu.store.recovery import Share
+from ax_kombu.store.preload import Share
 
 from .cluster import DEAD_WINDOW_MS, Cluster
 from .judge import EARLY_TOLERANCE_MS, conclude, judge
@@ -59,7 +59,7 @@ RATE = 100
 def held_by(cluster: Cluster, name: str, live: list[str]) -> dict[str, dict[int, int]]:
     """What scheduler ``name`` has in the table, by status: task id -> attempt. DISPATCHING:
     what it claimed; DELAYED/READY: the claimable tasks of its share among the schedulers
-    ``live`` (:class:`ax_kombu.store.recovery.Share`), which its wheel holds once read."""
+    ``live`` (:class:`ax_kombu.store.preload.Share`), which its wheel holds once read."""
     out: dict[str, dict[int, int]] = {}
     for r in cluster.query("SELECT task_id, status, attempt FROM ax_task WHERE last_run_node = :n "
                            "AND status = 'DISPATCHING'", n=name):

@@ -21,7 +21,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.scheduler.handoff import CeleryHandOff
-from ax_kombu.store import recovery
+from ax_kombu.store import preload, recovery
 from ax_kombu.store.claims import claim
 
 from .harness import consume
@@ -187,7 +187,7 @@ def test_a_celery_bound_task_is_claimed_only_when_due_and_cancel_wins_until_then
     now = min(trigger.values()) - 150
     node = "sched-test"
     with client.store.engine.begin() as conn:
-        times = dict(recovery.preload(conn, recovery.Loaded(), now + 10_000, 100,
+        times = dict(preload.preload(conn, preload.Loaded(), now + 10_000, 100,
                                       celery_lag_ms=lead)[0])
         assert times == {bound: trigger[bound] + lead, plain: trigger[plain]}
         assert [r.task_id for r in claim(conn, [bound, plain], node, now, now + lead)] == [plain]

@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy import Engine, bindparam, text
 
 from ax_kombu.api import Client
-from ax_kombu.store import recovery
+from ax_kombu.store import preload
 from ax_kombu.store.admin import retry_tasks
 from ax_kombu.store.claims import claim, still_claimable
 from ax_kombu.store.engine import migrate
-from ax_kombu.store.recovery import Loaded, Share
+from ax_kombu.store.preload import Loaded, Share
 
 from .harness import task_row
 
@@ -116,18 +116,18 @@ def test_a_steady_round_hands_over_out_of_date_entries_and_the_claim_refuses_the
     moved, cancelled, kept = (int(client.enqueue("t", {"i": i}, run_at=at)) for i in range(3))
     due = _time(engine, moved)
     with engine.begin() as conn:  # read up to a second before they are due
-        _, loaded = recovery.preload(conn, Loaded(), due - 1000, 1000)
+        _, loaded = preload.preload(conn, Loaded(), due - 1000, 1000)
     _set(engine, moved, trigger_time=due + 60_000)
     _set(engine, cancelled, status="CANCELLED")
     with engine.begin() as conn:
-        rows, _ = recovery.preload(conn, loaded, due + 10_000, 1000)
+        rows, _ = preload.preload(conn, loaded, due + 10_000, 1000)
     assert sorted(rows) == sorted([(moved, due), (cancelled, due), (kept, due)])
     with engine.begin() as conn:
         claimed = claim(conn, [moved, cancelled, kept], "s1", due, due_before=due)
         assert [r.task_id for r in claimed] == [kept]
         assert still_claimable(conn, [moved, cancelled]) == [(moved, due + 60_000, False)]
     with engine.begin() as conn:  # its new entry is beyond the window read
-        rows, _ = recovery.preload(conn, loaded._replace(until=due + 10_000), due + 70_000,
+        rows, _ = preload.preload(conn, loaded._replace(until=due + 10_000), due + 70_000,
                                    1000)
     assert rows == [(moved, due + 60_000)]
 
@@ -152,14 +152,14 @@ def test_the_prune_deletes_only_entries_whose_task_has_moved_on(client: Client) 
     for k in (0, 1):  # two schedulers, each its own share
         mine = {t for t in stale if _part(t, 2) == k}
         with engine.begin() as conn:
-            assert recovery.prune_due(conn, before, 1000, Share(2, k)) == len(mine)
+            assert preload.prune_due(conn, before, 1000, Share(2, k)) == len(mine)
         gone = {t for t in stale if _part(t, 2) <= k}  # this share's and those before
         assert {t for t, at in _entries(engine) if at < before} == (stale - gone) | {overdue}
     assert sorted(_entries(engine)) == sorted([
         (overdue, _time(engine, overdue)), (future, _time(engine, future)),
         (moved, now + 7_200_000)])
     with engine.begin() as conn:  # nothing more: the rest is still due
-        assert recovery.prune_due(conn, before + 10_000_000, 1000) == 0
+        assert preload.prune_due(conn, before + 10_000_000, 1000) == 0
 
 
 def test_a_running_scheduler_prunes_the_entries_left_behind(client: Client) -> None:
@@ -199,7 +199,7 @@ def test_a_running_scheduler_prunes_the_entries_left_behind(client: Client) -> N
 
 
 def _part(task_id: int, of: int) -> int:
-    """The share ``task_id`` falls in among ``of`` (:func:`ax_kombu.store.recovery.share_key`)."""
+    """The share ``task_id`` falls in among ``of`` (:func:`ax_kombu.store.preload.share_key`)."""
     return ((task_id >> 22) + ((task_id >> 12) & 1023) + (task_id & 4095)) % of
 
 
@@ -220,12 +220,12 @@ def test_a_steady_round_reads_ax_due_alone_through_its_indexes(pg_url: str) -> N
             conn.execute(text("ANALYZE ax_due"))
         now = client.store.now_ms()
         with engine.begin() as conn:
-            _, loaded = recovery.preload(conn, Loaded(), now + 10_000, 1000)
+            _, loaded = preload.preload(conn, Loaded(), now + 10_000, 1000)
         ids = sorted(int(client.enqueue("t", {"i": i}, delay=d))
                      for i, d in enumerate((0, 5, 20)))
         statements: list[str] = []
         with engine.begin() as conn:
-            rows, _ = _explained(conn, statements, lambda: recovery.preload(
+            rows, _ = _explained(conn, statements, lambda: preload.preload(
                 conn, loaded, now + 30_000, 1000, Share(1, 0), 250))
         assert sorted(t for t, _ in rows) == ids
         reads = [s for s in statements if "ax_due" in s or "ax_task" in s]

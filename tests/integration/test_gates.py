@@ -3,7 +3,7 @@ the gated claim starts what may start and parks the rest, a run's end wakes the 
 limits, order keys (hold_failed / skip_failed), job strategies, shards, bad input, and
 racing gated claims on PostgreSQL.
 
-Tasks are read as a scheduler reads them (``recovery.preload``, which writes nothing) and
+Tasks are read as a scheduler reads them (``ax_kombu.store.preload.preload``, which writes nothing) and
 claimed at an explicit ``now`` (no clock, no sleep).
 """
 
@@ -23,9 +23,10 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core.gating import Decision
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.store import Store, claims, gates, recovery, transitions
+from ax_kombu.store import Store, claims, gates, transitions
 from ax_kombu.store import jobs as job_store
-from ax_kombu.store.recovery import Share
+from ax_kombu.store import preload as store_preload
+from ax_kombu.store.preload import Share
 from ax_kombu.store.schema import limits, tasks
 from ax_kombu.validation import build_row
 
@@ -60,7 +61,7 @@ def enqueue(client: Client, task_type: str, n: int, *, first: int = 0,
 
 def preload(client: Client, now: int = NOW) -> list[int]:
     with client.store.engine.begin() as conn:
-        rows, _ = recovery.preload(conn, recovery.Loaded(), now + 10_000, 10_000)
+        rows, _ = store_preload.preload(conn, store_preload.Loaded(), now + 10_000, 10_000)
     return sorted(t for t, _ in rows)
 
 
@@ -573,7 +574,7 @@ def race(stores: Sequence[Store], held: dict[str, list[int]]) -> dict[str, list[
 
 def preload_share(client: Client, share: Share) -> list[int]:
     with client.store.engine.begin() as conn:
-        rows, _ = recovery.preload(conn, recovery.Loaded(), NOW + 10_000, 10_000, share)
+        rows, _ = store_preload.preload(conn, store_preload.Loaded(), NOW + 10_000, 10_000, share)
     return sorted(t for t, _ in rows)
 
 

@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import text
 
 from ax_kombu.api import Client
-from ax_kombu.store import recovery
+from ax_kombu.store import preload
 from ax_kombu.store.claims import claim
-from ax_kombu.store.recovery import Loaded, Share
+from ax_kombu.store.preload import Loaded, Share
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -30,9 +30,9 @@ def _enqueue(client: Client, n: int, delay: float = 5.0, tag: str = "") -> list[
 
 
 def _round(client: Client, loaded: Loaded, horizon: int, limit: int = 1000,
-           share: Share = recovery.ALL) -> tuple[list[int], Loaded]:
+           share: Share = preload.ALL) -> tuple[list[int], Loaded]:
     with client.store.engine.begin() as conn:
-        rows, after = recovery.preload(conn, loaded, horizon, limit, share)
+        rows, after = preload.preload(conn, loaded, horizon, limit, share)
     return sorted(task_id for task_id, _ in rows), after
 
 
@@ -114,9 +114,9 @@ def test_the_shares_split_the_ids_and_cover_them(client: Client) -> None:
     assert Share.among(["b", "a", "c"], "b") == Share(3, 1)
     assert Share.among(["a"], "z") == Share(2, 1)  # it counts itself
     with client.store.engine.begin() as conn:
-        strays = recovery.overdue_elsewhere(conn, horizon, Share(3, 0), 1000)
+        strays = preload.overdue_elsewhere(conn, horizon, Share(3, 0), 1000)
         assert sorted(t for t, _ in strays) == sorted(shares[1] + shares[2])
-        assert recovery.overdue_elsewhere(conn, horizon, recovery.ALL, 1000) == []
+        assert preload.overdue_elsewhere(conn, horizon, preload.ALL, 1000) == []
 
 
 @pytest.mark.integration

@@ -19,7 +19,7 @@ from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.dispatcher import Dispatcher
 from ax_kombu.store import jobs as job_store
-from ax_kombu.store import recovery
+from ax_kombu.store import preload, recovery
 from ax_kombu.store.claims import claim
 from ax_kombu.store.engine import migrate
 from ax_kombu.store.schema import task_archive
@@ -97,7 +97,7 @@ def test_the_claim_reads_the_stored_runner_not_the_name(client: Client) -> None:
     trigger = {i: client.get(i).trigger_time for i in (named, bound)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
-        times = dict(recovery.preload(conn, recovery.Loaded(), now + 10_000, 10,
+        times = dict(preload.preload(conn, preload.Loaded(), now + 10_000, 10,
                                       celery_lag_ms=LEAD_MS)[0])
         assert times == {named: trigger[named], bound: trigger[bound] + LEAD_MS}
         claimed = claim(conn, [named, bound], "s1", now, due_before=now + LEAD_MS)

@@ -142,9 +142,9 @@ def test_a_preload_that_fails_loses_nothing(
     record of what it has read did not move: the next round reads them again."""
     from sqlalchemy.exc import OperationalError
 
-    from ax_kombu.store import recovery
+    from ax_kombu.store import preload
 
-    real_preload = recovery.preload
+    real_preload = preload.preload
     lost: list[int] = []
 
     def preload_reply_lost(conn: Any, *args: Any) -> Any:
@@ -154,7 +154,7 @@ def test_a_preload_that_fails_loses_nothing(
             raise OperationalError("SELECT", {}, Exception("server closed the connection"))
         return rows, loaded
 
-    monkeypatch.setattr(recovery, "preload", preload_reply_lost)
+    monkeypatch.setattr(preload, "preload", preload_reply_lost)
     ids = [int(i) for i in client.enqueue_many(
         [{"task_type": "t", "payload": {"i": i}, "delay": 1.5} for i in range(20)])]
     with collecting(cfg) as got, scheduler_running(cfg):

@@ -29,7 +29,7 @@ from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.config import Settings, from_env
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.node import Scheduler
-from ax_kombu.store import recovery
+from ax_kombu.store import preload
 from ax_kombu.store.claims import CELERY_STAGE_MS, claim, still_claimable
 
 celery = pytest.importorskip("celery")
@@ -218,7 +218,7 @@ def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> No
     trigger = {i: client.get(i).trigger_time for i in (plain, bound)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
-        rows, _ = recovery.preload(conn, recovery.Loaded(), now + 10_000, 10,
+        rows, _ = preload.preload(conn, preload.Loaded(), now + 10_000, 10,
                                    celery_lag_ms=LEAD_MS)
         assert dict(rows) == {plain: trigger[plain], bound: trigger[bound] + LEAD_MS}
         claimed = claim(conn, [plain, bound], "s1", now, due_before=now + LEAD_MS)
@@ -241,7 +241,7 @@ def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> 
     trigger = {i: client.get(i).trigger_time for i in (fenced, stock)}
     now = min(trigger.values()) - 100
     with client.store.engine.begin() as conn:
-        rows, _ = recovery.preload(conn, recovery.Loaded(), now + 10_000, 10,
+        rows, _ = preload.preload(conn, preload.Loaded(), now + 10_000, 10,
                                    celery_lag_ms=LEAD_MS)
         assert dict(rows) == {fenced: trigger[fenced] + LEAD_MS - CELERY_STAGE_MS,
                          stock: trigger[stock] + LEAD_MS}

@@ -5,7 +5,7 @@ Before, every task was written five times on the plain path: inserted CREATED, m
 DELAYED/READY and held by the preload, claimed, RUNNING, final. The preload's write only
 said "this scheduler has it in memory". Now a task is inserted DELAYED (or READY when
 already due), each scheduler reads its share of the window without writing
-(:func:`ax_kombu.store.recovery.preload`), and the claim's compare-and-set stays the one
+(:func:`ax_kombu.store.preload.preload`), and the claim's compare-and-set stays the one
 arbiter: four row versions per task.
 
 A read-only preload must still find rows that *become* claimable inside the window it has

@@ -27,7 +27,7 @@ cancelled, parked or given another time) is harmless: the preload hands it to th
 loop, and the claim's compare-and-set, which checks the status and the trigger time, refuses
 it (:func:`ax_kombu.store.claims.claim`; :func:`~ax_kombu.store.claims.still_claimable`
 re-times one moved later). The schedulers delete such entries once their time has passed
-(:func:`ax_kombu.store.recovery.prune_due`): an entry whose task is still claimable at that
+(:func:`ax_kombu.store.preload.prune_due`): an entry whose task is still claimable at that
 time is kept, however overdue, so a scheduler that lags behind never finds its next entries
 pruned.
 
