@@ -81,11 +81,9 @@ class Liveness:
         """Whether this node may judge others dead (see the module docstring)."""
         return self._beating_since is not None and now - self._beating_since >= self.silence_ms
 
-    def beat(self, now: int) -> None:
-        """Heartbeat, re-registering if fenced (on the heartbeat's own thread,
-        :mod:`ax_kombu.scheduler.heart`; a failed beat calls :meth:`database_failed`)."""
-        if not self._heartbeat.beat(self._info()):
-            self._fenced(now)
+    def landed(self, now: int) -> None:
+        """A beat landed (:mod:`ax_kombu.scheduler.heart`; a failed one calls
+        :meth:`database_failed`)."""
         if self._beating_since is None:
             self._beating_since = now
 
@@ -94,16 +92,14 @@ class Liveness:
         if self.trusted(now):
             self._judge(now)
 
-    def _fenced(self, now: int) -> None:
-        log.warning("this node was declared dead; dropping what it holds and registering anew",
-                    extra={"node": self._heartbeat.node_id})
-        metrics.fenced_total.inc()
+    def fenced(self) -> None:
+        """This node was declared dead: drop every task it keeps in memory (called by its
+        :class:`~ax_kombu.node.lifecycle.NodeLifecycle` before it registers anew)."""
         self._on_fenced()
-        took = self._heartbeat.register(self._info())
+
+    def registered(self, now: int) -> None:
+        """Registered anew after being fenced: its beats count from now; preload again."""
         self._beating_since = now
-        log.info("registered as a new incarnation", extra={
-            "node": self._heartbeat.node_id, "incarnation": self._heartbeat.incarnation,
-            "requeued": took.requeued, "running": took.running})
         self._wake()
 
     def _judge(self, now: int) -> None:

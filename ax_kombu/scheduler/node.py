@@ -154,9 +154,8 @@ class Scheduler:
                                        self._info, self._fenced,
                                        Materialiser(settings, self.store, self.ids,
                                                     self.node_id))
-        self.heart = Heart(self.housekeeper.liveness, settings.heartbeat_interval_s,
-                           self.store.clock.local_ms, self.lease,
-                           lambda: self.heartbeat.incarnation)
+        self.heart = Heart(self.housekeeper.liveness, self.heartbeat, settings.heartbeat_interval_s,
+                           self.store.clock.local_ms, self.lease, self._info)
         self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
         self._stop: str | None = None
 
