@@ -19,8 +19,8 @@ from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.lanes import Delivery, Lane
-from ax_kombu.worker.results import Counters
 
 log = logging.getLogger(__name__)
 

@@ -44,9 +44,9 @@ from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import Settings
 from ax_kombu.worker.admission import Admission
 from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Lane
-from ax_kombu.worker.results import Counters
 from ax_kombu.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)

@@ -82,12 +82,13 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
 from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.holds import HOLD_AFTER_S, Holds
 from ax_kombu.worker.lanes import ACK_AT_START_MS, Delivery, Lane, plan
 from ax_kombu.worker.pools import Outcome, Pool, Submission
 from ax_kombu.worker.processors import Cancellation, Context, Resolver, call
 from ax_kombu.worker.receipts import Batch, ReceiptWriter, UnreadablePayload, account
-from ax_kombu.worker.results import Counters, ResultWriter
+from ax_kombu.worker.results import ResultWriter
 
 #: how long a staged run waits for the lease before looking at its signal again
 LEASE_WAIT_S = 0.1

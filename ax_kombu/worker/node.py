@@ -56,12 +56,13 @@ from ax_kombu.store.tasks import cancelled_among
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
 from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.holds import Holds
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import OWN_LANE, Lane, parse_queues
 from ax_kombu.worker.processors import Resolver, split_names
 from ax_kombu.worker.receipts import ReceiptWriter
-from ax_kombu.worker.results import Counters, ResultWriter
+from ax_kombu.worker.results import ResultWriter
 from ax_kombu.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)

@@ -41,24 +41,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
+
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-
-class Outcome(NamedTuple):
-    """How one job ended (as reported to its ``done`` callback). A NamedTuple: one is made
-    per task, and a tuple costs a fraction of a frozen dataclass to build."""
-
-    ok: bool
-    value: Any = None
-    error: BaseException | None = None
-    #: the job overran its timeout (it may still be running)
-    timed_out: bool = False
-    #: why the job was given up on without waiting for it (e.g. shutdown)
-    abandoned: str | None = None
-    #: seconds from start to this report
-    duration_s: float = 0.0
 
 
 Done = Callable[[Outcome], None]

@@ -39,9 +39,10 @@ from ax_kombu.broker.messages import WIRE_FIELDS, TaskMessage
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, transitions
+from ax_kombu.store.pinned import PinnedConnection
 from ax_kombu.store.schema import tasks
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.lanes import Delivery
-from ax_kombu.worker.results import Counters, HeldConnection
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class ReceiptWriter:
             thread.join(5.0)
 
     def _run(self) -> None:
-        db = HeldConnection(self.store.engine, autocommit=True)  # see _write
+        db = PinnedConnection(self.store.engine, autocommit=True)  # see _write
         try:
             while (batch := self._inbox.get()) is not None:
                 try:
@@ -138,7 +139,7 @@ class ReceiptWriter:
         finally:
             db.close()
 
-    def _write(self, db: HeldConnection, batch: Batch) -> None:
+    def _write(self, db: PinnedConnection, batch: Batch) -> None:
         """Record a batch; retried while the database is down.
 
         On PostgreSQL each statement commits by itself (one round trip): the
@@ -169,7 +170,7 @@ class ReceiptWriter:
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
 
-    def _write_once(self, db: HeldConnection, batch: Batch, now: int, resume: bool) -> None:
+    def _write_once(self, db: PinnedConnection, batch: Batch, now: int, resume: bool) -> None:
         incarnation = self._incarnation() if self._incarnation is not None else None
         batch.incarnation = incarnation or 0
         with db.begin() as conn:

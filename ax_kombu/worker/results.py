@@ -63,91 +63,28 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Connection
 
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
 from ax_kombu.core.backoff import Uniform, default_rng
+from ax_kombu.core.outcomes import Outcome
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import Retry
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, transitions
-from ax_kombu.store.engine import lost_connection
+from ax_kombu.store.ends import EndWriter
+from ax_kombu.store.pinned import PinnedConnection
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.store.transitions import DISCARDED, SNOOZED, Finish
-from ax_kombu.worker.outcomes import RunResult, decide, refused, refused_alone, stored_result
-from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.counters import Counters, Room
+from ax_kombu.worker.outcomes import RunResult, decide, refused, stored_result
 from ax_kombu.worker.processors import policy_of
 
 log = logging.getLogger(__name__)
-
-
-class HeldConnection:
-    """One database connection kept by one thread between batches.
-
-    A batch then costs its statement and commit only, not a pool checkout and
-    its liveness ping. After an error the connection is dropped and the next
-    :meth:`begin` opens a new one. With ``autocommit`` (PostgreSQL only), each
-    statement commits by itself: one round trip instead of two, for callers
-    whose statements are each atomic and independent of one another.
-    """
-
-    def __init__(self, engine: Engine, *, autocommit: bool = False) -> None:
-        self.engine = engine
-        self.autocommit = autocommit and engine.dialect.name == "postgresql"
-        self._conn: Connection | None = None
-
-    @contextmanager
-    def begin(self) -> Iterator[Connection]:
-        """A transaction on the held connection, committed when the block exits
-        (in autocommit: the connection, each statement committed as it runs)."""
-        if self._conn is None or self._conn.closed or self._conn.invalidated:
-            conn = self.engine.connect()
-            self._conn = (conn.execution_options(isolation_level="AUTOCOMMIT")
-                          if self.autocommit else conn)
-        try:
-            if self.autocommit:
-                yield self._conn
-            else:
-                with self._conn.begin():
-                    yield self._conn
-        except SQLAlchemyError:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except SQLAlchemyError:
-                pass
-
-
-class Counters:
-    """Thread-safe event counters of one worker (until Prometheus metrics replace them)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-    def __getitem__(self, name: str) -> int:
-        with self._lock:
-            return self._counts[name]
 
 
 def _result_not_stored(result: RunResult, finish: Finish) -> bool:
@@ -210,6 +147,13 @@ def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
         if finish.status is not Status.DELAYED])
 
 
+class _Ended(NamedTuple):
+    """An outcome and the end decided for it."""
+
+    queued: _Queued
+    finish: Finish
+
+
 class _Queued(NamedTuple):
     """An outcome waiting in the writer's inbox."""
 
@@ -218,38 +162,6 @@ class _Queued(NamedTuple):
     on_durable: Callable[[], None] | None
     #: it took one of the inbox's places (an abandoned run's outcome does not wait for one)
     holds_room: bool
-
-
-class Room:
-    """A count of free places, as :class:`threading.Semaphore`, that wakes a waiter only when
-    one waits: CPython 3.11's ``Semaphore.release(n)`` notifies n times in a Python loop,
-    which for a batch of outcomes cost more than writing down that they are durable."""
-
-    def __init__(self, places: int) -> None:
-        self._free = places
-        self._waiting = 0
-        self._cond = threading.Condition(threading.Lock())
-
-    def take(self, timeout_s: float) -> bool:
-        """Take a place, waiting at most ``timeout_s`` for one; False if none came."""
-        with self._cond:
-            if self._free <= 0 and timeout_s > 0:
-                self._waiting += 1
-                try:
-                    self._cond.wait(timeout_s)
-                finally:
-                    self._waiting -= 1
-            if self._free <= 0:
-                return False
-            self._free -= 1
-            return True
-
-    def give(self, places: int) -> None:
-        """Free ``places`` places, waking as many waiters."""
-        with self._cond:
-            self._free += places
-            if self._waiting:
-                self._cond.notify(min(places, self._waiting))
 
 
 class ResultWriter:
@@ -268,7 +180,11 @@ class ResultWriter:
         self._inbox: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._abort = threading.Event()
-        self._db = HeldConnection(store.engine)
+        self._db = PinnedConnection(store.engine)
+        self._moved: set[int] = set()
+        self._ends: EndWriter[_Ended] = EndWriter(
+            self._record, self._refuse, written=self._written, aborted=self._abort.is_set,
+            abandon=self._abandoned)
         self._thread = threading.Thread(target=self._run, name="ax-results", daemon=True)
 
     def start(self) -> None:
@@ -342,65 +258,36 @@ class ResultWriter:
         return batch
 
     def _write(self, batch: list[_Queued]) -> None:
-        """Write ``batch``. One the store refuses for its data is halved until the refused
-        outcome is alone (:func:`~ax_kombu.worker.outcomes.refused_alone`), which is then
-        recorded FAILED with the reason; the others are written as they are."""
-        finishes = [decide(q.result, self.settings, self.rng, policy_of(q.result.task.processor))
-                    for q in batch]
-        for (queued, finish), error in refused_alone(
-                list(zip(batch, finishes, strict=True)),
-                lambda pairs: self._commit([q for q, _ in pairs], [f for _, f in pairs])):
-            self._commit_refused(queued, finish, error)
+        """Write ``batch`` with the :class:`~ax_kombu.store.ends.EndWriter`: an outage is
+        waited out, and an outcome the store refuses for its data is recorded FAILED with
+        the reason while the others are written as they are."""
+        self._ends.write([_Ended(q, decide(q.result, self.settings, self.rng,
+                                           policy_of(q.result.task.processor)))
+                          for q in batch])
 
-    def _commit(self, batch: list[_Queued], finishes: list[Finish]) -> Exception | None:
-        """Write one batch in one transaction, retrying while the store cannot be reached.
+    def _record(self, ends: Sequence[_Ended]) -> None:
+        """One batch in one transaction (the :class:`EndWriter`'s ``record``)."""
+        with self._db.begin() as conn:
+            self._moved = self._store(conn, [e.queued.result for e in ends],
+                                      [e.finish for e in ends])
 
-        Returns:
-            None once it is written (or given up on at a stop that timed out), else the
-            error with which the store refused the batch's data.
-        """
-        pause = 0.05
-        while True:
-            try:
-                with self._db.begin() as conn:
-                    moved = self._store(conn, [q.result for q in batch], finishes)
-                break
-            except Exception as exc:  # classified below: retried, or the batch is split
-                if not lost_connection(exc):
-                    log.warning("the store refused a batch of results",
-                                exc_info=True, extra={"count": len(batch)})
-                    return exc
-                if self._abort.is_set():
-                    log.error("results not written; the scheduler recovers these tasks",
-                              extra={"count": len(batch)})
-                    self._settled(batch, durable=False)
-                    return None
-                log.warning("could not write results; retrying", exc_info=True,
-                            extra={"count": len(batch)})
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
-        self._account([q.result for q in batch], finishes, moved)
-        self._settled(batch, durable=True)
-        return None
+    def _written(self, ends: Sequence[_Ended]) -> None:
+        """A batch is committed: count it, free its room, tell who asked."""
+        self._account([e.queued.result for e in ends], [e.finish for e in ends], self._moved)
+        self._settled([e.queued for e in ends], durable=True)
 
-    def _commit_refused(self, queued: _Queued, finish: Finish, error: Exception) -> None:
-        """Record a run whose outcome the store refused as FAILED, with the reason. If the
-        store refuses even that, the cause is not this outcome's text: it is retried
-        like an outage."""
-        failed = refused(queued.result.ended_ms, finish, error)
+    def _abandoned(self, ends: Sequence[_Ended]) -> None:
+        """A stop that timed out gave up on ``ends``: their room is freed, nobody told."""
+        self._settled([e.queued for e in ends], durable=False)
+
+    def _refuse(self, end: _Ended, error: Exception) -> _Ended:
+        """The FAILED record of a run whose outcome the store refused, with the reason."""
+        failed = refused(end.queued.result.ended_ms, end.finish, error)
         log.error("a run's outcome was refused by the store; recording the task FAILED",
-                  extra={"task_id": finish.task_id, "trace_id": queued.result.task.trace_id,
-                         "attempt": finish.attempt, "error": failed.error})
+                  extra={"task_id": failed.task_id, "trace_id": end.queued.result.task.trace_id,
+                         "attempt": failed.attempt, "error": failed.error})
         self.stats.add("refused_results")
-        pause = 0.05
-        while self._commit([queued], [failed]) is not None:
-            if self._abort.is_set():
-                self._settled([queued], durable=False)
-                return
-            log.error("the store refused a run's FAILED record too; retrying",
-                      extra={"task_id": finish.task_id})
-            time.sleep(pause)
-            pause = min(pause * 2, 2.0)
+        return _Ended(end.queued, failed)
 
     def _store(self, conn: Connection, batch: list[RunResult],
                finishes: list[Finish]) -> set[int]:

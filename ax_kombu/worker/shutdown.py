@@ -31,10 +31,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
 from ax_kombu.store import Store, transitions
+from ax_kombu.store.pinned import PinnedConnection
 from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Delivery
-from ax_kombu.worker.results import Counters, HeldConnection
 
 #: at a stop, how long ended runs wait for their outcomes to be durable (and so acked)
 DURABLE_WAIT_S = 5.0
@@ -57,7 +58,7 @@ class Shutdown:
         self._stats = stats
         self._wakeup = wakeup
         self._flags = flags
-        self._db = HeldConnection(store.engine)
+        self._db = PinnedConnection(store.engine)
         self._node = intake.receipts.node_id
 
     def hand_back(self) -> None:

@@ -19,8 +19,9 @@ from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
 from ax_kombu.store.transitions import Finish
 from ax_kombu.worker import outcomes, results
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.pools import Outcome
-from ax_kombu.worker.results import Counters, ResultWriter
+from ax_kombu.worker.results import ResultWriter
 
 from .harness import eventually
 from .test_worker import Dispatch

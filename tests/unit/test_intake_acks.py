@@ -12,9 +12,9 @@ from kombu import Queue
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.core.lease import Lease
 from ax_kombu.worker.control import StopFlags, Wakeup
+from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Delivery, Lane
-from ax_kombu.worker.results import Counters
 
 pytestmark = pytest.mark.timeout(30)
 

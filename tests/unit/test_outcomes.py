@@ -371,3 +371,9 @@ def test_a_bad_policy_is_refused_and_registers_nothing(options: dict[str, object
     with pytest.raises(ValidationError):
         processor("unit.outcomes.bad", **options)(lambda payload, ctx: None)  # type: ignore[arg-type]
     assert registered("unit.outcomes.bad") is None and policy_of("unit.outcomes.bad") is None
+
+
+def test_the_core_decision_names_the_attempt_kinds_the_store_writes() -> None:
+    from ax_kombu.core import outcomes as core
+
+    assert (core.SNOOZED, core.DISCARDED) == (SNOOZED, DISCARDED)

@@ -10,8 +10,9 @@ from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import from_env
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ProcessorRefused
+from ax_kombu.worker.counters import Room
+from ax_kombu.worker.outcomes import RunResult, decide
 from ax_kombu.worker.pools import Outcome
-from ax_kombu.worker.results import Room, RunResult, decide
 
 SETTINGS = from_env({}, retry_backoff_base_ms=1000, retry_backoff_max_ms=60_000,
                     retry_backoff_jitter=0.5)
