@@ -171,8 +171,6 @@ def _expand(conn: Connection, task_id: int, node: str, now_ms: int,
                                            f"{row['fingerprint']}"))
               for i, (new_id, worker) in enumerate(
                   zip(broadcast.new_ids(len(workers) - 1), workers[1:], strict=True), start=1)]
-    for copy in copies:
-        del copy["armed"]  # the database stamps a new claimable row (migration 0011)
     if copies:
         conn.execute(insert(tasks), copies)
     return [task_id, *[c["task_id"] for c in copies]]

@@ -7,9 +7,9 @@ incarnation is live. Contracts:
 * **Registration takes over from the earlier incarnation** in one transaction:
   what it had claimed but no worker started goes back to READY (a new attempt fences
   its message), and what it was running is retried, or FAILED "worker lost" when no retries
-  remain; what a worker only held (listed in its held runs, see
-  :mod:`ax_kombu.worker.holds`) gets a new attempt with no retry counted. A process whose registration returns has nothing left over from an
-  earlier life under its name.
+  remain; what a worker had only staged (its listed runs, see
+  :mod:`ax_kombu.worker.listing`) gets a new attempt with no retry counted. A process
+  whose registration returns has nothing left over from an earlier life under its name.
 * **Two live processes never share a name**: registering a name whose live
   incarnation is still heartbeating raises
   :class:`~ax_kombu.exceptions.NodeNameInUse`, and changes nothing. Its pid is
@@ -59,7 +59,7 @@ def default_node_id(kind: str) -> str:
     return f"{kind}@{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:4]}"
 
 
-#: the key of a node row's ``info`` that holds the :func:`host_identity` of its process
+#: the key of a node row's ``info`` that keeps the :func:`host_identity` of its process
 HOST_ID_KEY = "host_id"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _PID_NAMESPACE = Path("/proc/self/ns/pid")
@@ -132,7 +132,7 @@ class Heartbeat:
             another process may take its name over (the dead-node window).
         engine: where the heartbeat writes (default ``store.engine``): a scheduler gives
             its beats an engine of their own, so that no other stage's work (a lock wait,
-            a long preload, a full pool) ever holds a beat up.
+            a long preload, a full pool) ever delays a beat.
     """
 
     def __init__(self, store: Store, node_id: str, kind: str, silence_ms: int = 15_000,
@@ -161,7 +161,7 @@ class Heartbeat:
             now = db_now_ms(conn)
             self._check_free(conn, now)
             incarnation = max(now, self.incarnation + 1)
-            # before the upsert: the recovery reads the earlier incarnation's held runs
+            # before the upsert: the recovery reads the earlier incarnation's listed runs
             took = _take_over(conn, self.node_id, now, keep_running)
             self._upsert(conn, now, incarnation, info)
         self.incarnation = incarnation
@@ -185,7 +185,7 @@ class Heartbeat:
                 info: Mapping[str, Any]) -> None:
         values = {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
                   "incarnation": incarnation, "started_at": now, "heartbeat_at": now,
-                  "stopped_at": None, "info": _info_json(info), "held_runs": None}
+                  "stopped_at": None, "info": _info_json(info), "listed_runs": None}
         moved = conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
                              .values(**values)).rowcount
         if not moved:
@@ -197,10 +197,10 @@ class Heartbeat:
             return self._set_if_live(conn, self.incarnation, heartbeat_at=db_now_ms(conn),
                                      info=_info_json(info))
 
-    def write_held_runs(self, conn: Connection, incarnation: int, held: str) -> bool:
-        """Set this node's held runs (``,id,id,``; see :mod:`ax_kombu.worker.holds`) if
+    def write_listed_runs(self, conn: Connection, incarnation: int, listed: str) -> bool:
+        """Set this node's listed runs (``,id,id,``; see :mod:`ax_kombu.worker.listing`) if
         ``incarnation`` is still its live one; False if not (declared dead, or replaced)."""
-        return self._set_if_live(conn, incarnation, held_runs=held)
+        return self._set_if_live(conn, incarnation, listed_runs=listed)
 
     def _set_if_live(self, conn: Connection, incarnation: int, **values: Any) -> bool:
         """Update this node's row if ``incarnation`` is its live one (not stopped or

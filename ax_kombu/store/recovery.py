@@ -5,7 +5,7 @@ lost a task, and the reads that watch for it.
   timeout (doubling per re-dispatch) goes back to READY, or FAILED past the limit;
 * :func:`recover_running` and :func:`recover_orphan_running` — a RUNNING task whose
   worker is dead gets another attempt (counting a retry, unless its run was listed in
-  the worker's ``ax_node.held_runs`` and so never started), or FAILED;
+  the worker's ``ax_node.listed_runs`` and so never started), or FAILED;
 * :func:`waiting_without_consumer` and :func:`oldest_overdue_ms` — read-only figures
   for the liveness checks, the metrics and ``ax status``.
 
@@ -72,7 +72,7 @@ RETURNING task_id, status"""
 
 def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
                     priorities: Sequence[str], max_dispatches: int) -> list[tuple[int, str]]:
-    """DISPATCHING tasks no worker started in time → READY (unheld), or FAILED past the limit.
+    """DISPATCHING tasks no worker started in time → READY, or FAILED past the limit.
 
     Bounded re-dispatch: a task's n-th re-dispatch waits ``ack_timeout_ms × 2**n``
     (n capped at MAX_BACKOFF_STEPS) after its last dispatch, and a task sent
@@ -115,14 +115,14 @@ def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dic
     return found
 
 
-#: a RUNNING row whose run never started: its worker listed it among its held runs
-#: (ax_node.held_runs, a run listed there does not start before a write without it:
-#: :mod:`ax_kombu.worker.holds`). Anything else counts as started.
+#: a RUNNING row whose run never started: its worker had listed it
+#: (ax_node.listed_runs, a run listed there does not start before a write without it:
+#: :mod:`ax_kombu.worker.listing`). Anything else counts as started.
 UNSTARTED = ("EXISTS (SELECT 1 FROM ax_node m WHERE m.node_id = ax_task.last_run_node "
-             "AND m.held_runs LIKE '%,' || CAST(ax_task.task_id AS TEXT) || ',%')")
+             "AND m.listed_runs LIKE '%,' || CAST(ax_task.task_id AS TEXT) || ',%')")
 
 #: a run that started and whose worker died counts a retry (FAILED when none is left); one
-#: that never started (held in the stage) gets a new attempt with no retry counted
+#: that never started (staged, listed) gets a new attempt with no retry counted
 _RECOVER_RUNNING = f"""
 UPDATE ax_task
    SET status = CASE WHEN retry_count < max_retry OR {UNSTARTED} THEN 'DELAYED'
@@ -171,7 +171,7 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
 
 def _record_lost(conn: Connection, where: str, params: dict[str, Any], *expanding: str) -> None:
     """The history of a dead worker's RUNNING rows: "worker lost", or, for a run it had
-    written down as held (never started), why it gets another attempt."""
+    listed (staged, never started), why it gets another attempt."""
     _record_ended(conn, where, params, "LOST", "worker lost", *expanding,
                   why_sql=f"CASE WHEN {UNSTARTED} THEN :unstarted_error ELSE :ended_why END")
 

@@ -22,8 +22,8 @@ Indexes, each with its reason:
   own table, ``ax_fingerprint``, written once at enqueue. As an index of ``ax_task`` it
   took an entry on each of a task's four versions, a quarter of PostgreSQL's CPU per task
   (migration 0012).
-* none on ``armed``: the preload asks ``ax_due`` what became claimable since its last
-  read (migration 0016); ``ax_task.armed`` is no longer written (migration 0018).
+* none for what became claimable since a preload's last read: the preload asks
+  ``ax_due`` (migration 0016; ``ax_task.armed`` went in migrations 0018 and 0020).
 * unique ``(job, scheduled_at)`` over occurrences of recurring jobs — exactly one task
   per occurrence, whichever scheduler writes it first (see :mod:`ax_kombu.store.jobs`);
   partial: one-off tasks (``job IS NULL``) write no entry there.
@@ -115,9 +115,6 @@ tasks = Table(
     #: the fencing token: +1 on every claim; a worker acts only on its own attempt.
     Column("attempt", Integer, nullable=False, server_default="0"),
     Column("last_run_node", String(128)),
-    #: unused since migration 0018 (NULL in new rows): it said which transaction last left
-    #: the row claimable (migration 0011), which ``ax_due.armed`` says now (migration 0016)
-    Column("armed", BigInteger),
     Column("created_at", BigInteger, nullable=False),
     Column("dispatched_at", BigInteger),
     Column("started_at", BigInteger),
@@ -150,7 +147,7 @@ tasks = Table(
     #: callback_url, else 'ax' (:func:`_default_runner`)
     Column("runner", String(12), nullable=False, default=_default_runner,
            server_default="ax"),
-    #: the biz_key this finished task held until an ``enqueue(..., unique="pending")`` of
+    #: the biz_key this finished task kept until an ``enqueue(..., unique="pending")`` of
     #: the same key took it over (migration 0019); no index: only listings read it
     Column("released_key", String(255)),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
@@ -352,9 +349,8 @@ nodes = Table(
     Column("heartbeat_at", BigInteger, nullable=False),
     Column("stopped_at", BigInteger),
     Column("info", Text, nullable=False, server_default="{}"),
-    #: a worker's RUNNING tasks it holds and will not start before a later write
-    #: (``,id,id,``; :mod:`ax_kombu.worker.holds`): they never started
-    Column("held_runs", Text),
+    #: a worker's listed runs: RUNNING tasks it has staged and will not start before a
+    #: later write without them (``,id,id,``; :mod:`ax_kombu.worker.listing`): they never
+    #: started (migration 0013 as ``held_runs``, renamed by 0020)
+    Column("listed_runs", Text),
 )
-
-ID_SLOTS = 1024

@@ -158,7 +158,7 @@ class Holds:
                 continue
             try:
                 with self._engine.begin() as conn:
-                    live = self._heartbeat.write_held_runs(conn, registered, _encode(keep))
+                    live = self._heartbeat.write_listed_runs(conn, registered, _encode(keep))
             except SQLAlchemyError:
                 log.warning("held runs not written; the runs being released wait",
                             exc_info=True, extra={"node": self._heartbeat.node_id})

@@ -68,7 +68,7 @@ def test_a_worker_killed_while_holding_staged_runs_counts_no_retry_for_them(
     last_due = max(p.trigger for p in strict.planned + lenient.planned)
 
     def written_held() -> set[int]:
-        value = cluster.query("SELECT held_runs FROM ax_node WHERE node_id = 'w0'")[0].held_runs
+        value = cluster.query("SELECT listed_runs FROM ax_node WHERE node_id = 'w0'")[0].listed_runs
         return {t for t in waiting if f",{t}," in (value or "")}
     # the lane holds its stage once the sleeper has run past the horizon (1 s): written down
     assert poll(lambda: now_ms() > last_due + 300 and written_held() >= staged_on_w0(), 10,

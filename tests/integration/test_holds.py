@@ -54,7 +54,7 @@ def rig(client: Client) -> Iterator[tuple[Holds, nodes.Heartbeat, Scan]]:
 
 def listed(client: Client) -> set[str]:
     with client.store.engine.connect() as conn:
-        value = conn.execute(select(node_table.c.held_runs)
+        value = conn.execute(select(node_table.c.listed_runs)
                              .where(node_table.c.node_id == "w0")).scalar()
     return set((value or ",").strip(",").split(",")) - {""}
 

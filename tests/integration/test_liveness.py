@@ -252,9 +252,9 @@ def test_only_a_dead_workers_held_runs_count_as_not_run(client: Client) -> None:
         transitions.start_many(conn, [(t, 1) for t in started + held], "w0", client.store.now_ms())
         transitions.start_many(conn, [(t, 1) for t in other], "celery@h", client.store.now_ms())
         # the list is ",id,id,": an id that is a suffix or prefix of a listed one is not it
-        assert heart.write_held_runs(conn, heart.incarnation,
+        assert heart.write_listed_runs(conn, heart.incarnation,
                                      f",{held[0]},{held[1]},{started[0]}1,9{started[1]},")
-        assert not heart.write_held_runs(conn, heart.incarnation + 1, ",")  # not live
+        assert not heart.write_listed_runs(conn, heart.incarnation + 1, ",")  # not live
         recovered = dict(recovery.recover_running(conn, ["w0", "celery@h"], client.store.now_ms()))
         rows = {r.task_id: r for r in conn.execute(
             select(tasks.c.task_id, tasks.c.status, tasks.c.retry_count, tasks.c.last_error))}
@@ -277,11 +277,11 @@ def test_a_new_incarnation_recovers_by_the_held_runs_of_the_one_it_replaces(
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).values(max_retry=0))
         transitions.start_many(conn, [(t, 1) for t in started + held], "w0", client.store.now_ms())
-        assert old.write_held_runs(conn, old.incarnation, f",{held[0]},")
+        assert old.write_listed_runs(conn, old.incarnation, f",{held[0]},")
         conn.execute(update(node_table).values(pid=dead_pid()))  # kill -9'd
     new = nodes.Heartbeat(client.store, "w0", "worker")
     new.register({})
     after = statuses(client, started + held)
     assert after == {started[0]: ("FAILED", None), held[0]: ("DELAYED", None)}
     with client.store.engine.connect() as conn:
-        assert conn.execute(select(node_table.c.held_runs)).scalar() is None
+        assert conn.execute(select(node_table.c.listed_runs)).scalar() is None

@@ -1,8 +1,9 @@
 """Migrations 0016 (``ax_due``), 0017 (the duplicate check's probe index), 0018
-(``ax_task.armed`` no longer kept) and 0019 (``ax_move``, ``released_key``) taken back and
+(``ax_task.armed`` no longer kept), 0019 (``ax_move``, ``released_key``) and 0020
+(``ax_task.armed`` dropped, ``ax_node.held_runs`` renamed ``listed_runs``) taken back and
 applied again on a database holding tasks:
-each downgrade leaves the schema its previous revision made (the stamp of ``ax_task.armed``
-back, ``ax_due``'s table and triggers gone, 0015's hash index back), the duplicate check
+each downgrade leaves the schema its previous revision made (the column ``ax_task.armed``
+and then its stamp back, ``ax_due``'s table and triggers gone, 0015's hash index back), the duplicate check
 keeps finding the stored tasks at every step, and upgrading again restores what the
 schedulers and producers of this release read. On SQLite and PostgreSQL."""
 
@@ -66,12 +67,28 @@ def _armed(engine: Engine) -> tuple[bool, bool, list[Any]]:
     return indexed, stamped, stamps
 
 
-def test_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
+def _columns(engine: Engine, table: str) -> set[str]:
+    return {c["name"] for c in inspect(engine).get_columns(table)}
+
+
+def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> None:
     engine = empty_store
     postgres = engine.dialect.name == "postgresql"
     migrate(engine)
     insert_tasks(engine, [task_row(1, 10_000_000, "DELAYED", "a" * 32),
                           task_row(2, 20_000_000, "SUCCESS", "b" * 32)], 5_000)
+    assert "armed" not in _columns(engine, "ax_task") | _columns(engine, "ax_task_archive")
+    assert "listed_runs" in _columns(engine, "ax_node")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO ax_node (node_id, kind, host, pid, started_at, "
+                          "heartbeat_at, listed_runs) VALUES ('w', 'worker', 'h', 1, 0, 0, ',1,')"))
+
+    _downgrade(engine, "0019")
+    assert current_revision(engine) == "0019"
+    assert {"armed", "released_key"} <= _columns(engine, "ax_task_archive")
+    assert "listed_runs" not in _columns(engine, "ax_node")
+    with engine.connect() as conn:  # the renamed column kept its values
+        assert conn.execute(text("SELECT held_runs FROM ax_node")).scalar() == ",1,"
     assert _armed(engine) == (False, False, [None, None])
     with engine.connect() as conn:  # the waiting task has its ax_due entry all the same
         assert conn.execute(text("SELECT task_id FROM ax_due")).scalars().all() == [1]
@@ -106,11 +123,14 @@ def test_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine) -> 
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0019"
+    assert current_revision(engine) == "0020"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
-    assert _armed(engine)[:2] == (False, False)
+    assert "armed" not in _columns(engine, "ax_task")
+    assert "ax_task_arm()" not in _triggers(engine) and "SET armed" not in _triggers(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT listed_runs FROM ax_node")).scalar() == ",1,"
     with engine.connect() as conn:  # the waiting tasks got their entries back, the rest none
         due = sorted(conn.execute(text("SELECT task_id, trigger_time FROM ax_due")).all())
     assert [tuple(r) for r in due] == [(1, 10_000_000), (3, 30_000_000), (5, 10_000_000),

@@ -167,7 +167,7 @@ def test_a_created_row_from_an_older_producer_is_read_and_claimed(client: Client
         row = conn.execute(text("SELECT * FROM ax_task WHERE task_id = :t"),
                            {"t": task_id}).mappings().one()
         conn.execute(text("DELETE FROM ax_task WHERE task_id = :t"), {"t": task_id})
-        names = [k for k in row if k != "armed"]
+        names = list(row)
         conn.execute(text(f"INSERT INTO ax_task ({', '.join(names)}) VALUES "
                           f"({', '.join(':' + k for k in names)})"),
                      {**{k: row[k] for k in names}, "status": "CREATED"})
