@@ -33,6 +33,7 @@ from ax_kombu import recurring
 from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
 from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.values import MAX_TASK_TYPE, check_text, show
 from ax_kombu.exceptions import (
     JobNotFound,
     TaskNotFound,
@@ -48,16 +49,7 @@ from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.enqueue import KEY_POLICY, insert_tasks, write_tasks
 from ax_kombu.store.leases import StoreLessor
 from ax_kombu.store.tasks import attempts_of, fetch_task
-from ax_kombu.validation import (
-    MAX_TASK_TYPE,
-    broadcast_row,
-    build_row,
-    check_route,
-    check_text,
-    shard_count,
-    shard_rows,
-    show,
-)
+from ax_kombu.validation import broadcast_row, build_row, check_route, shard_count, shard_rows
 from ax_kombu.views import TaskId, TaskView
 
 _TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "biz_key",

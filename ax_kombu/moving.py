@@ -10,18 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from ax_kombu.config import Settings
 from ax_kombu.core import states
+from ax_kombu.core.fingerprint import canonical_json, fingerprint
 from ax_kombu.core.states import Status
+from ax_kombu.core.values import MAX_BIZ_KEY, MAX_TASK_TYPE, check_text, show, trigger_ms
 from ax_kombu.exceptions import IllegalTransition, ValidationError
 from ax_kombu.store import Store, moves
-from ax_kombu.validation import (
-    MAX_BIZ_KEY,
-    MAX_TASK_TYPE,
-    canonical_json,
-    check_text,
-    fingerprint,
-    show,
-    trigger_ms,
-)
 
 if TYPE_CHECKING:
     from ax_kombu.views import TaskView

@@ -34,9 +34,10 @@ from sqlalchemy import Engine
 
 from ax_kombu.config import Settings
 from ax_kombu.core import cron
+from ax_kombu.core.values import MAX_TASK_TYPE, STRATEGIES, show
 from ax_kombu.exceptions import JobNotFound, ValidationError
 from ax_kombu.store import jobs as job_store
-from ax_kombu.validation import MAX_TASK_TYPE, build_row, show
+from ax_kombu.validation import build_row
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,8 +45,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TIMING = ("cron", "every_ms", "tz")
 _SPEC = ("task_type", "payload", "cron", "every_ms", "tz", "misfire", "misfire_grace_ms",
          "strategy", "priority", "max_retry", "timeout_ms", "processor_name", "callback_url")
-#: what happens to an occurrence due while an earlier one is unfinished (core/gating.py)
-STRATEGIES = ("parallel", "serial", "cover", "discard")
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from celery.utils.time import maybe_make_aware
 import ax_kombu
 from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import celery_task_id, processor_for
+from ax_kombu.core.values import show
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.validation import show
 from ax_kombu.views import TaskId
 
 

@@ -51,13 +51,12 @@ from ax_kombu.config import Settings
 from ax_kombu.core import cron
 from ax_kombu.core.gating import SERIAL_PREFIX
 from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.values import STRATEGIES, initial_status
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability import metrics
-from ax_kombu.recurring import STRATEGIES
 from ax_kombu.store import Store
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.tasks import wake_schedulers
-from ax_kombu.validation import initial_status
 
 log = logging.getLogger(__name__)
 

@@ -36,13 +36,13 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Row, bindparam, delete, insert, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
+from ax_kombu.core.fingerprint import fingerprint
 from ax_kombu.core.gating import Candidate, Decision, Running, decide
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
 from ax_kombu.store.schema import CLAIMABLE, PARKED, UNPARKED, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
-from ax_kombu.validation import fingerprint
 
 _WAITING = ("CREATED", "DELAYED", "READY")
 _ACTIVE = ("DISPATCHING", "RUNNING")

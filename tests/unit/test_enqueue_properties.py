@@ -23,17 +23,16 @@ from sqlalchemy import BigInteger, Integer, String, func, select
 
 from ax_kombu.api import Client, TaskView
 from ax_kombu.config import PRIORITIES, Settings, from_env
-from ax_kombu.exceptions import ValidationError
-from ax_kombu.store.schema import tasks
-from ax_kombu.validation import (
+from ax_kombu.core.fingerprint import MAX_PAYLOAD_DEPTH, MAX_PAYLOAD_VALUES
+from ax_kombu.core.values import (
     MAX_CALLBACK_URL,
     MAX_HORIZON_MS,
-    MAX_PAYLOAD_DEPTH,
-    MAX_PAYLOAD_VALUES,
     MAX_PROCESSOR,
     MAX_RETRY,
     MAX_TIMEOUT_MS,
 )
+from ax_kombu.exceptions import ValidationError
+from ax_kombu.store.schema import tasks
 
 PROPERTY = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,

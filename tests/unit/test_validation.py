@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from ax_kombu.config import from_env
+from ax_kombu.core.fingerprint import canonical_json, fingerprint
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.validation import build_row, canonical_json, fingerprint
+from ax_kombu.validation import build_row
 
 SETTINGS = from_env({})
 NOW = 1_800_000_000_000
