@@ -243,6 +243,17 @@ class Client(Moving):
         recurring.resume_job(self.store.engine, name, self.store.now_ms())
         return self.job(name)
 
+    def run_job_now(self, name: str) -> int:
+        """Run the job ``name`` once, now: one occurrence due at once, gated by the job's
+        strategy as a scheduled one is (paused or not); returns its task id.
+
+        Raises:
+            JobNotFound: no such job.
+        """
+        task_id = self.ids.next_ids(1)[0]
+        recurring.run_job_now(self.store.engine, name, task_id)
+        return task_id
+
     def unschedule(self, name: str) -> int:
         """Remove a job and its undispatched occurrences; returns how many occurrences
         were removed (JobNotFound if there is no such job)."""

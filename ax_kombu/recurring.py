@@ -37,6 +37,8 @@ from ax_kombu.core import cron
 from ax_kombu.core.values import MAX_TASK_TYPE, STRATEGIES, show
 from ax_kombu.exceptions import JobNotFound, ValidationError
 from ax_kombu.store import jobs as job_store
+from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.validation import build_row
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -204,6 +206,25 @@ def schedule_job(engine: Engine, values: Mapping[str, Any], now_ms: int) -> str:
             changes["next_fire_at"] = _earliest(current.next_fire_at, dropped)
         job_store.update_job(conn, name, changes)
     return "updated"
+
+
+def run_job_now(engine: Engine, name: str, task_id: int) -> None:
+    """Write one occurrence of ``name`` due now, as the scheduler's materialiser writes
+    each (:func:`ax_kombu.store.jobs.occurrence_row`: the same row, so the job's strategy
+    gates it, and the same unique ``(job, scheduled_at)``), and wake the schedulers. A
+    paused job runs too: pausing stops its schedule, not an operator.
+
+    Raises:
+        JobNotFound: no such job.
+    """
+    with engine.begin() as conn:
+        job = job_store.get_job(conn, name)
+        if job is None:
+            raise JobNotFound(f"no recurring job {name!r}")
+        now = db_now_ms(conn)
+        job_store.insert_occurrences(conn, [job_store.occurrence_row(job, task_id, now, now,
+                                                                     now)])
+        wake_schedulers(conn, now)
 
 
 def pause_job(engine: Engine, name: str, now_ms: int) -> None:

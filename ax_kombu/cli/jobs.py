@@ -1,4 +1,4 @@
-"""``ax jobs list|add|pause|resume|remove|next`` — recurring jobs (:mod:`ax_kombu.recurring`).
+"""``ax jobs list|add|pause|resume|run|remove|next`` — recurring jobs (:mod:`ax_kombu.recurring`).
 
 Times are shown in ISO 8601 with their offset, in the job's own zone. Every error is one
 line on stderr (``ax: error: …``): bad input — a bad cron expression, an unknown zone,
@@ -21,8 +21,9 @@ import click
 from ax_kombu.cli.base import Duration, JsonValue, OneLineGroup, client_for
 from ax_kombu.config import PRIORITIES
 from ax_kombu.core.cron import MISFIRE_POLICIES
+from ax_kombu.core.values import STRATEGIES
 from ax_kombu.exceptions import ValidationError
-from ax_kombu.recurring import STRATEGIES, JobView
+from ax_kombu.recurring import JobView
 
 _COLUMNS = ("name", "schedule", "task type", "misfire", "strategy", "paused", "next fire")
 
@@ -142,6 +143,17 @@ def resume(ctx: click.Context, name: str) -> None:
     with client_for(ctx) as client:
         job = client.resume(name)
     click.echo(_summary(job))
+
+
+@jobs.command()
+@click.argument("name")
+@click.pass_context
+def run(ctx: click.Context, name: str) -> None:
+    """Run NAME once, now: one occurrence due at once, gated by its strategy as a
+    scheduled one is (paused or not). Prints the new task's id."""
+    with client_for(ctx) as client:
+        task_id = client.run_job_now(name)
+    click.echo(f"{name}: task {task_id} due now")
 
 
 @jobs.command()

@@ -42,16 +42,14 @@ ran it — a second run for ``fire_once``).
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from sqlalchemy import Connection, Row
 
 from ax_kombu.config import Settings
 from ax_kombu.core import cron
-from ax_kombu.core.gating import SERIAL_PREFIX
 from ax_kombu.core.ids import LeasedIds
-from ax_kombu.core.values import STRATEGIES, initial_status
+from ax_kombu.core.values import STRATEGIES
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
@@ -142,7 +140,7 @@ class Materialiser:
                            now_ms)
         job_store.update_job(conn, job.name, {"next_fire_at": plan.next_fire_at})
         ids = self._ids.next_ids(len(plan.create))
-        return [self._row(job, task_id, scheduled_at, trigger, now_ms)
+        return [job_store.occurrence_row(job, task_id, scheduled_at, trigger, now_ms)
                 for task_id, (scheduled_at, trigger) in zip(ids, plan.create, strict=True)]
 
     def _written_since(self, schedule: cron.Schedule, next_fire_at: int) -> int:
@@ -197,21 +195,6 @@ class Materialiser:
         log.error("recurring job cannot be planned; marked broken until schedule() sets "
                   "it again", extra={"job": job.name, "error": detail})
 
-    @staticmethod
-    def _row(job: Row[Any], task_id: int, scheduled_at: int, trigger: int, now_ms: int
-             ) -> dict[str, Any]:
-        return {
-            "task_id": task_id, "task_type": job.task_type,
-            "trigger_time": trigger, "status": initial_status(trigger, now_ms),
-            "priority": job.priority,
-            "retry_count": 0, "max_retry": job.max_retry, "timeout_ms": job.timeout_ms,
-            "processor_name": job.processor_name, "callback_url": job.callback_url,
-            "payload": job.payload, "biz_key": None,
-            "fingerprint": job_store.occurrence_fingerprint(job.name, scheduled_at),
-            "trace_id": uuid.uuid4().hex, "attempt": 0, "created_at": now_ms,
-            "job": job.name, "scheduled_at": scheduled_at, **_strategy(job, scheduled_at),
-        }
-
 
 def check_row(job: Row[Any]) -> None:
     """What :func:`ax_kombu.recurring.build_job` checks and the zone/expression check of
@@ -227,15 +210,3 @@ def check_row(job: Row[Any]) -> None:
         raise ValidationError(f"unknown misfire policy {job.misfire!r}")
     if job.strategy not in STRATEGIES:
         raise ValidationError(f"unknown strategy {job.strategy!r}")
-
-
-def _strategy(job: Row[Any], scheduled_at: int) -> dict[str, Any]:
-    """The gate of an occurrence (:mod:`ax_kombu.core.gating`): a serial job's occurrences
-    share one order key, in occurrence order; cover and discard are checked at claim."""
-    if job.strategy == "serial":
-        return {"gate": "order", "order_key": SERIAL_PREFIX + job.name,
-                "order_seq": scheduled_at}
-    if job.strategy in ("cover", "discard"):
-        return {"gate": job.strategy}
-    return {}
-

@@ -26,13 +26,16 @@ took the row first (it runs) or finds nothing (it does not).
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Row, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from ax_kombu.core.gating import SERIAL_PREFIX
 from ax_kombu.core.states import Status
+from ax_kombu.core.values import initial_status
 from ax_kombu.store import transitions
 from ax_kombu.store.schema import jobs, tasks
 
@@ -47,6 +50,36 @@ def occurrence_fingerprint(job: str, scheduled_at: int) -> str:
     (same type and payload within a few seconds) never matches a job's occurrences and a
     one-off task is never taken for one."""
     return hashlib.blake2b(f"job\0{job}\0{scheduled_at}".encode(), digest_size=16).hexdigest()
+
+
+def occurrence_row(job: Row[Any], task_id: int, scheduled_at: int, trigger: int,
+                   now_ms: int) -> dict[str, Any]:
+    """The task row of ``job``'s occurrence at ``scheduled_at``, due at ``trigger``: the
+    job's task fields, its own fingerprint, and its strategy's gate. The scheduler's
+    materialiser writes each occurrence so, and :meth:`ax_kombu.api.Client.run_job_now`
+    one due at once."""
+    return {
+        "task_id": task_id, "task_type": job.task_type,
+        "trigger_time": trigger, "status": initial_status(trigger, now_ms),
+        "priority": job.priority,
+        "retry_count": 0, "max_retry": job.max_retry, "timeout_ms": job.timeout_ms,
+        "processor_name": job.processor_name, "callback_url": job.callback_url,
+        "payload": job.payload, "biz_key": None,
+        "fingerprint": occurrence_fingerprint(job.name, scheduled_at),
+        "trace_id": uuid.uuid4().hex, "attempt": 0, "created_at": now_ms,
+        "job": job.name, "scheduled_at": scheduled_at, **_strategy(job, scheduled_at),
+    }
+
+
+def _strategy(job: Row[Any], scheduled_at: int) -> dict[str, Any]:
+    """The gate of an occurrence (:mod:`ax_kombu.core.gating`): a serial job's occurrences
+    share one order key, in occurrence order; cover and discard are checked at claim."""
+    if job.strategy == "serial":
+        return {"gate": "order", "order_key": SERIAL_PREFIX + job.name,
+                "order_seq": scheduled_at}
+    if job.strategy in ("cover", "discard"):
+        return {"gate": job.strategy}
+    return {}
 
 
 # -- job rows ------------------------------------------------------------------------------------

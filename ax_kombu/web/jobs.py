@@ -1,7 +1,8 @@
 """Recurring jobs: each with its schedule, next 5 fire times and last occurrence; pause and
 resume (``ax jobs pause|resume``: :meth:`Client.pause`, :meth:`Client.resume`), and "run
-now": one occurrence of the job due at once, written as the scheduler writes occurrences
-(same row, same strategy gate, same unique ``(job, scheduled_at)``)."""
+now" (``ax jobs run``: :meth:`Client.run_job_now`): one occurrence of the job due at once,
+written as the scheduler writes occurrences (same row, same strategy gate, same unique
+``(job, scheduled_at)``)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ax_kombu.api import Client
-from ax_kombu.exceptions import JobNotFound
 from ax_kombu.recurring import JobView
-from ax_kombu.scheduler.recurrence import Materialiser
-from ax_kombu.store import jobs as job_store
-from ax_kombu.store.engine import db_now_ms
-from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.views import TaskView
 from ax_kombu.web.console import back_to, checked_form, console_of
 
@@ -39,24 +35,6 @@ def job_list(request: Request) -> Response:
     return console_of(request).page(request, "jobs.html", jobs=found)
 
 
-def run_now(client: Client, name: str) -> int:
-    """Write one occurrence of ``name`` due now, the row the scheduler's materialiser
-    would write for it (so its strategy's gate applies); returns its task id.
-
-    Raises:
-        JobNotFound: no such job.
-    """
-    task_id = client.ids.next_ids(1)[0]
-    with client.store.engine.begin() as conn:
-        job = job_store.get_job(conn, name)
-        if job is None:
-            raise JobNotFound(f"no recurring job {name!r}")
-        now = db_now_ms(conn)
-        job_store.insert_occurrences(conn, [Materialiser._row(job, task_id, now, now, now)])
-        wake_schedulers(conn, now)
-    return task_id
-
-
 def _action(work: Callable[[Client, str], Any], note: str) -> Callable[..., Any]:
     """A POST endpoint that calls ``work(client, job name)``, then shows the jobs again."""
     async def endpoint(request: Request) -> Response:
@@ -69,4 +47,4 @@ def _action(work: Callable[[Client, str], Any], note: str) -> Callable[..., Any]
 ROUTES = [Route("/jobs", job_list, methods=["GET"]),
           Route("/jobs/{name}/pause", _action(Client.pause, "paused"), methods=["POST"]),
           Route("/jobs/{name}/resume", _action(Client.resume, "resumed"), methods=["POST"]),
-          Route("/jobs/{name}/run", _action(run_now, "started"), methods=["POST"])]
+          Route("/jobs/{name}/run", _action(Client.run_job_now, "started"), methods=["POST"])]

@@ -155,3 +155,18 @@ def test_inspect_shows_an_occurrences_job_strategy_and_a_tasks_order_key_and_sha
     second = json.loads(ax.ok("inspect", str(sharded.shards[1]), "--json"))
     assert (second["order_key"], second["shard_index"], second["shard_total"]) == ("k", 1, 2)
     assert "strategy" not in second
+
+
+def test_run_writes_one_occurrence_due_now_gated_by_its_strategy(ax: Ax) -> None:
+    ax.ok("jobs", "add", "recon", "recon.run", "--every", "1h", "--strategy", "serial")
+    ax.ok("jobs", "pause", "recon")  # an operator's run is not a scheduled one
+    before = datetime.now(UTC)
+    out = ax.ok("jobs", "run", "recon").strip()
+    name, _, rest = out.partition(": task ")
+    task_id = rest.removesuffix(" due now")
+    assert name == "recon" and task_id.isdigit(), out
+    shown = json.loads(ax.ok("inspect", task_id, "--json"))
+    assert (shown["job"], shown["strategy"], shown["order_key"], shown["status"]) == (
+        "recon", "serial", "ax.job:recon", "READY")
+    assert datetime.fromisoformat(shown["trigger_time"]) >= before - timedelta(seconds=5)
+    assert _one_error_line(ax("jobs", "run", "nope"), 3) == "ax: error: no recurring job 'nope'"
