@@ -55,7 +55,7 @@ class TaskView:
     fingerprint: str
     trace_id: str
     attempt: int
-    last_run_node: str | None
+    owner_node: str | None
     created_at: int
     dispatched_at: int | None
     started_at: int | None
@@ -75,7 +75,7 @@ class TaskView:
     #: worker with the AxBootstep); see ax_kombu.store.schema
     runner: str = "ax"
     #: every ended attempt, oldest first (one still under way is not listed: the row's
-    #: ``attempt``, ``last_run_node`` and ``started_at`` describe it)
+    #: ``attempt``, ``owner_node`` and ``started_at`` describe it)
     attempts: tuple[Attempt, ...] = ()
     #: the task was moved to the archive tables (``ax archive``, ``AX_RETENTION``)
     archived: bool = False
@@ -85,6 +85,12 @@ class TaskView:
     #: every move of its trigger time (``reschedule``, ``run_now``, a replacing enqueue),
     #: oldest first
     moves: tuple[Move, ...] = ()
+
+    @property
+    def last_run_node(self) -> str | None:
+        """Deprecated: :attr:`owner_node` (the column was split into
+        ``owner_node`` and ``parked`` by migration 0021)."""
+        return self.owner_node
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]] = (),

@@ -50,7 +50,7 @@ WARMUP_S = 32.0
 _FILL_TASKS = """
 INSERT INTO ax_task (task_id, task_type, trigger_time, status, priority, retry_count,
     max_retry, timeout_ms, processor_name, payload, fingerprint, trace_id, attempt,
-    last_run_node, created_at, dispatched_at, started_at, finished_at, redispatches, gated,
+    owner_node, created_at, dispatched_at, started_at, finished_at, redispatches, gated,
     result)
 SELECT ((CAST(:base AS BIGINT) + i - :epoch) << 22) | (1023 << 12), 'bench.old', :base + i,
     CASE WHEN i % 50 = 0 THEN 'FAILED' ELSE 'SUCCESS' END, 'default', 0, 3, 60000,

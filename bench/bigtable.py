@@ -144,7 +144,7 @@ f AS (
            CASE WHEN r % 5 = 0 THEN 'order-' || i END AS biz_key,
            md5(tt || ':' || body) AS fingerprint, md5(i || '-trace') AS trace_id,
            CASE st WHEN 'FAILED' THEN 4 WHEN 'SUCCESS' THEN 1 ELSE 0 END AS attempt,
-           CASE WHEN sent IS NOT NULL THEN 'worker-' || (i % 8) END AS last_run_node,
+           CASE WHEN sent IS NOT NULL THEN 'worker-' || (i % 8) END AS owner_node,
            created AS created_at, sent AS dispatched_at, sent + 3 AS started_at,
            CASE WHEN sent IS NOT NULL THEN sent + 3 + r % 5000
                 WHEN st = 'CANCELLED' THEN created + (due - created) / 2 END AS finished_at,
@@ -155,7 +155,7 @@ f AS (
 
 _COLUMNS = ("task_id, task_type, trigger_time, status, priority, retry_count, max_retry, "
             "timeout_ms, processor_name, payload, biz_key, fingerprint, trace_id, attempt, "
-            "last_run_node, created_at, dispatched_at, started_at, finished_at, last_error, "
+            "owner_node, created_at, dispatched_at, started_at, finished_at, last_error, "
             "redispatches, gated, runner")
 #: the hot table, and from the rows it returns an ``ax_fingerprint`` row for each task the
 #: schedulers' pruning keeps (:func:`kept_fingerprints`) and an ``ax_due`` entry for each
@@ -176,7 +176,7 @@ _COLD = _ROWS + "INSERT INTO ax_task_archive (" + _COLUMNS + ") SELECT " + _COLU
 _ATTEMPTS = """
 INSERT INTO {target} (task_id, attempt, task_type, node, trigger_time, dispatched_at,
                       started_at, finished_at, outcome, error, duration_ms)
-SELECT task_id, k, task_type, last_run_node, trigger_time, dispatched_at - (4 - k) * 60000,
+SELECT task_id, k, task_type, owner_node, trigger_time, dispatched_at - (4 - k) * 60000,
        started_at - (4 - k) * 60000, finished_at - (4 - k) * 60000, 'RETRY', last_error,
        finished_at - started_at
   FROM {source} CROSS JOIN generate_series(1, 3) AS k WHERE status = 'FAILED'"""

@@ -5,7 +5,7 @@ instead: each worker's prefetch on a queue is its pool's free room, so a worker 
 in proportion to the slots it has free. This measures whether that holds: one
 ``ax-scheduler``, two ``ax-worker`` processes on the same queue (``-c default=4`` and
 ``-c default=32``), N tasks of ``--task-ms`` each. The share of each worker is counted from
-the store (``last_run_node`` of the SUCCESS rows), with both scenarios:
+the store (``owner_node`` of the SUCCESS rows), with both scenarios:
 
 * ``burst`` — N tasks due at the same instant;
 * ``steady`` — N tasks spread evenly over ``--spread`` seconds.
@@ -64,8 +64,8 @@ def run(settings: Settings, args: argparse.Namespace, scenario: str) -> dict[str
         client.enqueue_many(items)
         wait_done(client, args.n, 5 + args.spread + 300)
     with client.store.engine.connect() as conn:
-        rows = conn.execute(text("SELECT last_run_node, count(*) FROM ax_task "
-                                 "WHERE status = 'SUCCESS' GROUP BY last_run_node")).all()
+        rows = conn.execute(text("SELECT owner_node, count(*) FROM ax_task "
+                                 "WHERE status = 'SUCCESS' GROUP BY owner_node")).all()
     client.close()
     done: dict[str, int] = {}
     for node, n in rows:  # a worker's processes are nodes NAME.1, NAME.2 … (--processes auto)

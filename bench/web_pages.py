@@ -48,7 +48,7 @@ TYPES = 20
 _FILL_TASKS = """
 INSERT INTO ax_task (task_id, task_type, trigger_time, status, priority, retry_count,
     max_retry, timeout_ms, processor_name, payload, biz_key, fingerprint, trace_id, attempt,
-    last_run_node, created_at, dispatched_at, started_at, finished_at, last_error,
+    owner_node, created_at, dispatched_at, started_at, finished_at, last_error,
     redispatches, gated)
 SELECT ((c - :epoch) << 22) | ((i % 1024) << 12),
     CASE WHEN i < :n / 10 THEN 'bench.old' ELSE 'bench.type' || (i % :types) END,

@@ -12,7 +12,7 @@ tasks it receives (those carrying the ``ax_task_id`` and ``ax_attempt`` headers)
   own ``eta`` header, so the Celery worker's timer holds it to the due instant
   (:mod:`ax_kombu.broker.celery_wire`). When the message arrives (``task_received``, in
   the main process) the row moves DISPATCHING → RUNNING by compare-and-set on
-  ``(task_id, attempt)`` and on this worker's live ax incarnation, with ``last_run_node`` =
+  ``(task_id, attempt)`` and on this worker's live ax incarnation, with ``owner_node`` =
   this worker's ax node, in batches on a thread of its own; when it runs, before the task
   body, a read checks that the row is still RUNNING at that attempt here and the
   incarnation still live (a message that arrived late is moved then, as one statement)
@@ -311,7 +311,7 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         with self.fence.store.engine.connect() as conn:
             return [(r[0], r[1]) for r in conn.execute(
                 select(tasks.c.task_id, tasks.c.attempt).where(
-                    tasks.c.status == "RUNNING", tasks.c.last_run_node == self.fence.node_id))]
+                    tasks.c.status == "RUNNING", tasks.c.owner_node == self.fence.node_id))]
 
     def _on_revoked(self, sender: Any = None, request: Any = None, terminated: bool = False,
                     signum: Any = None, expired: bool = False, **_: Any) -> None:

@@ -95,7 +95,7 @@ _AHEAD_GATHER_S = 0.01
 _RUNNING_HERE = (
     select(*[tasks.c[name] for name in Started._fields])
     .where(tasks.c.task_id == bindparam("id"), tasks.c.attempt == bindparam("att"),
-           tasks.c.status == Status.RUNNING.value, tasks.c.last_run_node == bindparam("node")))
+           tasks.c.status == Status.RUNNING.value, tasks.c.owner_node == bindparam("node")))
 #: ... and the node's incarnation is the live one (Fence.fenced_ahead)
 _FENCED_AHEAD = _RUNNING_HERE.where(
     exists().where(nodes.c.node_id == bindparam("node"), nodes.c.incarnation == bindparam("inc"),

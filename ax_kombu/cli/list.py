@@ -17,7 +17,7 @@ from ax_kombu.store.admin import list_tasks as select_tasks
 
 FC = TypeVar("FC", bound=Callable[..., Any])
 
-_COLUMNS = ("id", "type", "status", "trigger", "attempt", "last_run_node", "last_error")
+_COLUMNS = ("id", "type", "status", "trigger", "attempt", "owner_node", "last_error")
 _ERROR_WIDTH = 60
 
 
@@ -29,7 +29,7 @@ def _iso(ms: int | None) -> str | None:
 def _view(row: Any) -> dict[str, Any]:
     return {"task_id": row.task_id, "task_type": row.task_type, "status": row.status,
             "trigger_time": _iso(row.trigger_time), "attempt": row.attempt,
-            "retry_count": row.retry_count, "last_run_node": row.last_run_node,
+            "retry_count": row.retry_count, "owner_node": row.owner_node,
             "last_error": row.last_error, "biz_key": row.biz_key,
             "created_at": _iso(row.created_at), "finished_at": _iso(row.finished_at)}
 
@@ -39,7 +39,7 @@ def _cells(view: dict[str, Any]) -> tuple[str, ...]:
     if len(error) > _ERROR_WIDTH:
         error = error[:_ERROR_WIDTH - 1] + "…"
     return (str(view["task_id"]), view["task_type"], view["status"], view["trigger_time"],
-            str(view["attempt"]), view["last_run_node"] or "-", error or "-")
+            str(view["attempt"]), view["owner_node"] or "-", error or "-")
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -24,7 +24,7 @@ Contracts:
   (the connection dropped after the commit, before the answer). Its batch is tried
   again, before anything else, as a *resume* with the same ``now``
   (:func:`ax_kombu.store.claims.claim`): rows still claimable are claimed, and
-  rows the lost statement moved — DISPATCHING, ``last_run_node`` this node, ``dispatched_at`` =
+  rows the lost statement moved — DISPATCHING, ``owner_node`` this node, ``dispatched_at`` =
   that ``now`` — come back at the attempt it gave them and are published, not left
   DISPATCHING until the ack timeout. Every claim of this claimer writes a
   ``dispatched_at`` later than the one before (:meth:`Claimer._claim_now`), so that

@@ -81,7 +81,7 @@ def _guarded(engine: Engine, work: Callable[[], T]) -> T:
 # -- list ----------------------------------------------------------------------------------------
 
 _LISTED = (tasks.c.task_id, tasks.c.task_type, tasks.c.status, tasks.c.trigger_time,
-           tasks.c.attempt, tasks.c.retry_count, tasks.c.last_run_node, tasks.c.last_error,
+           tasks.c.attempt, tasks.c.retry_count, tasks.c.owner_node, tasks.c.last_error,
            tasks.c.biz_key, tasks.c.created_at, tasks.c.finished_at)
 
 
@@ -107,7 +107,7 @@ def list_tasks(engine: Engine, wanted: TaskFilter) -> list[Row[Any]]:
 
     Returns:
         Rows with the columns ``task_id, task_type, status, trigger_time, attempt,
-        retry_count, last_run_node, last_error, biz_key, created_at, finished_at``.
+        retry_count, owner_node, last_error, biz_key, created_at, finished_at``.
     """
     def read() -> list[Row[Any]]:
         with engine.connect() as conn:
@@ -146,7 +146,7 @@ class Retried:
 def retry_tasks(conn: Connection, task_ids: Sequence[int]) -> list[int]:
     """FAILED | CANCELLED → READY, due now, in one compare-and-set statement; wakes schedulers.
 
-    ``trigger_time`` becomes the database's now, ``last_run_node``, ``finished_at``
+    ``trigger_time`` becomes the database's now, ``owner_node``, ``finished_at``
     NULL, ``redispatches`` 0 (a task that failed unstarted gets its full dispatch
     budget again); ``retry_count``, ``last_error`` and the ``ax_attempt`` rows stay.
 
@@ -156,7 +156,7 @@ def retry_tasks(conn: Connection, task_ids: Sequence[int]) -> list[int]:
     now = db_now_ms(conn)
     keep_final_attempts(conn, task_ids)  # the row is about to start a new attempt
     moved = transition(conn, task_ids, RETRYABLE, S.READY,
-                       values={"trigger_time": now, "last_run_node": None,
+                       values={"trigger_time": now, "owner_node": None,
                                "finished_at": None, "redispatches": 0})
     if moved:
         wake_schedulers(conn, now)

@@ -20,7 +20,7 @@ with it in memory leaves it to the others' preload, not to the ack timeout.
 
 A lost reply: a claim whose statement committed but whose answer never arrived (the
 connection dropped) is repeated as a *resume*, with the same ``node`` and ``now``: the
-rows the lost statement moved (DISPATCHING, ``last_run_node = node``, ``dispatched_at =
+rows the lost statement moved (DISPATCHING, ``owner_node = node``, ``dispatched_at =
 now``: no other claim writes that pair, see :class:`ax_kombu.scheduler.claimer.Claimer`)
 are returned again, at the attempt it gave them, as if claimed now, so the claimer
 publishes them instead of leaving them to the ack timeout.
@@ -99,14 +99,14 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 _CLAIM = """
     UPDATE ax_task
        SET status = 'DISPATCHING', attempt = attempt{bump},
-           last_run_node = :node, dispatched_at = :now{set}
+           owner_node = :node, dispatched_at = :now{set}
      WHERE task_id {ids} AND {moves}
        AND trigger_time <= CASE WHEN """ + celery_unstaged() + """ THEN :now
                                 WHEN """ + celery_staged() + f""" THEN :now + {CELERY_STAGE_MS}
                                 ELSE :due_before END""" + """{gate}
  RETURNING """ + _CLAIM_COLUMNS
 _RESUME = {"moves": f"({CLAIMABLE} OR (status = 'DISPATCHING' "
-                    "AND last_run_node = :node AND dispatched_at = :now))",
+                    "AND owner_node = :node AND dispatched_at = :now))",
            "bump": " + CASE WHEN status = 'DISPATCHING' THEN 0 ELSE 1 END"}
 _FRESH = {"moves": CLAIMABLE, "bump": " + 1"}
 # The ordinary claim leaves gated tasks to the gated claim (ax_kombu.store.gates): those with
@@ -163,7 +163,7 @@ _FAIL_UNBUILDABLE = """
     UPDATE ax_task AS t SET status = 'FAILED', finished_at = :now, last_error = v.err
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
-       AND t.last_run_node = :node
+       AND t.owner_node = :node
  RETURNING task_id, task_type, gated, order_key"""
 
 

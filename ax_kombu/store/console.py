@@ -40,7 +40,7 @@ BUSY = (Status.DISPATCHING, Status.RUNNING)
 
 _LISTED = (tasks.c.task_id, tasks.c.task_type, tasks.c.status, tasks.c.priority,
            tasks.c.trigger_time, tasks.c.attempt, tasks.c.retry_count, tasks.c.biz_key,
-           tasks.c.last_run_node, tasks.c.created_at, tasks.c.finished_at, tasks.c.last_error)
+           tasks.c.owner_node, tasks.c.created_at, tasks.c.finished_at, tasks.c.last_error)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def search_tasks(conn: Connection, wanted: TaskSearch) -> list[Row[Any]]:
 
     Returns:
         Rows with the columns ``task_id, task_type, status, priority, trigger_time,
-        attempt, retry_count, biz_key, last_run_node, created_at, finished_at,
+        attempt, retry_count, biz_key, owner_node, created_at, finished_at,
         last_error``; the next page is ``before_id=`` the last one's id.
     """
     stmt = (select(*_LISTED).where(*_conditions(wanted))

@@ -11,12 +11,12 @@ fired to :func:`claim_gated`, which in one transaction:
    choose,
 3. claims the tasks that may start (the ordinary claim statement, plus ``gated = true``),
    cancels discarded and superseded occurrences (compare-and-set, with the reason), and
-   **parks** the tasks that must wait: READY with ``last_run_node = '~parked'``, so no
+   **parks** the tasks that must wait: READY with ``parked`` set (``owner_node`` NULL), so no
    preload takes them again and again.
 
 When a gated run ends, the worker that wrote its result calls :func:`wake_next` in the
 same transaction, under the same locks: the head of its key and as many tasks of its type
-as runs ended are un-parked (``last_run_node = NULL``) and the schedulers woken
+as runs ended are un-parked (``parked`` false) and the schedulers woken
 (``NOTIFY``); the next preload claims them. The locks make "park" and "wake" serial per
 key and type, so no task is parked just after the wake meant for it. As a backstop for a
 wake that never comes (the worker died running the task), the scheduler's recovery calls
@@ -41,7 +41,7 @@ from ax_kombu.core.gating import Candidate, Decision, Running, decide
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
-from ax_kombu.store.schema import CLAIMABLE, PARKED, UNPARKED, limits, tasks
+from ax_kombu.store.schema import CLAIMABLE, UNPARKED, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
 
 _WAITING = ("CREATED", "DELAYED", "READY")
@@ -76,20 +76,20 @@ _UNFINISHED = _expanding(
     "SELECT job, task_id, scheduled_at FROM ax_task WHERE job IN :jobs "
     "AND status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING', 'RUNNING')", "jobs")
 _PARK = _expanding(
-    "UPDATE ax_task SET status = 'READY', last_run_node = :parked WHERE task_id IN :ids "
-    f"AND {CLAIMABLE} AND {UNPARKED}", "ids")
+    "UPDATE ax_task SET status = 'READY', parked = true, owner_node = NULL "
+    f"WHERE task_id IN :ids AND {CLAIMABLE} AND {UNPARKED}", "ids")
 _WAKE_KEY = text(
-    "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
-    "WHERE order_key = :key AND last_run_node = :parked AND status = 'READY' "
+    "UPDATE ax_task SET parked = false WHERE task_id IN (SELECT task_id FROM ax_task "
+    "WHERE order_key = :key AND parked AND status = 'READY' "
     "ORDER BY order_seq, task_id LIMIT 1)")
 _WAKE_TYPE = text(
-    "UPDATE ax_task SET last_run_node = NULL WHERE task_id IN (SELECT task_id FROM ax_task "
-    "WHERE task_type = :type AND last_run_node = :parked AND status = 'READY' "
+    "UPDATE ax_task SET parked = false WHERE task_id IN (SELECT task_id FROM ax_task "
+    "WHERE task_type = :type AND parked AND status = 'READY' "
     "AND EXISTS (SELECT 1 FROM ax_limit AS l WHERE l.task_type = :type) "
     "ORDER BY trigger_time, task_id LIMIT :n)")
 _WAKE_ALL_OF_TYPE = text(
-    "UPDATE ax_task SET last_run_node = NULL WHERE task_type = :type "
-    "AND last_run_node = :parked AND status = 'READY'")
+    "UPDATE ax_task SET parked = false WHERE task_type = :type "
+    "AND parked AND status = 'READY'")
 
 
 def lock(conn: Connection, kinds: Iterable[tuple[str, str]]) -> None:
@@ -144,7 +144,7 @@ def claim_gated(conn: Connection, task_ids: Sequence[int], node: str, now_ms: in
             start += _expand(conn, c.task_id, node, now_ms, broadcast)
     rows = claim(conn, start, node, now_ms, due_before, gated=True)
     if decision.wait:
-        conn.execute(_PARK, {"ids": decision.wait, "parked": PARKED})
+        conn.execute(_PARK, {"ids": decision.wait})
     return rows, decision
 
 
@@ -206,10 +206,9 @@ def wake_next(conn: Connection, ended: Sequence[tuple[str, str | None]]) -> int:
     lock(conn, [("k", k) for k in keys] + [("t", t) for t in per_type])
     woken = 0
     for key in keys:
-        woken += conn.execute(_WAKE_KEY, {"key": key, "parked": PARKED}).rowcount or 0
+        woken += conn.execute(_WAKE_KEY, {"key": key}).rowcount or 0
     for task_type, n in sorted(per_type.items()):
-        woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": n,
-                                           "parked": PARKED}).rowcount or 0
+        woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": n}).rowcount or 0
     if woken:
         wake_schedulers(conn, 0)
     return woken
@@ -217,17 +216,17 @@ def wake_next(conn: Connection, ended: Sequence[tuple[str, str | None]]) -> int:
 
 _STRANDED_KEYS = text(
     "SELECT DISTINCT p.task_type, p.order_key FROM ax_task AS p "
-    "WHERE p.status = 'READY' AND p.last_run_node = :parked AND p.order_key IS NOT NULL "
+    "WHERE p.status = 'READY' AND p.parked AND p.order_key IS NOT NULL "
     "AND NOT EXISTS (SELECT 1 FROM ax_task AS a WHERE a.order_key = p.order_key "
     "AND a.status IN ('DISPATCHING', 'RUNNING')) LIMIT :n")
 _STRANDED_TYPES = text(
     "SELECT l.task_type, l.max_running - (SELECT count(*) FROM ax_task AS a "
     "WHERE a.task_type = l.task_type AND a.status IN ('DISPATCHING', 'RUNNING')) "
     "FROM ax_limit AS l WHERE EXISTS (SELECT 1 FROM ax_task AS p WHERE p.task_type = "
-    "l.task_type AND p.status = 'READY' AND p.last_run_node = :parked)")
+    "l.task_type AND p.status = 'READY' AND p.parked)")
 _UNLIMITED_PARKED = text(
-    "UPDATE ax_task SET last_run_node = NULL WHERE status = 'READY' "
-    "AND last_run_node = :parked AND order_key IS NULL AND NOT EXISTS "
+    "UPDATE ax_task SET parked = false WHERE status = 'READY' "
+    "AND parked AND order_key IS NULL AND NOT EXISTS "
     "(SELECT 1 FROM ax_limit AS l WHERE l.task_type = ax_task.task_type)")
 
 
@@ -236,24 +235,22 @@ def wake_stranded(conn: Connection, most: int = 1000) -> int:
     task cancelled while running): un-park the head of every parked key with nothing in
     progress, as many of each limited type as it has room for, and parked tasks whose
     limit is gone. Returns how many were un-parked."""
-    ended = [(t, k) for t, k in conn.execute(_STRANDED_KEYS, {"parked": PARKED, "n": most})]
+    ended = [(t, k) for t, k in conn.execute(_STRANDED_KEYS, {"n": most})]
     keys = sorted({k for _, k in ended})
     lock(conn, [("k", k) for k in keys])
-    woken = sum(conn.execute(_WAKE_KEY, {"key": k, "parked": PARKED}).rowcount or 0
-                for k in keys)
-    for task_type, room in conn.execute(_STRANDED_TYPES, {"parked": PARKED}).all():
+    woken = sum(conn.execute(_WAKE_KEY, {"key": k}).rowcount or 0 for k in keys)
+    for task_type, room in conn.execute(_STRANDED_TYPES).all():
         if room > 0:
             lock(conn, [("t", task_type)])
-            woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": room,
-                                               "parked": PARKED}).rowcount or 0
-    woken += conn.execute(_UNLIMITED_PARKED, {"parked": PARKED}).rowcount or 0
+            woken += conn.execute(_WAKE_TYPE, {"type": task_type, "n": room}).rowcount or 0
+    woken += conn.execute(_UNLIMITED_PARKED).rowcount or 0
     if woken:
         wake_schedulers(conn, 0)
     return woken
 
 
 _RETARGET = _expanding(
-    "UPDATE ax_task SET status = 'READY', last_run_node = NULL, target_node = NULL, "
+    "UPDATE ax_task SET status = 'READY', owner_node = NULL, target_node = NULL, "
     "last_error = 'worker ' || target_node || ' died before this shard started; sent to "
     "another worker' WHERE target_node IN :dead AND status = 'DISPATCHING' RETURNING task_id",
     "dead")
@@ -271,7 +268,7 @@ def retarget(conn: Connection, dead: Sequence[str]) -> list[int]:
 def wake_type(conn: Connection, task_type: str) -> int:
     """Un-park every task of ``task_type`` (its limit was raised or cleared)."""
     lock(conn, [("t", task_type)])
-    woken = conn.execute(_WAKE_ALL_OF_TYPE, {"type": task_type, "parked": PARKED}).rowcount or 0
+    woken = conn.execute(_WAKE_ALL_OF_TYPE, {"type": task_type}).rowcount or 0
     if woken:
         wake_schedulers(conn, 0)
     return woken
@@ -298,8 +295,7 @@ def set_limit(conn: Connection, task_type: str, max_running: int | None, now_ms:
 def parked_by_type(conn: Connection) -> dict[str, int]:
     """How many tasks of each type are parked (waiting for their order key or limit)."""
     rows = conn.execute(text("SELECT task_type, count(*) FROM ax_task WHERE status = 'READY' "
-                             "AND last_run_node = :parked GROUP BY task_type ORDER BY task_type"),
-                        {"parked": PARKED})
+                             "AND parked GROUP BY task_type ORDER BY task_type"))
     return {r[0]: int(r[1]) for r in rows}
 
 

@@ -117,8 +117,8 @@ class TakeOver(NamedTuple):
 
 
 _REQUEUE_DISPATCHING = text(
-    "UPDATE ax_task SET status = 'READY', last_run_node = NULL "
-    "WHERE status = 'DISPATCHING' AND last_run_node = :node")
+    "UPDATE ax_task SET status = 'READY', owner_node = NULL "
+    "WHERE status = 'DISPATCHING' AND owner_node = :node")
 
 
 class Heartbeat:

@@ -42,7 +42,7 @@ _UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :
 _RECORD_ENDED = """
 INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
                         started_at, finished_at, outcome, error, duration_ms)
-SELECT task_id, attempt, task_type, last_run_node, trigger_time, dispatched_at, started_at,
+SELECT task_id, attempt, task_type, owner_node, trigger_time, dispatched_at, started_at,
        :now, :outcome, {why}, :now - started_at
   FROM ax_task WHERE {where}{lock}
     ON CONFLICT (task_id, attempt) DO NOTHING"""
@@ -65,7 +65,7 @@ UPDATE ax_task
        finished_at = CASE WHEN redispatches + 1 < :max_dispatches THEN NULL ELSE :now END,
        last_error = CASE WHEN redispatches + 1 < :max_dispatches THEN last_error
                          ELSE :gave_up END,
-       last_run_node = NULL
+       owner_node = NULL
  WHERE {_UNACKED_WHERE}
 RETURNING task_id, status"""
 
@@ -118,7 +118,7 @@ def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dic
 #: a RUNNING row whose run never started: its worker had listed it
 #: (ax_node.listed_runs, a run listed there does not start before a write without it:
 #: :mod:`ax_kombu.worker.listing`). Anything else counts as started.
-UNSTARTED = ("EXISTS (SELECT 1 FROM ax_node m WHERE m.node_id = ax_task.last_run_node "
+UNSTARTED = ("EXISTS (SELECT 1 FROM ax_node m WHERE m.node_id = ax_task.owner_node "
              "AND m.listed_runs LIKE '%,' || CAST(ax_task.task_id AS TEXT) || ',%')")
 
 #: a run that started and whose worker died counts a retry (FAILED when none is left); one
@@ -135,14 +135,14 @@ UPDATE ax_task
                            THEN :now ELSE trigger_time END,
        finished_at = CASE WHEN retry_count < max_retry OR {UNSTARTED} THEN NULL ELSE :now END,
        last_error = CASE WHEN {UNSTARTED} THEN :unstarted_error ELSE :error END,
-       last_run_node = NULL
+       owner_node = NULL
  WHERE status = 'RUNNING' AND {{which}}
 RETURNING task_id, status
 """
 
 UNSTARTED_ERROR = "worker lost before the run started (it was staged)"
 
-_NOT_ALIVE = ("last_run_node NOT IN (SELECT node_id FROM ax_node WHERE stopped_at IS NULL "
+_NOT_ALIVE = ("owner_node NOT IN (SELECT node_id FROM ax_node WHERE stopped_at IS NULL "
               "AND heartbeat_at >= :alive)")
 
 
@@ -155,7 +155,7 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
     """
     if not nodes:
         return []
-    which = "last_run_node IN :nodes"
+    which = "owner_node IN :nodes"
     if keep:
         which += " AND task_id NOT IN :keep"
     stmt = text(_RECOVER_RUNNING.format(which=which)).bindparams(

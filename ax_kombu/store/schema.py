@@ -61,11 +61,9 @@ metadata = MetaData()
 #: the states a scheduler claims from (:mod:`ax_kombu.store.claims`); CREATED only in rows
 #: written before migration 0011 or by older producers
 CLAIMABLE = "status IN ('CREATED', 'DELAYED', 'READY')"
-#: the pseudo-node of a task the gated claim parked until its key or limit has room
-#: (:mod:`ax_kombu.store.gates`): claimable, but read by no preload
-PARKED = "~parked"
-#: SQL: the row is not parked
-UNPARKED = f"(last_run_node IS NULL OR last_run_node <> '{PARKED}')"
+#: SQL: the row is not parked (``ax_task.parked``: the gated claim parked it until its key
+#: or limit has room, :mod:`ax_kombu.store.gates`; claimable, but read by no preload)
+UNPARKED = "NOT parked"
 _WAITING_OR_DONE = ("status IN ('CREATED', 'DELAYED', 'READY', 'SUCCESS', 'FAILED', "
                     "'CANCELLED')")
 _BUSY = "status IN ('DISPATCHING', 'RUNNING')"
@@ -114,7 +112,12 @@ tasks = Table(
     Column("trace_id", String(32), nullable=False),
     #: the fencing token: +1 on every claim; a worker acts only on its own attempt.
     Column("attempt", Integer, nullable=False, server_default="0"),
-    Column("last_run_node", String(128)),
+    #: the node that last took the task: the claiming scheduler, then the running worker
+    #: (NULL: a scheduler may claim it again); migration 0021
+    Column("owner_node", String(128)),
+    #: parked by the gated claim until its key or limit has room (READY; no preload reads
+    #: it until a run's end wakes it: :mod:`ax_kombu.store.gates`); migration 0021
+    Column("parked", Boolean, nullable=False, server_default=text("false")),
     Column("created_at", BigInteger, nullable=False),
     Column("dispatched_at", BigInteger),
     Column("started_at", BigInteger),
@@ -221,7 +224,7 @@ due = Table(
 
 #: one row per ended attempt of a task that is not the task's final state (a retried run, a
 #: run cut short by a cancel, a lost or unacknowledged dispatch): who ran it, when, how it
-#: ended. The final attempt is the task row itself (status, last_run_node, dispatched_at,
+#: ended. The final attempt is the task row itself (status, owner_node, dispatched_at,
 #: started_at, finished_at, last_error), so a task that succeeds at once writes nothing
 #: here (a row for every attempt cost the 100k burst 14 %: docs/benchmarks.md);
 #: ``ax retry`` moves the final attempt here before it starts a new one.

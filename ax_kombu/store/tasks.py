@@ -98,7 +98,7 @@ def final_attempt(row: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     started = row["started_at"]
     return {"task_id": row["task_id"], "attempt": row["attempt"], "task_type": row["task_type"],
-            "node": row["last_run_node"], "trigger_time": row["trigger_time"],
+            "node": row["owner_node"], "trigger_time": row["trigger_time"],
             "dispatched_at": row["dispatched_at"], "started_at": started,
             "finished_at": row["finished_at"], "outcome": row["status"],
             "error": None if row["status"] == "SUCCESS" else row["last_error"],
@@ -109,7 +109,7 @@ def final_attempt(row: Mapping[str, Any]) -> dict[str, Any] | None:
 _KEEP_FINAL = """
 INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
                         started_at, finished_at, outcome, error, duration_ms)
-SELECT task_id, attempt, task_type, last_run_node, trigger_time, dispatched_at, started_at,
+SELECT task_id, attempt, task_type, owner_node, trigger_time, dispatched_at, started_at,
        finished_at, status, CASE WHEN status = 'SUCCESS' THEN NULL ELSE last_error END,
        finished_at - started_at
   FROM ax_task WHERE task_id IN :ids AND status IN ('SUCCESS', 'FAILED', 'CANCELLED')

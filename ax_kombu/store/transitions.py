@@ -125,7 +125,7 @@ _STARTED_COLUMNS = ", ".join(Started._fields)
 _STARTED_AT = "CASE WHEN t.trigger_time > :now THEN t.trigger_time ELSE :now END"
 _START = """
     UPDATE ax_task AS t SET status = 'RUNNING', started_at = """ + _STARTED_AT + """,
-           last_run_node = :node
+           owner_node = :node
       FROM {{source}}
      WHERE t.task_id = v.id AND t.attempt = v.att AND {moves}{fence}
  RETURNING """ + _STARTED_COLUMNS
@@ -137,7 +137,7 @@ _FROM_DISPATCHING = "COALESCE(t.status, '') = 'DISPATCHING'"
 # count as this one's too (two faults at once; a duplicate of one attempt needs a broker
 # redelivery racing a lost database reply on the same node).
 _OR_STARTED_BY_ME = ("(COALESCE(t.status, '') = 'DISPATCHING' OR (t.status = 'RUNNING' "
-                     "AND t.last_run_node = :node AND t.started_at = " + _STARTED_AT + "))")
+                     "AND t.owner_node = :node AND t.started_at = " + _STARTED_AT + "))")
 # only the live incarnation of the node starts anything (see store.nodes)
 _FENCE = (" AND EXISTS (SELECT 1 FROM ax_node AS n WHERE n.node_id = :node "
           "AND n.incarnation = :inc AND n.stopped_at IS NULL)")
@@ -146,17 +146,17 @@ _STARTS = {(resume, fenced): _START.format(moves=_OR_STARTED_BY_ME if resume els
            for resume in (False, True) for fenced in (False, True)}
 
 _RELEASE = """
-    UPDATE ax_task AS t SET status = 'READY', last_run_node = NULL
+    UPDATE ax_task AS t SET status = 'READY', owner_node = NULL
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
  RETURNING task_id"""
 
-# a staged run withdrawn by its stopping worker before its trigger time: unheld, as it was
+# a staged run withdrawn by its stopping worker before its trigger time: unowned, as it was
 _HAND_BACK = """
-    UPDATE ax_task AS t SET status = 'DELAYED', last_run_node = NULL
+    UPDATE ax_task AS t SET status = 'DELAYED', owner_node = NULL
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
-       AND t.last_run_node = :node
+       AND t.owner_node = :node
  RETURNING task_id"""
 
 _FINISH = """
@@ -167,7 +167,7 @@ _FINISH = """
            retry_count = t.retry_count + CASE WHEN v.st = 'DELAYED' THEN v.inc ELSE 0 END,
            last_error = CASE WHEN v.st = 'SUCCESS' THEN t.last_error ELSE v.err END,
            result = CASE WHEN v.st = 'SUCCESS' THEN v.res ELSE t.result END,
-           last_run_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.last_run_node END,
+           owner_node = CASE WHEN v.st = 'DELAYED' THEN NULL ELSE t.owner_node END,
            started_at = COALESCE(v.start, t.started_at)
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
@@ -179,7 +179,7 @@ def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
                resume: bool = False) -> list[Started]:
     """DISPATCHING → RUNNING for each ``(task_id, attempt)`` whose row is at that attempt.
 
-    Sets ``last_run_node = node`` (the worker) and ``started_at = now_ms``, or the
+    Sets ``owner_node = node`` (the worker) and ``started_at = now_ms``, or the
     trigger time if that is later: a task staged ahead of its trigger time (the
     scheduler publishes up to ``claim_lead_ms`` early) is fenced now and starts then.
     A cancelled task, or a stale message from an earlier attempt, does not move.
@@ -206,7 +206,7 @@ def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
 def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int]:
     """DISPATCHING → READY for work a worker received but could not start.
 
-    ``last_run_node`` becomes NULL so that a scheduler adopts the task again.
+    ``owner_node`` becomes NULL so that a scheduler claims the task again.
     Fenced by attempt like :func:`start_many`; returns the ids that moved.
     """
     return _run_batch(conn, ("id", "att"), _RELEASE, pairs)
@@ -215,7 +215,7 @@ def release_many(conn: Connection, pairs: Sequence[tuple[int, int]]) -> list[int
 def hand_back_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str) -> int:
     """RUNNING → DELAYED, at the same attempt, for staged runs ``node`` never started.
 
-    ``last_run_node`` becomes NULL (unheld: a scheduler claims the task again);
+    ``owner_node`` becomes NULL (a scheduler claims the task again);
     ``trigger_time``, ``retry_count`` and ``started_at`` are left as they are.
     Only a row at its pair's attempt, RUNNING on ``node``, moves: one recovered,
     cancelled or started again meanwhile does not.
@@ -281,7 +281,7 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
 
     Columns set: SUCCESS ``finished_at``, ``result``; FAILED ``finished_at``,
     ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1`` (unchanged for a
-    :data:`SNOOZED` run), ``last_error`` and ``last_run_node = NULL`` (a scheduler
+    :data:`SNOOZED` run), ``last_error`` and ``owner_node = NULL`` (a scheduler
     adopts it); and
     ``started_at`` where the result gives the run's real start.
 

@@ -12,11 +12,11 @@ came back:
 2. the receipt stage (:mod:`ax_kombu.worker.receipts`, its own threads) moves the
    startable tasks DISPATCHING → RUNNING in ONE statement, only where the
    row's attempt equals the message's (the fencing token), setting
-   ``started_at`` (database clock) and ``last_run_node`` = this worker, and
+   ``started_at`` (database clock) and ``owner_node`` = this worker, and
    returning each started row: its processor, callback_url, payload, timeout
    and retry settings are what runs, not the message's copies (a message
    that differs is counted as forged); the
-   handed-back ones go DISPATCHING → READY with ``last_run_node`` NULL.
+   handed-back ones go DISPATCHING → READY with ``owner_node`` NULL.
    Meanwhile the consuming thread keeps draining, so the next batch is what
    arrived during this one's round trip (at most ``worker_batch_size``);
 3. a message whose move failed (task cancelled, or a stale message from an

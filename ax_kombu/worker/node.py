@@ -19,7 +19,7 @@ Guarantees:
   committed, and only for the attempt in its message; its message is acked
   only after that move committed.
 * ``kill -9``: started tasks stay RUNNING with this worker as
-  ``last_run_node``; once its heartbeat stops, a scheduler recovers them
+  ``owner_node``; once its heartbeat stops, a scheduler recovers them
   (retry, or FAILED "worker lost"); RabbitMQ hands their unacked messages
   to another worker, which refuses them (the task is not DISPATCHING).
   Received but unstarted tasks are still DISPATCHING: RabbitMQ redelivers

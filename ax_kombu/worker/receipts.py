@@ -3,7 +3,7 @@
 The worker's consuming thread plans a batch (which messages start, which go
 back, which are duplicates) and hands it here; one thread then moves the
 startable tasks DISPATCHING → RUNNING with :func:`ax_kombu.store.transitions.start_many`
-(fenced by attempt, ``started_at`` and ``last_run_node`` set), the others
+(fenced by attempt, ``started_at`` and ``owner_node`` set), the others
 DISPATCHING → READY with :func:`~ax_kombu.store.transitions.release_many`, in one
 transaction, and finds out why any move was refused. The RUNNING move returns
 what each started row stores, and that is what runs: a message only says

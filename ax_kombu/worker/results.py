@@ -11,7 +11,7 @@ Decisions, for a run of attempt *a* of a task:
 * success → SUCCESS, ``finished_at``;
 * failure, timeout, or abandoned at shutdown, with ``retry_count <
   max_retry`` → DELAYED with ``trigger_time = now + backoff(retry_count)``,
-  ``retry_count + 1``, ``last_error``, ``last_run_node = NULL`` (a scheduler
+  ``retry_count + 1``, ``last_error``, ``owner_node = NULL`` (a scheduler
   adopts it like any delayed task);
 * otherwise, or a processor refused as not allowed (retrying cannot help)
   → FAILED with ``finished_at`` and ``last_error``;
@@ -51,7 +51,7 @@ Guarantees:
   message, and its pool frees the slot, when the outcome is *put*, not when it is
   durable; no state change is lost by that, because:
 * **At-least-once.** If the process dies before an outcome is written, the task
-  stays RUNNING with this worker as ``last_run_node``, and the scheduler's recovery
+  stays RUNNING with this worker as ``owner_node``, and the scheduler's recovery
   of a dead worker's tasks retries it. A stop that times out (:meth:`ResultWriter.stop`)
   gives up the same way.
 """

@@ -200,7 +200,7 @@ class System:
 
     def running_on(self, node: str) -> set[int]:
         return {r[0] for r in self.query(
-            "SELECT task_id FROM ax_task WHERE status = 'RUNNING' AND last_run_node = :n", n=node)}
+            "SELECT task_id FROM ax_task WHERE status = 'RUNNING' AND owner_node = :n", n=node)}
 
     def live_nodes(self) -> set[str]:
         return {r[0] for r in self.query("SELECT node_id FROM ax_node WHERE stopped_at IS NULL")}

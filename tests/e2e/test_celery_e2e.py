@@ -315,7 +315,7 @@ def test_a_killed_celery_workers_tasks_run_on_another_within_the_recovery_window
     assert set(by_task) == set(ids)
     for task_id in ids:
         row, task_runs = tasks[task_id], by_task[task_id]
-        assert row.status == "SUCCESS" and row.last_run_node.startswith("celery@cw")
+        assert row.status == "SUCCESS" and row.owner_node.startswith("celery@cw")
         assert [r["attempt"] for r in task_runs] == sorted({r["attempt"] for r in task_runs})
         # RUNNING on cw1 when it was killed (was_running was read just before the kill, so
         # a task may have started on cw1 after that read): run again, a new attempt, on cw2
@@ -324,10 +324,10 @@ def test_a_killed_celery_workers_tasks_run_on_another_within_the_recovery_window
         if cut and not task_runs[0]["worker"].startswith("cw1@"):
             # fenced ahead on cw1 (its message arrived before the due instant) and never
             # started there: run once, on cw2, at a new attempt
-            assert row.last_run_node.startswith("celery@cw2@") and row.attempt >= 2
+            assert row.owner_node.startswith("celery@cw2@") and row.attempt >= 2
             assert len(task_runs) == 1, task_runs
         elif cut:
-            assert row.last_run_node.startswith("celery@cw2@") and row.attempt >= 2
+            assert row.owner_node.startswith("celery@cw2@") and row.attempt >= 2
             assert task_runs[0]["worker"].startswith("cw1@")
             assert all(r["worker"].startswith("cw2@") for r in task_runs[1:]), task_runs
         else:

@@ -50,7 +50,6 @@ from sqlalchemy import text
 from ax_kombu.config import worker_queue
 from ax_kombu.core import cron
 from ax_kombu.store.engine import make_engine
-from ax_kombu.store.gates import PARKED
 
 from ..services import RUN_ID
 from .gate_tasks import LEDGER_ENV, NODE_ENV
@@ -364,9 +363,9 @@ def test_a_serial_job_runs_one_occurrence_at_a_time_and_drops_none(cluster: Gate
     # due for a second and not started: they must be waiting, not dropped
     waiting = {t: r for t, r in rows.items() if t not in ran and r.started_at is None
                and r.scheduled_at <= seen_at - 1000}
-    not_ready = {t: (r.scheduled_at, r.status, r.last_run_node) for t, r in waiting.items()
+    not_ready = {t: (r.scheduled_at, r.status, r.owner_node) for t, r in waiting.items()
                  if r.status != "READY"}
-    parked = [t for t, r in waiting.items() if r.last_run_node == PARKED]
+    parked = [t for t, r in waiting.items() if r.parked]
     print(f"\nserial job, every 1 s, runs of {SLOW_S} s, watched "
           f"{(seen_at - job.created_at) / 1000:.1f} s: {len(runs)} runs "
           f"({', '.join(f'{e.end - e.start:.2f}s' for e in runs)}), gaps between runs "

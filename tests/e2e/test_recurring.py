@@ -336,7 +336,7 @@ def holder(cluster: Cluster, schedulers: list[Daemon]) -> tuple[Daemon, int] | N
 
 #: an occurrence written and not yet claimed (nor parked by its job's strategy)
 UNDISPATCHED = ("job IS NOT NULL AND status IN ('DELAYED', 'READY') "
-                "AND (last_run_node IS NULL OR last_run_node <> '~parked')")
+                "AND NOT parked")
 
 
 # -- the embedded default ------------------------------------------------------------------------

@@ -107,8 +107,8 @@ def test_two_schedulers_publish_every_task_exactly_once(
     assert_once_per_attempt(received)
     assert len(received) == N  # no re-dispatch was needed: exactly one message per task
     with client.store.engine.connect() as conn:
-        by_node = dict(conn.execute(select(tasks.c.last_run_node, func.count())
-                                    .group_by(tasks.c.last_run_node)).all())
+        by_node = dict(conn.execute(select(tasks.c.owner_node, func.count())
+                                    .group_by(tasks.c.owner_node)).all())
     assert sum(by_node.values()) == N
     client.close()
 

@@ -83,7 +83,7 @@ def test_many_tasks_run_once_each_and_never_early(system: System, tmp_path: Path
     early = [r for r in started if r.start < r.trigger - CLOCK_TOLERANCE_MS]
     assert not early, f"{len(early)} tasks started before their trigger time: {early[:3]}"
     assert all(r.started_at >= r.trigger_time for r in rows.values())
-    by_worker = {w.name: sum(r.last_run_node == w.name for r in rows.values()) for w in workers}
+    by_worker = {w.name: sum(r.owner_node == w.name for r in rows.values()) for w in workers}
     assert all(by_worker.values()), f"a worker got no work: {by_worker}"
     late = [r.start - r.trigger for r in started]
     print(f"\n{N_MANY} tasks, 2 schedulers + 2 workers: start - trigger p50 {pct(late, 50)} ms, "
@@ -281,7 +281,7 @@ def kill_mid_task(system: System, victim: str, log: RunLog, tasks: list[dict[str
     started = {t for t, r in runs.items() if any(run.pid == daemon.proc.pid for run in r)}
     for task_id in running_at_kill:
         row = rows[task_id]
-        assert row.attempt >= 2 and row.last_run_node != victim, row
+        assert row.attempt >= 2 and row.owner_node != victim, row
     # nothing else was taken for lost (the survivor kept its tasks): each task's retries are
     # its planned failures, plus one if it started on the victim (none more if the run it
     # lost was itself to fail as planned: the recovery stands in for that failure); a staged
@@ -315,7 +315,7 @@ def test_a_worker_killed_mid_task_loses_nothing(redis_system: System, tmp_path: 
     outcome = kill_mid_task(system, "worker-0", log, tasks, min_running=5)
     assert outcome["running_at_kill"], "the worker was killed while running nothing"
     # the survivor finished the work of the dead one
-    assert all(outcome["rows"][t].last_run_node == "worker-1" for t in outcome["running_at_kill"])
+    assert all(outcome["rows"][t].owner_node == "worker-1" for t in outcome["running_at_kill"])
 
 
 # -- f. warm shutdown ---------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def test_sigterm_stops_a_worker_warm_and_loses_nothing(redis_system: System,
     # ran elsewhere, once (checked below)
     started_at_term = [t for t in running_at_term if t in started]
     assert started_at_term, (running_at_term, started)
-    assert all(rows[t].last_run_node == victim.name for t in started_at_term)
+    assert all(rows[t].owner_node == victim.name for t in started_at_term)
     twice = {t: r for t, r in runs.items() if len(r) > 1}
     assert set(runs) == set(ids) and not twice, f"ran twice after a warm stop: {twice}"
     handed_back = [line for line in victim.log.read_text().splitlines()

@@ -158,7 +158,7 @@ class Cluster(System):
 
     def task_rows(self, ids: Iterable[int] | None = None) -> dict[int, Any]:
         rows = {r.task_id: r for r in self.query(
-            "SELECT task_id, status, attempt, retry_count, trigger_time, last_run_node, "
+            "SELECT task_id, status, attempt, retry_count, trigger_time, owner_node, "
             "last_error, started_at, finished_at FROM ax_task")}
         if ids is None:
             return rows
@@ -167,4 +167,3 @@ class Cluster(System):
     def status_of(self, ids: Iterable[int]) -> Counter[str]:
         rows = self.task_rows()
         return Counter(rows[i].status if i in rows else "MISSING" for i in ids)
-

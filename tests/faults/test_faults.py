@@ -169,7 +169,7 @@ def fenced_after(cluster: Cluster, name: str, after_ms: int) -> dict[int, tuple[
     task id -> (attempt, priority)."""
     return {r.task_id: (r.attempt, r.priority) for r in cluster.query(
         "SELECT task_id, attempt, priority FROM ax_task WHERE status = 'RUNNING' "
-        "AND last_run_node = :n AND trigger_time > :t", n=name, t=after_ms)}
+        "AND owner_node = :n AND trigger_time > :t", n=name, t=after_ms)}
 
 
 def logged(daemon_log: Path, message: str, field: str) -> list[int]:

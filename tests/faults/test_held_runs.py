@@ -57,7 +57,7 @@ def test_a_worker_killed_while_holding_staged_runs_counts_no_retry_for_them(
 
     def staged_on_w0() -> set[int]:
         return {r.task_id for r in cluster.query(
-            "SELECT task_id FROM ax_task WHERE status = 'RUNNING' AND last_run_node = 'w0' "
+            "SELECT task_id FROM ax_task WHERE status = 'RUNNING' AND owner_node = 'w0' "
             "AND task_id = ANY(:ids)", ids=list(waiting))}
 
     def holding() -> bool:

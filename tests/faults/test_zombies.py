@@ -61,12 +61,12 @@ def held_by(cluster: Cluster, name: str, live: list[str]) -> dict[str, dict[int,
     what it claimed; DELAYED/READY: the claimable tasks of its share among the schedulers
     ``live`` (:class:`ax_kombu.store.preload.Share`), which its wheel holds once read."""
     out: dict[str, dict[int, int]] = {}
-    for r in cluster.query("SELECT task_id, status, attempt FROM ax_task WHERE last_run_node = :n "
+    for r in cluster.query("SELECT task_id, status, attempt FROM ax_task WHERE owner_node = :n "
                            "AND status = 'DISPATCHING'", n=name):
         out.setdefault(r.status, {})[r.task_id] = r.attempt
     for r in cluster.query("SELECT task_id, status, attempt FROM ax_task WHERE status IN "
-                           "('DELAYED', 'READY') AND (last_run_node IS NULL OR last_run_node "
-                           f"<> '~parked'){Share.among(live, name).sql()}"):
+                           "('DELAYED', 'READY') AND NOT parked"
+                           f"{Share.among(live, name).sql()}"):
         out.setdefault(r.status, {})[r.task_id] = r.attempt
     return out
 
@@ -79,7 +79,7 @@ def _waiting(cluster: Cluster, task_ids: list[int]) -> list[int]:
     """Those of ``task_ids`` still claimable, or DISPATCHING by s0: not yet taken over."""
     return [r.task_id for r in cluster.query(
         "SELECT task_id FROM ax_task WHERE task_id = ANY(:ids) AND (status IN "
-        "('DELAYED', 'READY') OR (status = 'DISPATCHING' AND last_run_node = 's0'))",
+        "('DELAYED', 'READY') OR (status = 'DISPATCHING' AND owner_node = 's0'))",
         ids=task_ids)]
 
 
@@ -104,7 +104,7 @@ def _in_flight(cluster: Cluster, name: str, claimed: dict[int, int]) -> set[int]
     the batch its dispatcher was publishing (its oldest claim: batches go out in order):
     that publish began before the stop, its first message already on the wire."""
     rows = cluster.query("SELECT task_id, dispatched_at FROM ax_task WHERE status = "
-                         "'DISPATCHING' AND last_run_node = :n", n=name)
+                         "'DISPATCHING' AND owner_node = :n", n=name)
     times = {r.task_id: r.dispatched_at for r in rows if r.task_id in claimed}
     oldest = min(times.values(), default=None)
     return {t for t, at in times.items() if at == oldest}

@@ -19,17 +19,19 @@ from ax_kombu.store.nodes import Heartbeat
 
 
 def task_row(task_id: int, trigger_time: int, status: str = "DELAYED",
-             fingerprint: str | None = None, node: str | None = None) -> dict[str, Any]:
+             fingerprint: str | None = None, node: str | None = None,
+             node_column: str = "owner_node") -> dict[str, Any]:
     """A complete ``ax_task`` row, of the columns every revision since 0011 has, for a test
     that writes below ``ax.enqueue`` (as an older revision or an older writer left it):
     type ``t``, processor ``t``, the fingerprint the id in hex unless given, ``node`` as
-    ``last_run_node``."""
+    ``owner_node`` (``node_column``: ``last_run_node`` before migration 0021; the column
+    is left out when neither is given)."""
     return {"task_id": task_id, "task_type": "t", "trigger_time": trigger_time,
             "status": status, "priority": "default", "retry_count": 0, "max_retry": 0,
             "timeout_ms": 1000, "payload": "{}", "processor_name": "t", "callback_url": None,
             "biz_key": None, "fingerprint": fingerprint or f"{task_id:032x}", "trace_id": "x",
-            "attempt": 0, "created_at": 1, "runner": "ax", "last_run_node": node,
-            "redispatches": 0, "gated": False}
+            "attempt": 0, "created_at": 1, "runner": "ax", "redispatches": 0, "gated": False,
+            **({node_column: node} if node is not None or node_column != "owner_node" else {})}
 
 
 def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

@@ -85,7 +85,7 @@ def attempt_rows(client: Client) -> dict[int, int]:
 def test_list_filters_in_text_and_json(ax: Ax, client: Client) -> None:
     error = "Traceback: " + "x" * 100
     failed = make(client, "mail", "FAILED", age_ms=2 * HOUR, biz_key="k1", last_error=error,
-                  last_run_node="w1", attempt=3)
+                  owner_node="w1", attempt=3)
     waiting = make(client, "mail", age_ms=1000)
     cancelled = make(client, "sms", "CANCELLED", age_ms=1000)
     done = make(client, "sms", "SUCCESS", age_ms=3 * HOUR)
@@ -108,7 +108,7 @@ def test_list_filters_in_text_and_json(ax: Ax, client: Client) -> None:
     assert ids("--limit", "3") == [*newest_two, failed]
 
     [view] = ax.json("list", "--status", "FAILED")
-    assert view["last_error"] == error and view["last_run_node"] == "w1"
+    assert view["last_error"] == error and view["owner_node"] == "w1"
     assert (view["task_type"], view["status"], view["attempt"], view["biz_key"]) == \
         ("mail", "FAILED", 3, "k1")
     trigger = datetime.fromisoformat(view["trigger_time"])
@@ -116,7 +116,7 @@ def test_list_filters_in_text_and_json(ax: Ax, client: Client) -> None:
     assert int(trigger.timestamp() * 1000) == row(client, failed).trigger_time
 
     header, *lines = ax.ok("list").splitlines()
-    assert header.split() == ["id", "type", "status", "trigger", "attempt", "last_run_node",
+    assert header.split() == ["id", "type", "status", "trigger", "attempt", "owner_node",
                               "last_error"]
     assert [int(line.split()[0]) for line in lines] == [*newest_two, failed, done]
     cells = lines[2].split()
@@ -149,7 +149,7 @@ def _wait_notify(conn: Any, timeout_s: float = 5.0) -> list[str]:
 def test_retry_by_id_moves_failed_to_ready_now_and_wakes_schedulers(
         ax: Ax, client: Client, pg_url: str) -> None:
     failed = make(client, "mail", "FAILED", finished_ago_ms=HOUR, retry_count=2,
-                  last_error="boom", last_run_node="w1", attempt=3, redispatches=4)
+                  last_error="boom", owner_node="w1", attempt=3, redispatches=4)
     add_attempt(client, failed, 1, "RETRY")
     add_attempt(client, failed, 3)
     listener = _notifications(pg_url)
@@ -163,7 +163,7 @@ def test_retry_by_id_moves_failed_to_ready_now_and_wakes_schedulers(
 
     moved = row(client, failed)
     assert moved.status == "READY" and before - 50 <= moved.trigger_time <= after + 50
-    assert (moved.last_run_node, moved.finished_at, moved.redispatches) == (None, None, 0)
+    assert (moved.owner_node, moved.finished_at, moved.redispatches) == (None, None, 0)
     assert (moved.retry_count, moved.last_error, moved.attempt) == (2, "boom", 3)
     assert attempt_rows(client) == {failed: 2}  # the history keeps the old attempts
     assert woken and abs(int(woken[0]) - moved.trigger_time) <= 1

@@ -57,7 +57,7 @@ def task(now: int, status: str, finished_ago: int | None, *, created_ago: int = 
             "status": status, "priority": "default", "max_retry": 3, "timeout_ms": 60_000,
             "processor_name": task_type, "payload": json.dumps({"n": n}),
             "fingerprint": f"{n:032x}", "trace_id": f"{n:032x}", "attempt": 2,
-            "last_run_node": "w1", "created_at": created, "dispatched_at": created,
+            "owner_node": "w1", "created_at": created, "dispatched_at": created,
             "started_at": created + 1, "result": json.dumps({"ok": n}),
             "finished_at": None if finished_ago is None else now - finished_ago}
 

@@ -312,7 +312,7 @@ def test_bootstep_fences_records_and_refuses(client: Client, redis_broker: dict[
         Request(raw[ok], app=app, task=app.tasks["app.tasks.send_email"]).execute()
         assert step.fence.flush(10)  # ends are written in batches off the pool thread
         row = client.get(ok)
-        assert (row.status, row.result, row.last_run_node) == ("SUCCESS", "hi f@x",
+        assert (row.status, row.result, row.owner_node) == ("SUCCESS", "hi f@x",
                                                                "celery@w1@test")
         assert len(RUNS) == 1
         Request(raw[ok], app=app, task=app.tasks["app.tasks.send_email"]).execute()

@@ -33,7 +33,7 @@ def running(client: Client, count: int) -> list[int]:
     ids = [int(client.enqueue("ends.t", {"i": i})) for i in range(count)]
     with client.store.engine.begin() as conn:
         conn.execute(text("UPDATE ax_task SET status = 'RUNNING', attempt = 1, "
-                          "last_run_node = :node WHERE task_id = ANY(:ids)"),
+                          "owner_node = :node WHERE task_id = ANY(:ids)"),
                      {"node": NODE, "ids": ids})
     return ids
 

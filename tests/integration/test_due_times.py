@@ -7,6 +7,7 @@ On SQLite and PostgreSQL unless marked."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from datetime import UTC, datetime
@@ -50,9 +51,10 @@ def _time(engine: Engine, task_id: int) -> int:
 
 def test_migration_0016_gives_each_due_task_an_entry(empty_store: Engine) -> None:
     migrate(empty_store, "0015")
-    rows = [task_row(1, 5_000, "DELAYED"), task_row(2, 6_000, "READY", node="~parked"),
-            task_row(3, 7_000, "SUCCESS", node="w1"), task_row(4, 8_000, "CREATED"),
-            task_row(5, 9_000, "READY"), task_row(6, 9_500, "DISPATCHING", node="s1")]
+    old = functools.partial(task_row, node_column="last_run_node")  # 0015's column
+    rows = [old(1, 5_000, "DELAYED"), old(2, 6_000, "READY", node="~parked"),
+            old(3, 7_000, "SUCCESS", node="w1"), old(4, 8_000, "CREATED"),
+            old(5, 9_000, "READY"), old(6, 9_500, "DISPATCHING", node="s1")]
     with empty_store.begin() as conn:
         conn.execute(text(f"INSERT INTO ax_task ({', '.join(rows[0])}) VALUES "
                           f"({', '.join(':' + k for k in rows[0])})"), rows)
@@ -60,7 +62,7 @@ def test_migration_0016_gives_each_due_task_an_entry(empty_store: Engine) -> Non
     assert sorted(_entries(empty_store)) == [(1, 5_000), (4, 8_000), (5, 9_000)]
     # and the database keeps them from now on
     with empty_store.begin() as conn:
-        conn.execute(text("UPDATE ax_task SET last_run_node = NULL WHERE task_id = 2"))
+        conn.execute(text("UPDATE ax_task SET parked = false WHERE task_id = 2"))
     assert sorted(_entries(empty_store))[1] == (2, 6_000)
 
 
@@ -87,12 +89,12 @@ def test_each_way_a_task_falls_due_writes_one_entry_and_nothing_else_does(
     _set(engine, a, status="RUNNING")
     _set(engine, a, status="FAILED", finished_at=now)
     _set(engine, d, status="CANCELLED", finished_at=now)
-    _set(engine, c, last_run_node="~parked")
+    _set(engine, c, parked=True)
     _set(engine, c, priority="high")  # parked: nothing
     _set(engine, c, payload='{"i": 22}')
     assert _entries(engine) == written
-    _set(engine, b, status="READY", last_run_node=None)  # the ack timeout sends it again
-    _set(engine, c, last_run_node=None)  # woken
+    _set(engine, b, status="READY", owner_node=None)  # the ack timeout sends it again
+    _set(engine, c, parked=False)  # woken
     written += [(b, due), (c, due)]
     assert _entries(engine) == written
     with engine.begin() as conn:  # ax retry: due now
@@ -145,7 +147,7 @@ def test_the_prune_deletes_only_entries_whose_task_has_moved_on(client: Client) 
         claim(conn, [claimed], "s1", now + 1000, due_before=now + 1000)
         conn.execute(text("DELETE FROM ax_task WHERE task_id = :id"), {"id": removed})
     _set(engine, cancelled, status="CANCELLED")
-    _set(engine, parked, last_run_node="~parked")
+    _set(engine, parked, parked=True)
     _set(engine, moved, trigger_time=now + 7_200_000)
     before = client.store.now_ms() + 1000
     stale = {claimed, cancelled, parked, removed, moved}

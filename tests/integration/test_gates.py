@@ -83,7 +83,7 @@ def claimed_ids(client: Client, ids: Sequence[int], now: int = NOW) -> list[int]
 
 def state(client: Client, ids: Sequence[int]) -> dict[int, Any]:
     with client.store.engine.connect() as conn:
-        rows = conn.execute(select(tasks.c.task_id, tasks.c.status, tasks.c.last_run_node,
+        rows = conn.execute(select(tasks.c.task_id, tasks.c.status, tasks.c.owner_node, tasks.c.parked,
                                    tasks.c.gated, tasks.c.retry_count, tasks.c.attempt,
                                    tasks.c.last_error, tasks.c.trigger_time)
                             .where(tasks.c.task_id.in_(list(ids))))
@@ -92,7 +92,7 @@ def state(client: Client, ids: Sequence[int]) -> dict[int, Any]:
 
 def parked(client: Client, ids: Sequence[int]) -> list[int]:
     return sorted(i for i, r in state(client, ids).items()
-                  if r.status == "READY" and r.last_run_node == gates.PARKED)
+                  if r.status == "READY" and r.parked)
 
 
 def active(client: Client, task_type: str) -> int:
@@ -139,7 +139,7 @@ def test_the_ordinary_claim_leaves_gated_tasks_to_the_gated_claim(client: Client
     assert {i: (r.status, r.gated) for i, r in rows.items()} == {
         plain: ("DISPATCHING", False), keyed: ("DISPATCHING", True),
         limited: ("DISPATCHING", True)}
-    assert all(r.attempt == 1 and r.last_run_node == NODE for r in rows.values())
+    assert all(r.attempt == 1 and r.owner_node == NODE for r in rows.values())
 
 
 def test_the_gated_claim_leaves_tasks_not_due_or_parked(client: Client) -> None:
@@ -149,7 +149,7 @@ def test_the_gated_claim_leaves_tasks_not_due_or_parked(client: Client) -> None:
     (waiting,) = enqueue(client, "limited", 1, first=1)
     with client.store.engine.begin() as conn:  # parked by an earlier gated claim
         conn.execute(update(tasks).where(tasks.c.task_id == waiting)
-                     .values(status="READY", last_run_node=gates.PARKED))
+                     .values(status="READY", parked=True))
     assert preload(client) == [due]  # `later` is beyond the horizon, `waiting` is parked
     rows, decision = claim_gated(client, [later, waiting])
     assert rows == [] and decision == Decision()
@@ -185,7 +185,7 @@ def test_the_end_of_a_run_wakes_exactly_one_parked_task_of_its_type(client: Clie
     claim_gated(client, ids)
     assert end_run(client, ids[0], ended=[("mail", None)]) == 1
     woken = [i for i, r in state(client, ids).items()
-             if r.status == "READY" and r.last_run_node is None]
+             if r.status == "READY" and not r.parked]
     assert woken == [ids[3]]  # the earliest parked
     assert parked(client, ids) == ids[4:]
     assert preload(client) == [ids[3]]
@@ -280,7 +280,7 @@ def test_three_keys_of_four_tasks_start_one_per_key_and_park_the_rest(client: Cl
     # the end of a's first run wakes a's next (and one more of the type, which re-parks)
     end_run(client, by_key["a"][0], ended=[("acct", "a")])
     woken = [i for i, r in state(client, ids).items()
-             if r.status == "READY" and r.last_run_node is None]
+             if r.status == "READY" and not r.parked]
     assert by_key["a"][1] in woken
     preload(client)
     assert claimed_ids(client, woken) == [by_key["a"][1]]

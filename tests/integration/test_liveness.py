@@ -27,7 +27,7 @@ def dead_pid() -> int:
 
 def statuses(client: Client, ids: list[int]) -> dict[int, tuple[str, str | None]]:
     with client.store.engine.connect() as conn:
-        rows = conn.execute(select(tasks.c.task_id, tasks.c.status, tasks.c.last_run_node)
+        rows = conn.execute(select(tasks.c.task_id, tasks.c.status, tasks.c.owner_node)
                             .where(tasks.c.task_id.in_(ids)))
         return {r[0]: (r[1], r[2]) for r in rows}
 
@@ -112,7 +112,7 @@ def test_a_live_name_is_refused_and_nothing_changes(client: Client) -> None:
     held = int(client.enqueue("t", {"a": 1}, delay=60))
     with client.store.engine.begin() as conn:  # the live one runs on another host
         conn.execute(update(node_table).values(host="elsewhere"))
-        conn.execute(update(tasks).values(status="DELAYED", last_run_node="s0"))
+        conn.execute(update(tasks).values(status="DELAYED", owner_node="s0"))
 
     with pytest.raises(NodeNameInUse, match="'s0' is in use"):
         nodes.Heartbeat(client.store, "s0", "scheduler").register({})
@@ -228,7 +228,7 @@ def test_a_staged_run_recovered_before_its_trigger_time_is_retried_no_earlier(
         (now + d) / 1000, UTC))) for i, d in enumerate((60_000, -5_000)))
     with client.store.engine.begin() as conn:  # both fenced RUNNING by w0, one staged ahead
         conn.execute(update(tasks).where(tasks.c.task_id.in_([soon, past]))
-                     .values(status="RUNNING", last_run_node="w0", attempt=1))
+                     .values(status="RUNNING", owner_node="w0", attempt=1))
         recovered = recovery.recover_running(conn, ["w0"], now)
         rows = {r.task_id: r for r in conn.execute(
             select(tasks.c.task_id, tasks.c.status, tasks.c.trigger_time))}

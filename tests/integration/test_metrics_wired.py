@@ -38,7 +38,7 @@ def test_the_oldest_overdue_task_counts_what_waits_and_not_what_is_parked(
                           for i, d in enumerate((5_000, 1_000, 30_000)))
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).where(tasks.c.task_id == parked)
-                     .values(status="READY", last_run_node="~parked"))
+                     .values(status="READY", parked=True))
         conn.execute(update(tasks).where(tasks.c.task_id == old).values(status="READY"))
         # 12 s on: 'old' (due at +5 s) waits 7 s; 'parked' waits by design; 'later' is not due
         assert recovery.oldest_overdue_ms(conn, now + 12_000) == 7_000

@@ -123,7 +123,7 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0020"
+    assert current_revision(engine) == "0021"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)

@@ -42,7 +42,7 @@ def _versions(client: Client) -> list[tuple[Any, ...]]:
     xmin = ", xmin::text" if client.store.engine.dialect.name == "postgresql" else ""
     with client.store.engine.connect() as conn:
         return [tuple(r) for r in conn.execute(text(
-            f"SELECT task_id, status, last_run_node{xmin} FROM ax_task ORDER BY task_id"))]
+            f"SELECT task_id, status, owner_node{xmin} FROM ax_task ORDER BY task_id"))]
 
 
 def test_a_round_reads_the_window_and_writes_nothing(client: Client) -> None:
@@ -68,7 +68,7 @@ def test_rows_that_become_claimable_again_inside_the_window_are_read(client: Cli
     assert got == ids
     with client.store.engine.begin() as conn:  # three are claimed; two come back
         claimed = [r.task_id for r in claim(conn, ids[:3], "s1", now, due_before=horizon)]
-        conn.execute(text("UPDATE ax_task SET status = 'READY', last_run_node = NULL "
+        conn.execute(text("UPDATE ax_task SET status = 'READY', owner_node = NULL "
                           "WHERE task_id IN (:a, :b)"), {"a": claimed[0], "b": claimed[1]})
     assert len(claimed) == 3
     again, loaded = _round(client, loaded, horizon + 5)
@@ -80,13 +80,13 @@ def test_rows_that_become_claimable_again_inside_the_window_are_read(client: Cli
 def test_a_parked_task_is_not_read_until_woken(client: Client) -> None:
     ids = _enqueue(client, 3)
     with client.store.engine.begin() as conn:
-        conn.execute(text("UPDATE ax_task SET status = 'READY', last_run_node = '~parked' "
+        conn.execute(text("UPDATE ax_task SET status = 'READY', parked = true "
                           "WHERE task_id = :t"), {"t": ids[0]})
     horizon = client.store.now_ms() + 10_000
     got, loaded = _round(client, Loaded(), horizon)
     assert got == ids[1:]
     with client.store.engine.begin() as conn:
-        conn.execute(text("UPDATE ax_task SET last_run_node = NULL WHERE task_id = :t"),
+        conn.execute(text("UPDATE ax_task SET parked = false WHERE task_id = :t"),
                      {"t": ids[0]})
     woken, _ = _round(client, loaded, horizon)
     assert woken == ids[:1]

@@ -130,7 +130,7 @@ def test_running_tasks_of_a_worker_that_is_not_alive_are_recovered(cfg: Settings
         now = client.store.now_ms()
         recovered = dict(recovery.recover_orphan_running(conn, now, now - 10_000))
     assert recovered == {retry: "DELAYED", last: "FAILED"}
-    assert client.get(retry).retry_count == 1 and client.get(retry).last_run_node is None
+    assert client.get(retry).retry_count == 1 and client.get(retry).owner_node is None
     assert client.get(last).last_error == "worker lost"
     assert client.get(alive).status is Status.RUNNING  # alive: never rescued by age
 
@@ -162,5 +162,3 @@ def test_a_preload_that_fails_loses_nothing(
             f"only {len(got.got)} of 20 dispatched"
     assert sorted(lost) == sorted(ids)  # the first preload did read every one
     assert sorted(got.ids()) == sorted(ids)
-
-

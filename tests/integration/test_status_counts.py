@@ -20,7 +20,7 @@ def test_small_counts_are_exact_and_large_ones_estimated(client: Client) -> None
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).where(tasks.c.task_id.in_(ids[:1500])).values(status="SUCCESS"))
         conn.execute(update(tasks).where(tasks.c.task_id.in_(ids[1500:1503]))
-                     .values(status="RUNNING", last_run_node="w"))
+                     .values(status="RUNNING", owner_node="w"))
         if conn.dialect.name == "postgresql":
             conn.execute(text("ANALYZE ax_task"))
     with client.store.engine.connect() as conn:

@@ -134,7 +134,7 @@ def test_claim_fences_with_the_attempt(client: Client) -> None:
         assert transitions.transition(conn, [task_id], [Status.DISPATCHING], Status.RUNNING,
                                  attempt=2) == [task_id]
     view = client.get(task_id)
-    assert (view.status, view.last_run_node, view.attempt) == (Status.RUNNING, "node-b", 2)
+    assert (view.status, view.owner_node, view.attempt) == (Status.RUNNING, "node-b", 2)
 
 
 def test_claim_leaves_tasks_that_are_not_due(client: Client) -> None:

@@ -185,7 +185,7 @@ def test_cancel_and_retry_change_the_rows(web: TestClient, client: Client) -> No
 
 def test_task_page_shows_attempts_error_and_trace_id(web: TestClient, client: Client) -> None:
     task_id = make(client, "t", "FAILED", last_error="ValueError: boom", attempt=1,
-                   last_run_node="worker-a", started_at=1, dispatched_at=1)
+                   owner_node="worker-a", started_at=1, dispatched_at=1)
     view = client.get(task_id)
     page = web.get(f"/tasks/{task_id}").text
     assert view.trace_id in page and "ValueError: boom" in page and "worker-a" in page

@@ -147,7 +147,7 @@ def test_success_is_recorded_with_the_run_columns(settings: Settings,
     for message in messages:
         view = dispatch.view(message.task_id)
         assert view.attempt == 1 and view.retry_count == 0 and view.last_error is None
-        assert view.last_run_node == worker.node_id
+        assert view.owner_node == worker.node_id
         assert view.dispatched_at is not None and view.started_at is not None
         assert view.finished_at is not None
         assert view.dispatched_at <= view.started_at <= view.finished_at
@@ -182,7 +182,7 @@ def test_failing_twice_then_succeeding_retries_with_backoff(settings: Settings,
             dispatch.dispatch([task_id])
             eventually(partial(_retried, dispatch, task_id, retry + 1))
             view = dispatch.view(task_id)
-            assert view.status is Status.DELAYED and view.last_run_node is None
+            assert view.status is Status.DELAYED and view.owner_node is None
             assert view.last_error == f"RuntimeError: flaky failure #{retry + 1}"
             assert view.started_at is not None
             delays.append(view.trigger_time - view.started_at)
@@ -276,7 +276,7 @@ def test_a_stopping_worker_hands_its_held_staged_tasks_back_unstarted(
     assert dispatch.client.store.now_ms() < min(m.trigger_time for m in messages)
     for message in messages:
         view = dispatch.view(message.task_id)
-        assert (view.status, view.last_run_node, view.attempt, view.retry_count) == (
+        assert (view.status, view.owner_node, view.attempt, view.retry_count) == (
             Status.DELAYED, None, 1, 0)
         assert view.trigger_time == message.trigger_time
     assert not any(i in procs_worker.calls for i in ids)
@@ -365,7 +365,7 @@ def test_a_task_that_cannot_start_goes_back_to_ready(settings: Settings,
     finally:
         gate.set()
     back = next(dispatch.view(i) for i in ids if dispatch.status(i) is Status.READY)
-    assert back.last_run_node is None and back.started_at is None and back.attempt == 1
+    assert back.owner_node is None and back.started_at is None and back.attempt == 1
     assert dispatch.queue_depth("default") == 0
 
 
@@ -534,7 +534,7 @@ def test_warm_shutdown_on_sigterm_loses_nothing(settings: Settings, dispatch: Di
     assert dispatch.queue_depth("slow") == 2  # the undelivered two are still on the broker
     for task_id in ids:
         if dispatch.status(task_id) is Status.READY:
-            assert dispatch.view(task_id).last_run_node is None
+            assert dispatch.view(task_id).owner_node is None
     assert "worker stopped" in output
     with dispatch.client.store.engine.connect() as conn:
         assert conn.execute(select(nodes.c.stopped_at)).scalar_one() is not None
@@ -554,7 +554,7 @@ def test_warm_shutdown_hands_staged_runs_back_without_starting_them(
     for task_id in ids:
         view = dispatch.view(task_id)
         if view.status is Status.DELAYED:  # never started: same attempt, no retry counted
-            assert view.last_run_node is None and view.retry_count == 0
+            assert view.owner_node is None and view.retry_count == 0
             assert view.attempt == attempts[task_id]
     assert "staged runs not started yet handed back" in output
 

@@ -119,7 +119,7 @@ def test_two_processes_run_a_batch_exactly_once_between_them(
     assert sorted(runs) == sorted(ids)
     assert all(len(task_runs) == 1 for task_runs in runs.values()), runs
     assert {run.pid for task_runs in runs.values() for run in task_runs} == pids
-    assert {r.last_run_node for r in rows.values()} == set(CHILDREN)
+    assert {r.owner_node for r in rows.values()} == set(CHILDREN)
 
 
 @services

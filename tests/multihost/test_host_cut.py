@@ -215,7 +215,7 @@ def _held_at_cut(cluster: HostCluster, cut_at: int) -> dict[str, dict[int, int]]
     time.sleep(0.3)  # a statement a's daemons sent just before the cut has committed
     pid = cluster.daemon("wa").proc.pid
     fenced = {r.task_id: r.attempt for r in cluster.query(
-        "SELECT task_id, attempt FROM ax_task WHERE status = 'RUNNING' AND last_run_node = 'wa' "
+        "SELECT task_id, attempt FROM ax_task WHERE status = 'RUNNING' AND owner_node = 'wa' "
         "AND trigger_time > :t", t=cut_at)}
     runs = [r for r in cluster.ledger.runs() if r.pid == pid]
     running = {r.task_id: r.attempt for r in runs if r.end is None}
@@ -223,7 +223,7 @@ def _held_at_cut(cluster: HostCluster, cut_at: int) -> dict[str, dict[int, int]]
     staged = {t: a for t, a in fenced.items() if t not in started}
     claimed = {r.task_id: r.attempt for r in cluster.query(
         "SELECT task_id, attempt FROM ax_task WHERE status = 'DISPATCHING' "
-        "AND last_run_node = 'sa'")}
+        "AND owner_node = 'sa'")}
     return {"running": running, "staged": staged, "claimed": claimed}
 
 

@@ -119,7 +119,7 @@ def test_the_tasks_a_scheduler_reads_are_not_written_and_a_warm_stop_deregisters
     scheduler, thread = running(cfg, published)
     try:
         assert poll(lambda: len(scheduler.timer) == 50)
-        assert {(client.get(i).status, client.get(i).last_run_node) for i in ids} == {
+        assert {(client.get(i).status, client.get(i).owner_node) for i in ids} == {
             (Status.DELAYED, None)}
     finally:
         scheduler.request_stop()
