@@ -25,9 +25,9 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
@@ -48,7 +48,6 @@ from ax_kombu.exceptions import (
 from ax_kombu.moving import UNCHANGED as _UNCHANGED
 from ax_kombu.recurring import JobView, periodic
 from ax_kombu.views import AttemptView, Move, TaskId, TaskView
-from ax_kombu.worker.processors import processor
 
 __all__ = [
     "AttemptView",
@@ -91,6 +90,8 @@ __all__ = [
     "wait",
 ]
 __version__ = "0.1.0"
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _lock = threading.Lock()
 _client: Client | None = None
@@ -331,6 +332,17 @@ def next_fires(name: str, count: int = 5) -> list[datetime]:
     """The next ``count`` fire times of the job ``name``, as aware datetimes in its zone.
     Raises JobNotFound."""
     return client().next_fires(name, count)
+
+
+def processor(task_type: str, *, retry_on: tuple[type[BaseException], ...] | None = None,
+              backoff: Backoff | None = None) -> Callable[[F], F]:
+    """Register the decorated callable as the processor of ``task_type``
+    (:func:`ax_kombu.worker.processors.processor` says how ``retry_on`` and ``backoff``
+    act). The worker's code is imported here, by the first registration: a producer's
+    ``import ax_kombu`` loads neither it nor its HTTP client."""
+    from ax_kombu.worker import processors
+
+    return processors.processor(task_type, retry_on=retry_on, backoff=backoff)
 
 
 def set_limit(task_type: str, max_running: int | None) -> None:
