@@ -86,7 +86,7 @@ class Client(Moving):
         self.store = Store(settings)
         owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.ids = LeasedIds(StoreLessor(self.store.engine), owner,
-                             settings.node_lease_s * 1000, self.store.now_ms)
+                             settings.id_reservation_s * 1000, self.store.now_ms)
         self.pid = os.getpid()
         self.borrowing = Borrowing(self.store.engine)
 

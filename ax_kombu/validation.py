@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.core.fingerprint import canonical_json, fingerprint
 from ax_kombu.core.values import (
     MAX_BIZ_KEY,
@@ -35,6 +35,7 @@ from ax_kombu.core.values import (
     trigger_ms,
 )
 from ax_kombu.exceptions import ValidationError
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store.schema import CELERY_RUNNERS
 
 

@@ -12,8 +12,9 @@ from typing import Any
 import click
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings, from_env, parse_duration_ms, redact_url
+from ax_kombu.config import Settings, from_env, parse_duration_ms
 from ax_kombu.exceptions import AxError, ValidationError
+from ax_kombu.observability.redaction import redact_url
 
 
 class OneLineGroup(click.Group):

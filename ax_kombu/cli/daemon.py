@@ -22,8 +22,9 @@ from click.core import ParameterSource
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.connection import check_broker_url
-from ax_kombu.config import Settings, redact_url
+from ax_kombu.config import Settings
 from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store.engine import check_database_url
 
 log = logging.getLogger("ax_kombu.daemon")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ax_kombu.cli.base import settings_from
-from ax_kombu.config import redact_url
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store.engine import current_revision, make_engine, migrate
 
 

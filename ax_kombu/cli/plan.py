@@ -22,11 +22,11 @@ import click
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.cli.base import Duration, settings_from
-from ax_kombu.config import redact_url
 from ax_kombu.core import planning
 from ax_kombu.core.cron import format_every
 from ax_kombu.core.planning import DEFAULT_THREADS_PER_NODE, QUEUE_PER_THREAD, Plan
 from ax_kombu.exceptions import AxError, StoreError, ValidationError
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store import Store, db_now_ms
 from ax_kombu.store.stats import RunTimes, run_times
 

@@ -19,8 +19,8 @@ from ax_kombu.cli.daemon import (
     pidfile,
     setup_logging,
 )
-from ax_kombu.config import redact_url
 from ax_kombu.observability import metrics
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.scheduler.node import Scheduler
 
 log = logging.getLogger("ax_kombu.scheduler.node")

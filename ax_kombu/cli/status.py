@@ -17,9 +17,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.connection import queue_depths
 from ax_kombu.cli.base import broker_option, settings_from
-from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import StoreError
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store import Store, gates
 from ax_kombu.store.console import EXACT_UP_TO, task_counts
 from ax_kombu.store.engine import db_now_ms

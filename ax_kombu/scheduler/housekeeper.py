@@ -17,8 +17,8 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   ``ax_node`` for the live schedulers, which split the task ids between them;
   when they change, the node reads its new share's whole window again, as it does
   after the wheel was dropped (the node was fenced). Memory is bounded by the
-  window and ``max_held``, never by how many future tasks exist (a round may
-  overshoot ``max_held`` by the tasks tied at its last instant and those that
+  window and ``max_loaded``, never by how many future tasks exist (a round may
+  overshoot ``max_loaded`` by the tasks tied at its last instant and those that
   became claimable again); no preload starts before the last one is in the
   wheel, nor while the wheel is being dropped.
 * **Recurring jobs** — every ``job_interval_ms``, before the preload: the
@@ -253,7 +253,7 @@ class Housekeeper(Stage):
             "failures_in_a_row": failures, "retry_in_ms": backoff, "node": self._node_id})
 
     def _preload_due(self, now: int) -> bool:
-        """The preload is due, and the last one's ids are in the wheel (``max_held``
+        """The preload is due, and the last one's ids are in the wheel (``max_loaded``
         holds), and no drop of the wheel is pending."""
         if self._timing.incoming.items or self._timing.dropping:
             return False
@@ -274,10 +274,10 @@ class Housekeeper(Stage):
 
     def _preload(self, now: int) -> None:
         """Read the next due tasks of this node's share into memory (at most
-        ``preload_batch`` a round, up to ``max_held``)."""
+        ``preload_batch`` a round, up to ``max_loaded``)."""
         self._wake_pending = False
         settings = self._settings
-        room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
+        room = min(settings.preload_batch, settings.max_loaded - len(self._timing.timer))
         if room <= 0:
             self._next["preload"] = now + self._poll_ms
             return

@@ -147,7 +147,7 @@ class Scheduler:
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
                                      CeleryHandOff(self.store, on_published), self.lease)
         self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
-                             settings.node_lease_s * 1000, self.store.now_ms)
+                             settings.id_reservation_s * 1000, self.store.now_ms)
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
                                self.dispatcher, self.ids, self.lease)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,

@@ -47,7 +47,7 @@ class Strays:
 
     Args:
         settings: preload interval, claim lead, silence window, ``preload_batch``,
-            ``max_held``.
+            ``max_loaded``.
         store: the task store.
         timing: where the strays are handed.
         node_id: this node's name (for the log).
@@ -86,7 +86,7 @@ class Strays:
     def _take(self, now: int, since: int, after_ms: int, share: preload.Share,
               quiet: bool) -> int:
         settings = self._settings
-        room = min(settings.preload_batch, settings.max_held - len(self._timing.timer))
+        room = min(settings.preload_batch, settings.max_loaded - len(self._timing.timer))
         if room <= 0 or share.of <= 1 or self._timing.dropping:
             return 0
         with self._store.engine.begin() as conn:

@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, Row, bindparam, delete, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.config import redact_url
 from ax_kombu.core.states import FINAL, S, Status
 from ax_kombu.exceptions import StoreError, ValidationError
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.moves import forget_moves
 from ax_kombu.store.schema import attempts, tasks

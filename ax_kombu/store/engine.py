@@ -35,8 +35,8 @@ from sqlalchemy.exc import (
 )
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from ax_kombu.config import redact_url
 from ax_kombu.exceptions import ConfigurationError, StoreError
+from ax_kombu.observability.redaction import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
-from ax_kombu.config import Settings, redact_url
+from ax_kombu.config import Settings
 from ax_kombu.exceptions import (
     AxError,
     IllegalTransition,
@@ -31,6 +31,7 @@ from ax_kombu.exceptions import (
     StoreError,
     TaskNotFound,
 )
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.web import auth, jobs, limits, overview, tasks
 from ax_kombu.web.console import HERE, Console, console_of
 from ax_kombu.web.security import LOOPBACK_HOSTS

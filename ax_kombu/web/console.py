@@ -17,7 +17,8 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings, redact_url
+from ax_kombu.config import Settings
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.web.security import CSRF_FIELD, Keys
 
 HERE = Path(__file__).parent

@@ -14,7 +14,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ax_kombu.broker.connection import queue_depths
-from ax_kombu.config import PRIORITIES, Settings, redact_url
+from ax_kombu.config import PRIORITIES, Settings
+from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store.console import started_since, tasks_by_status
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.nodes import live_nodes

@@ -48,7 +48,7 @@ def client(settings: Settings) -> Iterator[Client]:
 def materialiser(settings: Settings) -> Iterator[Materialiser]:
     store = Store(settings)
     ids = LeasedIds(StoreLessor(store.engine), f"test:{uuid.uuid4().hex[:8]}",
-                    settings.node_lease_s * 1000, store.now_ms)
+                    settings.id_reservation_s * 1000, store.now_ms)
     yield Materialiser(settings, store, ids, "s-test")
     ids.release()
     store.close()

@@ -42,7 +42,7 @@ class Scheduler:
     def __init__(self, settings: Settings) -> None:
         self.store = Store(settings)
         self.ids = LeasedIds(StoreLessor(self.store.engine), f"test:{uuid.uuid4().hex[:8]}",
-                             settings.node_lease_s * 1000, self.store.now_ms)
+                             settings.id_reservation_s * 1000, self.store.now_ms)
         self.materialiser = Materialiser(settings, self.store, self.ids)
 
     def run(self, now_ms: int) -> int:

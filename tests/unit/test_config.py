@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import pytest
 
-from ax_kombu.config import from_env, parse_duration_ms, redact_url
+from ax_kombu.config import RENAMED, Settings, from_env, parse_duration_ms
+from ax_kombu.config_sections import (
+    CommonSettings,
+    ProducerSettings,
+    SchedulerSettings,
+    WorkerSettings,
+)
 from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.observability.redaction import redact_url
 
 
 def test_precedence_defaults_env_overrides() -> None:
@@ -121,3 +130,28 @@ def test_transport_options_are_merged_over_axs_own() -> None:
     assert options["master_name"] == "mymaster" and options["socket_timeout"] == 3
     assert options["global_keyprefix"] == ""  # ax's own for Redis, Sentinel included
     assert from_env({}).transport_options() == {}
+
+
+def test_every_setting_is_in_exactly_one_section() -> None:
+    sections = [CommonSettings, ProducerSettings, SchedulerSettings, WorkerSettings]
+    own = [{f.name for f in dataclasses.fields(s)} for s in sections]
+    assert sum(len(names) for names in own) == len(set().union(*own))  # disjoint
+    assert set().union(*own) == {f.name for f in dataclasses.fields(Settings)}
+    assert "max_loaded" in own[2] and "id_reservation_s" in own[0] and "pool_high" in own[3]
+
+
+def test_renamed_settings_are_read_by_their_old_names_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    assert RENAMED == {"max_held": "max_loaded", "node_lease_s": "id_reservation_s"}
+    with caplog.at_level(logging.WARNING, logger="ax_kombu.config"):
+        old = from_env({"AX_MAX_HELD": "1000", "AX_NODE_LEASE_S": "30"})
+    assert (old.max_loaded, old.id_reservation_s) == (1000, 30)
+    assert "AX_MAX_HELD is deprecated; use AX_MAX_LOADED" in caplog.text
+    assert "AX_NODE_LEASE_S is deprecated; use AX_ID_RESERVATION_S" in caplog.text
+    both = from_env({"AX_MAX_HELD": "1000", "AX_MAX_LOADED": "2000"})
+    assert both.max_loaded == 2000  # the new name wins
+    assert from_env({}, max_held=7).max_loaded == 7
+    assert Settings().replace(node_lease_s=9).id_reservation_s == 9
+    with pytest.raises(ConfigurationError, match="max_loaded must be positive"):
+        from_env({"AX_MAX_HELD": "0"})
+    assert not hasattr(Settings(), "max_held")
