@@ -20,7 +20,8 @@ from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
 from ax_kombu.worker.counters import Counters
-from ax_kombu.worker.lanes import Delivery, Lane
+from ax_kombu.worker.lanes import Lane
+from ax_kombu.worker.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Admission:
         stats: the worker's counters (``malformed`` per refusal).
     """
 
-    def __init__(self, settings: Settings, pending: list[Delivery], stats: Counters) -> None:
+    def __init__(self, settings: Settings, pending: list[Run[Lane]], stats: Counters) -> None:
         self._pending = pending
         self._stats = stats
         #: longest message body decoded
@@ -57,8 +58,8 @@ class Admission:
         except Rejected as exc:
             self.refuse(lane.queue.name, message, exc)
             return False
-        lane.held += 1
-        self._pending.append(Delivery(lane, task, message, generation))
+        lane.unacked += 1
+        self._pending.append(Run(lane, task, message, generation))
         return True
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:

@@ -69,7 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC
 from email.utils import parsedate_to_datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 import urllib3
@@ -87,9 +87,7 @@ from urllib3.exceptions import (
 from ax_kombu.config import redact_url
 from ax_kombu.exceptions import CallbackFailed, Discard, ProcessorRefused, Retry
 from ax_kombu.worker.callback_http import Call, current_expired, deadline_scope, pools
-
-if TYPE_CHECKING:
-    from ax_kombu.worker.processors import Context
+from ax_kombu.worker.context import Context
 
 #: bytes of a callback's answer that are read (and discarded); the rest is never read
 MAX_ANSWER = 65536

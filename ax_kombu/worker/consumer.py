@@ -47,7 +47,7 @@ from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
 from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Lane
-from ax_kombu.worker.shutdown import Shutdown
+from ax_kombu.worker.shutdown import ConnectedStop, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class Consumer:
     Args:
         lanes: the lanes consumed (the intake's, in the same order).
         intake: gets what arrives, and is driven once per loop.
-        shutdown: its steps run, still connected, when a stop is requested.
+        shutdown: its connected step (:class:`~ax_kombu.worker.shutdown.ConnectedStop`)
+            runs, still connected, when a stop is requested.
         ready: set while consuming, cleared when the connection is dropped.
     """
 
@@ -135,7 +136,8 @@ class Consumer:
         self._receipts = intake.receipts
         self._pending = intake.pending  # the same list for the worker's life
         self._admission = Admission(settings, self._pending, stats)
-        self._shutdown = shutdown
+        #: the stop's step run while this connection is still up
+        self.tail = ConnectedStop(shutdown, self.stop_consuming)
         self._stats = stats
         self._wakeup = wakeup
         self._flags = flags
@@ -168,9 +170,7 @@ class Consumer:
             self._outage.recovered()
             self.ready.set()
             self._loop(conn)
-            self.stop_consuming()
-            self._shutdown.hand_back()
-            self._shutdown.finish_running(connected=True)
+            self.tail.stop()
         except errors as exc:
             raise _BrokerLost() from exc
         finally:
@@ -181,9 +181,9 @@ class Consumer:
         while not flags.stopping:
             wakeup.clear()
             intake.settle()
-            intake.give_room()
+            intake.acks.give_room()
             self._receive(conn)
-            intake.dispatch()
+            intake.planner.dispatch()
 
     def _attach(self, conn: Any) -> None:
         """Start receiving on ``conn``: the puller (batches, Redis) or a Kombu consumer per lane."""
@@ -215,7 +215,7 @@ class Consumer:
         if self._puller is not None:
             self._puller.stop()
             self._puller = None
-        self._intake.disconnected()
+        self._intake.acks.disconnected()
         for lane in self._lanes:
             lane.consumer, lane.pulled = None, None
         try:
@@ -283,7 +283,7 @@ class Consumer:
         self._drain_pulled(puller)
 
     def _drain_pulled(self, puller: redis_pull.Puller) -> None:
-        generation = self._intake.generation
+        generation = self._intake.acks.generation
         while puller.inbox:
             pulled = puller.inbox.popleft()
             lane = self._lanes[pulled.lane]

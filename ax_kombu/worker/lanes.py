@@ -15,13 +15,13 @@ per pool) and at most what the lane can finish within ``stage_horizon_s`` at
 its measured run time, so a busy worker does not take what an idle one
 could start; what does not fit stays in the broker.
 
-Two kinds of runs hold a slot without holding a message, and lower the
+Two kinds of runs take a slot without keeping a message, and lower the
 prefetch by one each while they do (:meth:`Lane.target`):
 
 * a *stuck* run — timed out and reported, but its thread has not returned
   (threads cannot be killed; see :mod:`ax_kombu.worker.pools`);
 * a run whose message was acked early: a task allowed more than
-  :data:`ACK_AT_START_MS` (RabbitMQ closes a channel holding a message
+  :data:`ACK_AT_START_MS` (RabbitMQ closes a channel keeping a message
   unacked longer than its ``consumer_timeout``, 30 min by default), or one
   received on a connection since lost.
 
@@ -38,17 +38,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kombu.entity import Queue
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.worker.pools import Pool
-from ax_kombu.worker.processors import Cancellation, split_names
+from ax_kombu.worker.processors import split_names
+from ax_kombu.worker.run import Run
 
 #: the lane of the worker's own queue (what is sent to it alone), besides the priorities
 OWN_LANE = "own"
@@ -73,35 +72,6 @@ RUN_EWMA = 0.05
 RECONSUME_INTERVAL_S = 0.1
 
 
-@dataclass(eq=False, slots=True)
-class Delivery:
-    """A received task message and what has been done with it."""
-
-    lane: Lane
-    task: TaskMessage
-    message: Any
-    #: which broker connection it came on (acks are only valid there)
-    generation: int
-    acked: bool = False
-    #: the run's cancellation signal, once it is submitted
-    cancel: Cancellation | None = None
-    #: its processor was called (a run withdrawn or abandoned before that records nothing)
-    started: bool = False
-    #: the worker incarnation its RUNNING move was fenced under
-    fenced_by: int = 0
-    #: staged and flagged held: it starts only once released (:mod:`ax_kombu.worker.holds`)
-    held: bool = False
-
-    @property
-    def pair(self) -> tuple[int, int]:
-        return self.task.task_id, self.task.attempt
-
-    @property
-    def labels(self) -> dict[str, Any]:
-        return {"task_id": self.task.task_id, "trace_id": self.task.trace_id,
-                "attempt": self.task.attempt}
-
-
 class Lane:
     """One queue with its pool, consumer, backlog and credit; see the module docstring."""
 
@@ -122,7 +92,7 @@ class Lane:
         self.reserved = 0
         #: received tasks waiting for room in the pool (with a multiplier above 1, or
         #: received before the stage shrank); see backlog_max
-        self.backlog: deque[Delivery] = deque()
+        self.backlog: deque[Run[Lane]] = deque()
         self.consumer: Any = None
         #: set when a puller receives this lane's messages (no Kombu consumer):
         #: called with the prefetch, the most it may pop and not have acked
@@ -135,7 +105,7 @@ class Lane:
         #: monotonic time before which the prefetch is not changed by consuming anew
         self._reconsume_at = 0.0
         #: messages received on the current connection and not acked yet
-        self.held = 0
+        self.unacked = 0
         #: runs whose message was acked (or lost with a connection) while they go on
         self.acked_running = 0
 
@@ -184,11 +154,11 @@ class Lane:
 
     def saturated(self) -> bool:
         """True when the broker may not hand this lane anything more now."""
-        return not self.consuming or self.held >= self.prefetch
+        return not self.consuming or self.unacked >= self.prefetch
 
     def room(self) -> int:
         """How many more messages the broker may hand this lane now."""
-        return max(0, self.prefetch - self.held) if self.consuming else 0
+        return max(0, self.prefetch - self.unacked) if self.consuming else 0
 
     def apply(self, global_qos: bool) -> None:
         """Bring the consumer's prefetch to :meth:`target`, cancelling it at 0."""
@@ -229,7 +199,7 @@ class Lane:
         self.reconsume = reconsume
         self.consuming = False
         self.prefetch = 0
-        self.held = 0
+        self.unacked = 0
         self.apply(global_qos)
 
     def info(self) -> dict[str, int]:
@@ -237,42 +207,6 @@ class Lane:
                 "overdue": self.pool.overdue,
                 "backlog": len(self.backlog) + self.pool.staged, "staged": self.pool.staged,
                 "running": self.pool.active - self.pool.staged}
-
-
-def plan(lanes: Sequence[Lane], fresh: list[Delivery]
-         ) -> tuple[list[Delivery], list[Delivery], list[Delivery]]:
-    """Split the lanes' backlogs and ``fresh`` deliveries into (start, release, dupes).
-
-    * dupes: every delivery of a task but the one with the newest attempt (only
-      that one can still be live);
-    * start: as many as each lane's pool can take, running or staged
-      (:meth:`Lane.free`), oldest first; they are reserved until their batch is
-      written;
-    * the rest wait in the lane's backlog (up to :meth:`Lane.backlog_max`), and
-      what does not fit there is released, to go back to READY.
-    """
-    newest: dict[int, Delivery] = {}
-    dupes: list[Delivery] = []
-    for d in [d for lane in lanes for d in lane.backlog] + fresh:
-        kept = newest.get(d.task.task_id)
-        if kept is None:
-            newest[d.task.task_id] = d
-        elif d.task.attempt > kept.task.attempt:
-            dupes.append(kept)
-            newest[d.task.task_id] = d
-        else:
-            dupes.append(d)
-    start: list[Delivery] = []
-    release: list[Delivery] = []
-    for lane in lanes:
-        queued = [d for d in newest.values() if d.lane is lane]
-        lane.backlog.clear()
-        free = lane.free()
-        start.extend(queued[:free])
-        lane.reserved += len(queued[:free])
-        for d in queued[free:]:
-            (lane.backlog if len(lane.backlog) < lane.backlog_max() else release).append(d)
-    return start, release, dupes
 
 
 def parse_queues(text: str | Iterable[str], settings: Settings) -> list[str]:

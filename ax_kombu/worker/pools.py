@@ -39,35 +39,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
+from ax_kombu.worker.executor import Cancellable, Done, Submission, Timeout
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-
-Done = Callable[[Outcome], None]
-
-
-class Cancellable(Protocol):
-    def set(self, reason: str) -> None: ...
-
-
-#: a job's timeout in seconds, or a function giving it when a thread takes the job
-Timeout = float | Callable[[], float] | None
-
-
-class Submission(NamedTuple):
-    """One job for :meth:`Pool.submit_reserved` (the arguments of :meth:`Pool.try_submit`)."""
-
-    fn: Callable[[], Any]
-    done: Done
-    timeout_s: Timeout
-    labels: Mapping[str, Any]
-    cancel: Cancellable | None
-    start_at: float
 
 
 @dataclass(eq=False, slots=True)
@@ -87,7 +66,8 @@ class _Job:
 
 
 class Pool:
-    """A fixed set of ``size`` threads running at most ``size`` jobs at a time.
+    """A fixed set of ``size`` threads running at most ``size`` jobs at a time: an
+    :class:`~ax_kombu.worker.executor.Executor`.
 
     Args:
         name: for thread names and logs ("high", "default", "slow").
@@ -110,7 +90,7 @@ class Pool:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         #: staged jobs by the time they may start (then submission order): a thread takes
-        #: the head once it is due, so a job waiting for its start time holds no thread
+        #: the head once it is due, so a job waiting for its start time takes no thread
         self._heap: list[tuple[float, int, _Job]] = []
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
@@ -143,7 +123,7 @@ class Pool:
 
     @property
     def busy(self) -> int:
-        """Jobs taken: running (including timed-out threads that hold a slot) and staged."""
+        """Jobs taken: running (including timed-out threads that keep a slot) and staged."""
         return len(self._running) + len(self._staged)
 
     @property
@@ -174,7 +154,7 @@ class Pool:
 
     @property
     def stuck(self) -> int:
-        """Slots held by jobs already reported (timed out or abandoned) that still run."""
+        """Slots kept by jobs already reported (timed out or abandoned) that still run."""
         return self._stuck
 
     @property
@@ -206,7 +186,7 @@ class Pool:
             reserved: the caller counted the job's room in :attr:`room` before (the
                 stage may have shrunk since): it is staged even beyond ``stage_max``.
             start_at: no thread takes the job before this time (the pool's clock); staged
-                jobs are taken in this order, a job that waits holding no thread.
+                jobs are taken in this order, a job that waits taking no thread.
         """
         job = _Job(fn, done, timeout_s, start_at, labels=labels or {}, cancel=cancel)
         with self._lock:
@@ -235,7 +215,7 @@ class Pool:
         return True
 
     def _stage(self, job: _Job) -> None:
-        """Add ``job`` to the stage (the caller holds the lock)."""
+        """Add ``job`` to the stage (the caller has the lock)."""
         self._staged.add(job)
         heapq.heappush(self._heap, (job.start_at, next(self._seq), job))
 
@@ -404,7 +384,7 @@ class _Watchdog:
                     job.cancel.set("timeout")
 
     def _expired(self, now: float) -> list[_Job]:
-        """Jobs that just passed their deadline, marked overdue (caller holds the lock)."""
+        """Jobs that just passed their deadline, marked overdue (the caller has the lock)."""
         pool = self.pool
         expired = [j for j in pool._running
                    if (due := _deadline_ahead(j)) is not None and due <= now]

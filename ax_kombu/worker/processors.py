@@ -37,9 +37,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from ax_kombu.core.backoff import Backoff, RetryPolicy
 from ax_kombu.exceptions import (
@@ -54,8 +53,9 @@ from ax_kombu.worker.callbacks import (
     host_allowed,
     post_callback,
 )
+from ax_kombu.worker.context import Cancellation, Context
 
-__all__ = ["Context", "Resolver", "RetryPolicy", "check_callback_url", "host_allowed",
+__all__ = ["Cancellation", "Context", "Resolver", "RetryPolicy", "check_callback_url", "host_allowed",
            "load_modules", "policy_of", "post_callback", "processor", "registered",
            "split_names"]
 
@@ -162,80 +162,6 @@ def call(func: Callable[..., Any], payload: Any, ctx: Context) -> Any:
 def registered(task_type: str) -> Callable[..., Any] | None:
     """The processor registered for ``task_type``, if any."""
     return _registry.get(task_type)
-
-
-_cancel_lock = threading.Lock()
-
-
-class Cancellation:
-    """A run's cancellation signal: set when the run should stop early.
-
-    Set (once, with a reason) when the run overruns its ``timeout_ms``
-    (``"timeout"``), when its task is cancelled with ``ax cancel`` while
-    RUNNING (``"cancelled"``), or when the worker stops cold (``"shutdown"``).
-    A Python thread cannot be killed: a long processor should look at
-    ``ctx.cancelled`` (or ``ctx.cancelled.wait(seconds)`` instead of sleeping)
-    and return. Cheap to make: one is made per run.
-    """
-
-    __slots__ = ("_event", "reason")
-
-    def __init__(self) -> None:
-        #: why it was set (None: not set)
-        self.reason: str | None = None
-        self._event: threading.Event | None = None
-
-    def set(self, reason: str) -> None:
-        """Set the signal (the first reason given is kept)."""
-        with _cancel_lock:
-            if self.reason is None:
-                self.reason = reason
-            event = self._event
-        if event is not None:
-            event.set()
-
-    def is_set(self) -> bool:
-        return self.reason is not None
-
-    def __bool__(self) -> bool:
-        return self.reason is not None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Sleep until the signal is set or ``timeout`` seconds pass; True if it is set."""
-        with _cancel_lock:
-            if self._event is None:
-                self._event = threading.Event()
-                if self.reason is not None:
-                    self._event.set()
-            event = self._event
-        return event.wait(timeout)
-
-
-class Context(NamedTuple):
-    """What a processor knows about the run it is doing (read-only; a NamedTuple, as one is
-    made per run)."""
-
-    task_id: int
-    attempt: int
-    trace_id: str
-    trigger_time: int
-    task_type: str
-    retry_count: int
-    max_retry: int
-    timeout_ms: int
-    #: set when the run should stop (timeout, ``ax cancel``, cold shutdown); the worker
-    #: always gives one
-    cancelled: Cancellation | None = None
-    #: when the run's ``timeout_ms`` ends, on ``time.monotonic()``
-    deadline: float | None = None
-    #: the recurring job this run is an occurrence of (None: a one-off task)
-    job: str | None = None
-    #: the occurrence's time (epoch ms) — what the job was due at; the trigger time of a
-    #: catch-up run after a misfire is later
-    scheduled_at: int | None = None
-    #: this task's shard (0-based) and how many shards its enqueue made (``shards=N``)
-    shard_index: int | None = None
-    shard_total: int | None = None
 
 
 def split_names(text: str | Iterable[str]) -> list[str]:

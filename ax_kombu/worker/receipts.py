@@ -16,7 +16,7 @@ during the round trip: batches grow with load (like a group commit) and a
 lone message waits for nobody. A few batches are in flight at once, each on
 its own thread and connection (``worker_receipt_writers``), so a batch never
 waits for the one before it to commit; nothing is acked before its batch has
-committed. Two batches in flight may hold a message for the same task (a
+committed. Two batches in flight may carry a message for the same task (a
 redelivery): the row lock decides, one moves and the other is refused.
 """
 
@@ -42,7 +42,8 @@ from ax_kombu.store import Store, transitions
 from ax_kombu.store.pinned import PinnedConnection
 from ax_kombu.store.schema import tasks
 from ax_kombu.worker.counters import Counters
-from ax_kombu.worker.lanes import Delivery
+from ax_kombu.worker.lanes import Lane
+from ax_kombu.worker.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,14 @@ _slim_compared = operator.attrgetter(*_SLIM_COMPARED)
 class Batch:
     """One round of receipts, and (once written) what came of it."""
 
-    start: list[Delivery]
-    release: list[Delivery]
-    dupes: list[Delivery]
+    start: list[Run[Lane]]
+    release: list[Run[Lane]]
+    dupes: list[Run[Lane]]
     #: task id → the task now RUNNING as its row stores it (what runs);
     #: None if the write was given up (the messages stay unacked)
     started: dict[int, TaskMessage] | None = None
     #: started deliveries whose message differs from the stored task, with the fields that do
-    forged: list[tuple[Delivery, list[str]]] = field(default_factory=list)
+    forged: list[tuple[Run[Lane], list[str]]] = field(default_factory=list)
     #: task id → (counter suffix, log text) for each refused start
     refusals: dict[int, tuple[str, str]] = field(default_factory=dict)
     #: the worker incarnation the RUNNING moves were fenced under
@@ -188,8 +189,8 @@ class UnreadablePayload(str):
     """A stored payload that is not JSON (the row was written by hand): its run fails."""
 
 
-def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
-                 ) -> tuple[dict[int, TaskMessage], list[tuple[Delivery, list[str]]]]:
+def stored_tasks(deliveries: list[Run[Lane]], rows: list[transitions.Started]
+                 ) -> tuple[dict[int, TaskMessage], list[tuple[Run[Lane], list[str]]]]:
     """The started tasks as their rows store them, and the messages that differ from those.
 
     Each stored payload is parsed here, once. The message keeps only what
@@ -199,7 +200,7 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
     """
     by_id = {d.task.task_id: d for d in deliveries}
     started: dict[int, TaskMessage] = {}
-    forged: list[tuple[Delivery, list[str]]] = []
+    forged: list[tuple[Run[Lane], list[str]]] = []
     for row in rows:
         delivery = by_id[row.task_id]
         message = delivery.task
@@ -225,7 +226,7 @@ def stored_tasks(deliveries: list[Delivery], rows: list[transitions.Started]
     return started, forged
 
 
-def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:
+def account(batch: Batch, refused: list[Run[Lane]], stats: Counters) -> None:
     """Count and log what a written batch did not start (handed back, duplicate, refused)."""
     stats.add("received", len(batch.start) + len(batch.release) + len(batch.dupes))
     stats.add("started", len(batch.start) - len(refused))
@@ -252,7 +253,7 @@ def account(batch: Batch, refused: list[Delivery], stats: Counters) -> None:
         log.info("message refused, not run", extra={**delivery.labels, "reason": why})
 
 
-def _explain(conn: Connection, refused: list[Delivery]) -> dict[int, tuple[str, str]]:
+def _explain(conn: Connection, refused: list[Run[Lane]]) -> dict[int, tuple[str, str]]:
     """Why each RUNNING move failed (one read for the batch)."""
     if not refused:
         return {}

@@ -12,7 +12,7 @@ Decisions, for a run of attempt *a* of a task:
 * failure, timeout, or abandoned at shutdown, with ``retry_count <
   max_retry`` → DELAYED with ``trigger_time = now + backoff(retry_count)``,
   ``retry_count + 1``, ``last_error``, ``owner_node = NULL`` (a scheduler
-  adopts it like any delayed task);
+  claims it like any delayed task);
 * otherwise, or a processor refused as not allowed (retrying cannot help)
   → FAILED with ``finished_at`` and ``last_error``;
 * what the processor said its failure means (``ax.Retry``, ``ax.Snooze``,
@@ -161,7 +161,7 @@ class _Queued(NamedTuple):
     #: called on the writer's thread once the outcome is durable (or moved nothing)
     on_durable: Callable[[], None] | None
     #: it took one of the inbox's places (an abandoned run's outcome does not wait for one)
-    holds_room: bool
+    took_room: bool
 
 
 class ResultWriter:
@@ -206,8 +206,8 @@ class ResultWriter:
                 or found to move nothing; never if the writer is given up on first.
         """
         result = RunResult(task, outcome, int(self.store.clock.local_ms()))  # before a wait
-        holds_room = outcome.abandoned is None and self._wait_for_room()
-        self._inbox.put(_Queued(result, on_durable, holds_room))
+        took_room = outcome.abandoned is None and self._wait_for_room()
+        self._inbox.put(_Queued(result, on_durable, took_room))
 
     def _wait_for_room(self) -> bool:
         """Take a place in the inbox, waiting while all are taken; False: taken none."""
@@ -307,9 +307,9 @@ class ResultWriter:
 
     def _settled(self, batch: list[_Queued], *, durable: bool) -> None:
         """A batch is done with: free its inbox places, tell who asked (if durable)."""
-        held = sum(q.holds_room for q in batch)
-        if held:
-            self._room.give(held)
+        taken = sum(q.took_room for q in batch)
+        if taken:
+            self._room.give(taken)
         if not durable:
             return
         for q in batch:

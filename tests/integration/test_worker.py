@@ -260,7 +260,7 @@ def test_a_staged_task_cancelled_before_its_trigger_time_is_not_run(
         eventually(lambda: dispatch.status(task_id) is Status.RUNNING)
         dispatch.client.cancel(task_id)
         # the held runs are checked every 50 ms: this one ends without starting
-        eventually(lambda: not worker.intake.running, what="the held run ended")
+        eventually(lambda: not worker.intake.stage.runs, what="the held run ended")
         assert dispatch.client.store.now_ms() < message.trigger_time
     assert dispatch.status(task_id) is Status.CANCELLED
     assert task_id not in procs_worker.calls
@@ -296,7 +296,7 @@ def test_a_timeout_is_signalled_and_recorded_only_when_the_thread_returns(
         assert ctx.cancelled is not None and ctx.cancelled.reason == "timeout"
         assert ctx.deadline is not None
         assert dispatch.status(task_id) is Status.RUNNING  # not retried while it runs
-        assert lane.pool.free == lane.pool.size - 1 and lane.held == 1  # slot and message kept
+        assert lane.pool.free == lane.pool.size - 1 and lane.unacked == 1  # slot and message kept
         procs_worker.release.set()
         eventually(lambda: dispatch.status(task_id) is Status.DELAYED, what="retry scheduled")
         view = dispatch.view(task_id)
@@ -315,7 +315,7 @@ def test_a_long_task_is_acked_at_start_and_its_slot_lowers_the_prefetch(
         dispatch.dispatch([task_id])
         eventually(lambda: dispatch.status(task_id) is Status.RUNNING and lane.pool.active == 1)
         # no message held for it (RabbitMQ would close a channel holding one for 30 min) …
-        assert lane.held == 0 and lane.acked_running == 1
+        assert lane.unacked == 0 and lane.acked_running == 1
         # … so its slot is taken out of the prefetch instead
         eventually(lambda: lane.prefetch == lane.window - 1, what="prefetch lowered")
         procs_worker.release.set()
@@ -603,7 +603,7 @@ def test_the_worker_takes_from_the_broker_no_more_than_its_free_slots(
         dispatch.dispatch(ids)
         eventually(lambda: sum(dispatch.status(i) is Status.RUNNING for i in ids) == 2)
         lane = next(lane for lane in worker.lanes if lane.priority == "default")
-        assert lane.held == 2 and dispatch.queue_depth("default") == 3  # the rest wait there
+        assert lane.unacked == 2 and dispatch.queue_depth("default") == 3  # the rest wait there
         procs_worker.release.set()
         eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
     assert dispatch.queue_depth("default") == 0
@@ -620,7 +620,7 @@ def test_the_worker_stages_no_more_than_its_stage_and_a_thread_takes_the_next_at
         dispatch.dispatch(ids)
         # fenced RUNNING ahead of a free thread, up to the window; the rest wait in the broker
         eventually(lambda: sum(dispatch.status(i) is Status.RUNNING for i in ids) == window)
-        assert lane.held == window and lane.pool.staged == window - 2
+        assert lane.unacked == window and lane.pool.staged == window - 2
         assert dispatch.queue_depth("default") == 5
         assert sum(i in procs_worker.calls for i in ids) == 2  # staged is not started
         procs_worker.release.set()

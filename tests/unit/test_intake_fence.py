@@ -14,8 +14,9 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.intake import Intake
-from ax_kombu.worker.lanes import Delivery, Lane
+from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.receipts import Batch
+from ax_kombu.worker.run import Run, State
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,8 +52,9 @@ class Receipts:
 def _intake(calls: Calls, lease: Lease) -> tuple[Intake, Lane]:
     wakeup = Wakeup()
     lane = Lane("default", Queue("q"), 2, 1, wakeup.poke, 1.0)
-    intake = Intake([lane], Receipts(), calls, calls, Counters(), wakeup,  # type: ignore[arg-type]
-                    StopFlags(), lambda: time.time() * 1000, lease)
+    intake = Intake([lane], receipts=Receipts(), results=calls,  # type: ignore[arg-type]
+                    resolver=calls, stats=Counters(), wakeup=wakeup,  # type: ignore[arg-type]
+                    flags=StopFlags(), clock=lambda: time.time() * 1000, lease=lease)
     return intake, lane
 
 
@@ -61,7 +63,8 @@ def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int) -> Batch:
     task = TaskMessage(task_id, 1, "t", {}, "tr", now - 10, 60_000, "default", 0, 3, "p", None,
                        now, "s0")
     lane.reserved += 1  # as plan() does
-    return Batch([Delivery(lane, task, Message(), intake.generation)], [], [],
+    planned = Run(lane, task, Message(), intake.acks.generation, State.PLANNED)
+    return Batch([planned], [], [],
                  started={task_id: task}, incarnation=incarnation)
 
 
@@ -72,13 +75,13 @@ def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> 
     late = _batch(intake, lane, 42, incarnation=1)  # committed before the pause
     # after SIGCONT, Worker._fenced: revoke, withdraw the stage (empty yet), register anew ...
     lease.revoke()
-    assert intake.withdraw_staged() == []
-    intake.receipted(late)  # ... while the consuming thread takes the batch that came back
+    assert intake.withdraw() == []
+    intake.planner.receipted(late)  # ... while the consuming thread takes the batch that came back
     lease.confirm(time.monotonic(), incarnation=2)
     fresh = _batch(intake, lane, 43, incarnation=2)  # fenced under the new incarnation
-    intake.receipted(fresh)
+    intake.planner.receipted(fresh)
     deadline = time.monotonic() + 5
-    while (intake.running or lane.pool.active) and time.monotonic() < deadline:
+    while (intake.stage.runs or lane.pool.active) and time.monotonic() < deadline:
         intake.settle()
         time.sleep(0.01)
     assert calls.runs == [(43, 1)]  # the old incarnation's run never started ...
@@ -86,25 +89,25 @@ def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> 
     lane.pool.close()
 
 
-def test_a_run_whose_timeout_passes_while_held_is_kept_for_hand_back() -> None:
+def test_a_run_whose_timeout_passes_while_it_waits_is_kept_for_hand_back() -> None:
     """The lease stays uncertain (heartbeats failing) past the run's timeout: the run never
     starts and records no outcome, and it is not dropped either: the node hands its row
     back (before, it stayed RUNNING on a live node for good)."""
     calls, lease = Calls(), Lease(5.0)  # never confirmed: covers() stays undecided
     intake, lane = _intake(calls, lease)
     batch = _batch(intake, lane, 44, incarnation=1)
-    held = batch.start[0]
+    waiting = batch.start[0]
     assert batch.started is not None  # the row's settings are what runs
     batch.started[44] = batch.started[44]._replace(timeout_ms=200)
-    intake.receipted(batch)
+    intake.planner.receipted(batch)
     deadline = time.monotonic() + 10
-    while intake.running and time.monotonic() < deadline:
+    while intake.stage.runs and time.monotonic() < deadline:
         intake.settle()
         time.sleep(0.01)
-    assert not intake.running
+    assert not intake.stage.runs
     assert calls.runs == [] and calls.results == []  # never started, nothing recorded
-    assert intake.take_expired_holds() == [held]
-    assert intake.take_expired_holds() == []
+    assert intake.starter.take_expired() == [waiting]
+    assert intake.starter.take_expired() == []
 
 
 class RecordedMessage(Message):
@@ -125,13 +128,13 @@ def test_a_message_is_acked_only_once_its_outcome_is_durable() -> None:
     batch = _batch(intake, lane, 45, incarnation=1)
     message = RecordedMessage()
     batch.start[0].message = message
-    intake.receipted(batch)
+    intake.planner.receipted(batch)
     deadline = time.monotonic() + 5
     while not durable and time.monotonic() < deadline:
         time.sleep(0.01)
     assert calls.runs == [(45, 1)] and len(durable) == 1
     intake.settle()
-    assert message.acks == 0 and intake.running  # ended, not durable yet
+    assert message.acks == 0 and intake.stage.runs  # ended, not durable yet
     durable[0]()  # the writer committed the batch
     intake.settle()
-    assert message.acks == 1 and not intake.running
+    assert message.acks == 1 and not intake.stage.runs

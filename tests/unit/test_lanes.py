@@ -1,4 +1,4 @@
-"""lanes.plan(): which received deliveries start, wait, go back, or are duplicates."""
+"""planning.plan(): which received deliveries start, wait, go back, or are duplicates."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ import pytest
 from kombu import Queue
 
 from ax_kombu.broker.messages import TaskMessage
-from ax_kombu.worker.lanes import STAGE_PER_THREAD, Delivery, Lane, plan
+from ax_kombu.worker.lanes import STAGE_PER_THREAD, Lane
+from ax_kombu.worker.planning import plan
+from ax_kombu.worker.run import Run
 
 
-def delivery(lane: Lane, task_id: int, attempt: int = 1) -> Delivery:
+def delivery(lane: Lane, task_id: int, attempt: int = 1) -> Run[Lane]:
     task = TaskMessage(task_id=task_id, attempt=attempt, task_type="t", payload=None,
                        trace_id="tr", trigger_time=0, timeout_ms=1000, priority=lane.priority,
                        retry_count=0, max_retry=0, processor=None, callback_url=None,
                        dispatched_at=0, node="s")
-    return Delivery(lane, task, message=None, generation=1)
+    return Run(lane, task, message=None, generation=1)
 
 
 @pytest.fixture

@@ -1,0 +1,58 @@
+"""The executor seam: what the intake hands fenced runs to, and what it gets back.
+
+An executor runs jobs and reports each one's :class:`~ax_kombu.core.outcomes.Outcome`
+exactly once to the job's ``done``: with its result, a timeout, or "abandoned". The
+intake (:mod:`ax_kombu.worker.starts`) names only :class:`Executor`; the bounded thread
+pool (:class:`ax_kombu.worker.pools.Pool`) is one implementation, and another (an asyncio
+loop, say) can stand beside it without a change to the intake, as long as it keeps the
+contract below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from ax_kombu.core.outcomes import Outcome
+
+Done = Callable[[Outcome], None]
+
+
+class Cancellable(Protocol):
+    """A job's cancellation signal, as the executor sets it (reason ``"timeout"``,
+    ``"shutdown"``)."""
+
+    def set(self, reason: str) -> None: ...
+
+
+#: a job's timeout in seconds, or a function giving it when the job is taken to run
+Timeout = float | Callable[[], float] | None
+
+
+class Submission(NamedTuple):
+    """One job: what to call, whom to tell, and when it may start."""
+
+    fn: Callable[[], Any]
+    done: Done
+    timeout_s: Timeout
+    labels: Mapping[str, Any]
+    cancel: Cancellable | None
+    #: not taken to run before this (the executor's monotonic clock; 0: at once)
+    start_at: float
+
+
+class Executor(Protocol):
+    """Runs submitted jobs; the contract the intake relies on:
+
+    * :meth:`submit_reserved` takes every job (its room was counted before) or, once the
+      executor is closed, none (False);
+    * a job waiting for its ``start_at`` takes no worker of the executor's, and is taken
+      in ``start_at`` order;
+    * each job's ``done`` is called exactly once, and only after ``fn`` returned or raised,
+      or without calling ``fn`` if the job was abandoned first;
+    * after :meth:`release_cancelled`, waiting jobs whose signal is set are taken now.
+    """
+
+    def submit_reserved(self, jobs: Sequence[Submission]) -> bool: ...
+
+    def release_cancelled(self) -> None: ...

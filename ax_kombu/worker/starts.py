@@ -1,0 +1,254 @@
+"""The start protocol: fenced runs go to their executor, and each starts only when it may.
+
+:meth:`Starter.submit` hands FENCED runs to their lane's
+:class:`~ax_kombu.worker.executor.Executor` (a free thread, or the stage: runs fenced
+ahead of a free thread, see :mod:`ax_kombu.worker.lanes`). A run received before its
+trigger time waits in the stage, taking no thread, until that time on the database clock:
+it never starts early, and the ``started_at`` its result records is when it really
+started.
+
+**Before a run starts** (on its executor's thread, :meth:`Starter._start`) it is checked
+once more, in memory and under the stage's lock (:class:`~ax_kombu.worker.stage.Stage`):
+
+1. its trigger time has come (or its signal was set: then it ends without starting);
+2. the worker's :class:`~ax_kombu.core.lease.Lease` covers the incarnation that fenced it —
+   a worker whose heartbeats stopped succeeding (cut off, or paused past its silence
+   window) starts nothing it staged until a beat succeeds, and one declared dead meanwhile
+   withdraws it (another node has that task now);
+3. it is still waiting (not withdrawn by a stop, not cancelled);
+4. a LISTED run is released first (:meth:`~ax_kombu.worker.listing.Listing.release`, one
+   commit), so the recovery never takes a started run for an unstarted one.
+
+Then STARTED: its processor is called. A run that ends without starting (WITHDRAWN,
+CANCELLED, ABANDONED) records nothing: its row is no longer RUNNING at its attempt, or is
+written back by whoever withdrew it, or (its timeout passed while it waited:
+:meth:`Starter.take_expired`) by the node, or by the recovery.
+
+Every outcome goes to the result writer; the run is settled (its message acked) once the
+outcome is durable (:meth:`Starter.take_completed`, on the consuming thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.core.lease import Lease
+from ax_kombu.core.outcomes import Outcome
+from ax_kombu.exceptions import ProcessorRefused
+from ax_kombu.observability import metrics
+from ax_kombu.worker.context import Cancellation, Context
+from ax_kombu.worker.control import Wakeup
+from ax_kombu.worker.executor import Executor, Submission
+from ax_kombu.worker.lanes import Lane
+from ax_kombu.worker.listing import Listing
+from ax_kombu.worker.processors import Resolver, call
+from ax_kombu.worker.receipts import UnreadablePayload
+from ax_kombu.worker.run import WAITING, Run, State
+from ax_kombu.worker.stage import Stage
+
+#: how long a staged run waits for the lease before looking at its signal again
+LEASE_WAIT_S = 0.1
+
+
+class Withdrawn(Exception):
+    """A staged run ended before its trigger time without starting: cancelled (``ax
+    cancel``; the row is CANCELLED) or withdrawn by a stopping worker (which writes the
+    row back itself). Nothing is recorded for it."""
+
+
+class Outcomes(Protocol):
+    """Where a started run's outcome goes (:class:`~ax_kombu.worker.results.ResultWriter`)."""
+
+    def put(self, task: TaskMessage, outcome: Outcome,
+            on_durable: Callable[[], None] | None = None) -> None: ...
+
+
+class Starter:
+    """Submits fenced runs and runs the start protocol (see the module docstring).
+
+    Args:
+        stage: the index of runs in the executors, and its lock.
+        executors: each lane's executor (its pool).
+        clock: the earliest the database time can be, epoch ms, without a round trip: a
+            staged run waits until its trigger time on it.
+        now_ms: the database time a run's start is recorded at; the result writer records
+            its end on the same clock.
+        listing: where LISTED runs are released before they start, and forgotten when they
+            end without starting (None: no run is ever listed).
+    """
+
+    def __init__(self, *, stage: Stage, executors: dict[Lane, Executor], results: Outcomes,
+                 resolver: Resolver, wakeup: Wakeup, clock: Callable[[], float],
+                 now_ms: Callable[[], float], lease: Lease,
+                 listing: Listing | None = None) -> None:
+        self._stage = stage
+        self._executors = executors
+        self._results = results
+        self._resolver = resolver
+        self._wakeup = wakeup
+        self._clock = clock
+        self._now_ms = now_ms
+        self._lease = lease
+        self._listing = listing
+        #: runs whose timeout passed while they waited (the lease stayed uncertain, say)
+        #: and so never started: their rows are still RUNNING here at their attempt, and
+        #: the node writes them back (:meth:`take_expired`), or the recovery does
+        self.expired: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
+        self._completed: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
+
+    def submit(self, runs: list[Run[Lane]]) -> None:
+        """FENCED → STAGED, handed to their executors: one call per executor for the batch."""
+        by_lane: dict[Lane, list[Run[Lane]]] = {}
+        for run in runs:
+            run.cancel = Cancellation()
+            by_lane.setdefault(run.lane, []).append(run)
+        self._stage.add(runs)
+        now = time.monotonic()
+        for lane, lane_runs in by_lane.items():
+            jobs = []
+            for run in lane_runs:
+                # a run received before its trigger time waits in the stage, not in a thread
+                wait_s = self._wait_s(run.task)
+                jobs.append(Submission(partial(self._start, run), partial(self._done, run),
+                                       partial(self._timeout_s, run.task), run.labels,
+                                       run.cancel, now + wait_s if wait_s else 0.0))
+            if not self._executors[lane].submit_reserved(jobs):  # room reserved; stopping
+                for run in lane_runs:
+                    self._done(run, Outcome(False, abandoned="the pool is closed"))
+
+    def _wait_s(self, task: TaskMessage) -> float:
+        """How long until the task's trigger time (0 once due), on the database clock."""
+        return max(0.0, task.trigger_time - self._clock()) / 1000.0
+
+    def _timeout_s(self, task: TaskMessage) -> float:
+        """A run's timeout from when a thread takes it: what is left of its wait until its
+        trigger time, then ``timeout_ms``."""
+        return self._wait_s(task) + task.timeout_ms / 1000.0
+
+    def _start(self, run: Run[Lane]) -> Any:
+        """An executor's thread takes a staged run: the checks of the module docstring,
+        then its processor (raises :class:`Withdrawn` if it may not start)."""
+        task, cancel = run.task, run.cancel
+        while (left_ms := task.trigger_time - self._clock()) > 0 and not cancel.wait(
+                left_ms / 1000.0):
+            pass
+        while (covered := self._lease.covers(run.incarnation)) is None and not cancel:
+            self._lease.wait(run.incarnation, LEASE_WAIT_S)
+        with self._stage.lock:
+            listed = self._take(run, covered is not False)
+        if listed:
+            self._release(run)
+        if run.state is not State.STARTED:
+            raise Withdrawn(f"{cancel.reason or 'withdrawn'} before it started")
+        metrics.start_delay.observe(-left_ms / 1000.0)
+        # the real start (the RUNNING move wrote when it was fenced): the result records it
+        task = run.task = task.started(max(task.trigger_time, int(self._now_ms())))
+        ctx = Context(task_id=task.task_id, attempt=task.attempt, trace_id=task.trace_id,
+                      trigger_time=task.trigger_time, task_type=task.task_type,
+                      retry_count=task.retry_count, max_retry=task.max_retry,
+                      timeout_ms=task.timeout_ms, cancelled=cancel,
+                      deadline=time.monotonic() + task.timeout_ms / 1000.0, job=task.job,
+                      scheduled_at=task.scheduled_at, shard_index=task.shard_index,
+                      shard_total=task.shard_total)
+        began = time.monotonic()
+        try:
+            return self._execute(task, ctx)
+        finally:
+            run.lane.timed(time.monotonic() - began)
+
+    @staticmethod
+    def _take(run: Run[Lane], covered: bool) -> bool:
+        """Under the stage's lock: STARTED if the run may start now; True if it is LISTED
+        (released first); else it ends unstarted (or had already: withdrawn)."""
+        if run.state not in WAITING:
+            return False
+        if not covered:  # fenced under an incarnation declared dead: never starts here
+            run.move(State.WITHDRAWN)
+        elif run.cancel:
+            run.move(State.CANCELLED)
+        elif run.state is State.LISTED:
+            return True
+        else:
+            run.move(State.STARTED)
+        return False
+
+    def _release(self, run: Run[Lane]) -> None:
+        """A LISTED run: its release committed first, then STARTED (unless it ended
+        meanwhile: withdrawn, cancelled, or its incarnation no longer live)."""
+        assert self._listing is not None
+        cancel = run.cancel
+        released = self._listing.release(run.task.task_id, run.incarnation,
+                                         lambda: bool(cancel) or run.state is not State.LISTED)
+        with self._stage.lock:
+            if run.state is not State.LISTED:
+                return
+            if cancel:
+                run.move(State.CANCELLED)
+            elif not released:
+                run.move(State.WITHDRAWN)
+            else:
+                run.move(State.STAGED)
+                run.move(State.STARTED)
+
+    def _execute(self, task: TaskMessage, ctx: Context) -> Any:
+        if type(task.payload) is UnreadablePayload:
+            raise ProcessorRefused("the stored payload is not JSON")
+        func = self._resolver.resolve(task.processor, task.callback_url)
+        return call(func, task.payload, ctx)
+
+    def _done(self, run: Run[Lane], outcome: Outcome) -> None:
+        """A run's outcome (an executor's thread): STARTED → ENDED, to the result writer;
+        it is settled once the outcome is durable. A run that never started ends at once,
+        recording nothing."""
+        if run.state is State.STARTED:
+            run.move(State.ENDED)
+            self._results.put(run.task, outcome, on_durable=partial(self._durable, run))
+            return
+        with self._stage.lock:
+            if run.state in WAITING:  # given up on before a thread took it
+                run.move(State.ABANDONED)
+        if self._listing is not None and self._listing.any:
+            self._listing.forget([run.task.task_id])  # listed or not: it never starts here
+        if run.cancel is not None and run.cancel.reason == "timeout":
+            self.expired.put(run)  # nobody else writes its row back
+        self._completed.put(run)
+        self._wakeup.poke()
+
+    def _durable(self, run: Run[Lane]) -> None:
+        """ENDED → DURABLE (the result writer's thread): to be settled."""
+        run.move(State.DURABLE)
+        self._completed.put(run)
+        self._wakeup.poke()
+
+    def take_completed(self) -> list[Run[Lane]]:
+        """The runs over since the last call (durable, or ended without starting)."""
+        return _drain(self._completed)
+
+    def take_expired(self) -> list[Run[Lane]]:
+        """The runs whose timeout passed while they waited (see :attr:`expired`), for the
+        node to write back."""
+        return _drain(self.expired)
+
+    def wake(self, runs: Sequence[Run[Lane]], reason: str = "shutdown") -> None:
+        """Set the signal of ``runs`` now (withdrawn ones end without starting): a staged
+        run waiting for its trigger time leaves its executor's stage at once."""
+        for run in runs:
+            if run.cancel is not None:
+                run.cancel.set(reason)
+        for lane in {r.lane for r in runs}:
+            self._executors[lane].release_cancelled()
+
+
+def _drain(runs: queue.SimpleQueue[Run[Lane]]) -> list[Run[Lane]]:
+    """Everything in ``runs`` now, taken out, without waiting."""
+    taken: list[Run[Lane]] = []
+    while True:
+        try:
+            taken.append(runs.get_nowait())
+        except queue.Empty:
+            return taken
