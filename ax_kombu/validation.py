@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.core.fingerprint import canonical_json, fingerprint
+from ax_kombu.core.runners import CELERY_RUNNERS
 from ax_kombu.core.values import (
     MAX_BIZ_KEY,
     MAX_CALLBACK_URL,
@@ -36,7 +37,6 @@ from ax_kombu.core.values import (
 )
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability.redaction import redact_url
-from ax_kombu.store.schema import CELERY_RUNNERS
 
 
 def _callback(url: Any) -> str:

@@ -1,7 +1,7 @@
 """Celery's wire format: a due Celery-bound task as a standard Celery protocol-2 message.
 
 A task row is *Celery-bound* when its stored ``runner`` is ``'celery'`` or ``'celery_ax'``
-(:mod:`ax_kombu.store.schema`; never read from a name); only :mod:`ax_kombu.celery` writes
+(:mod:`ax_kombu.core.runners`; never read from a name); only :mod:`ax_kombu.celery` writes
 such rows, with ``processor_name`` ``celery:<queue>`` (:func:`processor_for`) naming the
 Celery queue. Its ``task_type`` is the Celery task name and its payload
 ``{"args": [...], "kwargs": {...}}`` with, optionally, ``"expires"`` (ISO 8601),
@@ -27,7 +27,7 @@ every transport delivers straight to that queue.
   each attempt exactly once; a worker that runs it runs it under that id.
 * Never early, and on time. A task for workers running the bootstep (runner
   ``'celery_ax'``) is staged as ax's own are: claimed and published up to
-  :data:`ax_kombu.store.claims.CELERY_STAGE_MS` (1 s) before it is due, with Celery's own
+  :data:`ax_kombu.core.runners.CELERY_AX_LEAD_MS` (1 s) before it is due, with Celery's own
   ``eta`` header = its trigger time,
   so the Celery worker's timer holds it to the due instant (an ``eta`` message does not
   count against the worker's prefetch), and the bootstep fences it then
@@ -50,12 +50,8 @@ from typing import Any, ClassVar, NamedTuple
 import orjson
 
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.core.runners import CELERY, CELERY_AX, route_to, runner_of_route
 
-#: ``processor_name`` of a Celery-bound task: this prefix, then the Celery queue's name
-CELERY_PREFIX = "celery:"
-#: the same for a task whose Celery workers run :class:`ax_kombu.celery.AxBootstep`: its
-#: run is fenced and recorded by the worker, so the scheduler records no hand-off
-FENCED_PREFIX = "celery+ax:"
 #: the namespace of :func:`celery_task_id` (a fixed, random UUID: never change it)
 TASK_ID_NAMESPACE = uuid.UUID("5f0c2b8e-3a51-4c1e-9a57-1d2f6c3b7e90")
 #: as Celery's ``argsrepr_maxsize`` / ``kwargsrepr_maxsize`` defaults
@@ -65,7 +61,7 @@ _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 class CeleryBound(TaskMessage):
     """A claimed attempt whose stored runner is ``'celery'``: sent as a Celery message, its
-    hand-off recorded by the scheduler (:mod:`ax_kombu.scheduler.handoff`)."""
+    hand-off recorded by the scheduler (:mod:`ax_kombu.celery.handoff`)."""
 
     __slots__ = ()
     #: the run is fenced and recorded by a Celery worker's AxBootstep
@@ -79,9 +75,8 @@ class CeleryFenced(CeleryBound):
     fenced: ClassVar[bool] = True
 
 
-#: the message class of each Celery runner (ax_kombu.store.schema.CELERY_RUNNERS)
-CELERY_MESSAGES: dict[str, type[CeleryBound]] = {"celery": CeleryBound,
-                                                  "celery_ax": CeleryFenced}
+#: the message class of each Celery runner (ax_kombu.core.runners.CELERY_RUNNERS)
+CELERY_MESSAGES: dict[str, type[CeleryBound]] = {CELERY: CeleryBound, CELERY_AX: CeleryFenced}
 
 
 class Unbuildable(ValueError):
@@ -91,18 +86,13 @@ class Unbuildable(ValueError):
 def processor_for(queue: str, fenced: bool = False) -> str:
     """The ``processor_name`` that marks a task as Celery-bound, for ``queue``; ``fenced``:
     its workers run the bootstep."""
-    return (FENCED_PREFIX if fenced else CELERY_PREFIX) + queue
+    return route_to(CELERY_AX if fenced else CELERY, queue)
 
 
 def is_celery(processor: str | None) -> bool:
     """True when ``processor`` (a row's ``processor_name``) is one :mod:`ax_kombu.celery`
-    wrote for a Celery-bound task (the row's ``runner`` says so; this reads the name)."""
-    return processor is not None and processor.startswith((CELERY_PREFIX, FENCED_PREFIX))
-
-
-def is_fenced(processor: str | None) -> bool:
-    """True when ``processor`` marks a Celery-bound task run under the bootstep."""
-    return processor is not None and processor.startswith(FENCED_PREFIX)
+    wrote for a Celery-bound task (the row's ``runner`` decides; this reads the name)."""
+    return runner_of_route(processor) in (CELERY, CELERY_AX)
 
 
 def celery_queue(processor: str) -> str:

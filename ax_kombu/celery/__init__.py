@@ -27,7 +27,7 @@ Guarantees:
   only once its trigger time has come on its database clock (:mod:`ax_kombu.store.claims`),
   so until then ``cancel`` wins, and the message has no ``eta``. For workers with the
   extension (below) it is staged as ax's own tasks are: published up to 1 s ahead
-  (:data:`ax_kombu.store.claims.CELERY_STAGE_MS`) with Celery's ``eta``, held by the
+  (:data:`ax_kombu.core.runners.CELERY_AX_LEAD_MS`) with Celery's ``eta``, held by the
   Celery worker's timer, and fenced at the due instant, so it starts on time (a cancel
   meanwhile still wins: the fence refuses it).
 * Without the worker extension, once the broker has accepted that message the ax
@@ -43,22 +43,37 @@ Guarantees:
 The broker: ax's scheduler publishes to ``AX_BROKER_URL`` (with
 ``AX_BROKER_KEY_PREFIX`` on Redis), so that must be the Celery app's broker (same
 URL, and ``broker_transport_options={"global_keyprefix": …}`` if a prefix is set).
-Celery is optional: this package needs it (``pip install 'ax_kombu[celery]'``);
-nothing else in ax imports it.
+Celery is optional: this package's public names need it (``pip install
+'ax_kombu[celery]'``), imported on first use; nothing else in ax imports Celery. The
+scheduler's hand-off hook (:mod:`ax_kombu.celery.handoff`) needs no Celery.
 """
 
 from __future__ import annotations
 
-try:
-    import celery  # noqa: F401  -- the real Celery: absolute imports resolve top-level
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ax_kombu.celery needs Celery: pip install 'ax_kombu[celery]'") from exc
+import importlib
+from typing import Any
 
 from ax_kombu.broker.celery_wire import celery_task_id
-from ax_kombu.celery.beat import import_beat_schedule
-from ax_kombu.celery.bootstep import AxBootstep
-from ax_kombu.celery.install import install, installed, uninstall
-from ax_kombu.celery.producer import async_result, enqueue, queue_of, uses_bootstep
+
+#: each public name, and the module it lives in (imported on first use: the scheduler imports
+#: :mod:`ax_kombu.celery.handoff`, which needs no Celery, from this package)
+_PUBLIC = {"AxBootstep": "bootstep", "import_beat_schedule": "beat", "install": "install",
+           "installed": "install", "uninstall": "install", "async_result": "producer",
+           "enqueue": "producer", "queue_of": "producer", "uses_bootstep": "producer"}
 
 __all__ = ["AxBootstep", "async_result", "celery_task_id", "enqueue", "import_beat_schedule",
            "install", "installed", "queue_of", "uninstall", "uses_bootstep"]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names but ``celery_task_id``, from their modules, which need Celery."""
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import celery  # noqa: F401  -- the real Celery: absolute imports resolve top-level
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("ax_kombu.celery needs Celery: pip install 'ax_kombu[celery]'") from exc
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # over the submodule of the same name (``install``) the import set
+    return value

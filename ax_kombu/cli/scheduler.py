@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from ax_kombu.celery.handoff import CeleryHandOff
 from ax_kombu.cli.base import Duration, broker_option, db_option, run_guarded
 from ax_kombu.cli.daemon import (
     DaemonCommand,
@@ -62,7 +63,8 @@ def main(node_id: str | None, loglevel: str, log_format: str, apps: tuple[str, .
     run_guarded(lambda: check_urls(settings))
     run_guarded(lambda: import_apps(apps, settings))
     with pidfile(pidfile_path):
-        scheduler = run_guarded(lambda: Scheduler(settings, node_id))
+        scheduler = run_guarded(lambda: Scheduler(settings, node_id,
+                                                  publish_hooks=(CeleryHandOff,)))
         install_stop_signals(lambda cold: scheduler.request_stop(cold))
         declare_periodic_jobs(settings)
         metrics.serve(metrics_port, metrics_addr)

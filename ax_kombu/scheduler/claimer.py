@@ -29,11 +29,10 @@ Contracts:
   DISPATCHING until the ack timeout. Every claim of this claimer writes a
   ``dispatched_at`` later than the one before (:meth:`Claimer._claim_now`), so that
   pair names one claim statement of one process: no other claim's rows match.
-* **Tasks for stock Celery workers are not staged** (``runner`` ``'celery'``): the
-  claim statement takes them only once due on the claimer's database clock
-  (:mod:`ax_kombu.store.claims`); they reach the wheel ``claim_lead_ms`` late, so
-  they fire when due. Those for workers running the AxBootstep (``'celery_ax'``) are
-  staged ``CELERY_STAGE_MS`` ahead, with Celery's ``eta`` holding them until due.
+* **A runner's own lead** (:data:`ax_kombu.core.runners.FIXED_LEADS`): the claim statement
+  takes such a task only once it is that lead from due on the claimer's database clock
+  (:mod:`ax_kombu.store.claims`; 0 for stock Celery workers, which are not staged); it
+  reaches the wheel ``claim_lead_ms`` minus that lead late, so it fires then.
 * **Gated tasks** (an order key, a job strategy, a type with a limit) are left
   by the claim statement; the due ones among the skipped go through the gated
   claim at once (:mod:`ax_kombu.store.gates`: what may start is claimed, what
@@ -227,7 +226,7 @@ class Claimer(Loop):
         missing = [t for t in batch if t not in claimed]
         try:
             with self._store.engine.connect() as conn:
-                ours = still_claimable(conn, missing, celery_lag_ms=self._lead_ms)
+                ours = still_claimable(conn, missing, claim_lead_ms=self._lead_ms)
         except SQLAlchemyError as exc:
             self._timing.retry_later(missing)  # the next claim sorts out which are still ours
             self.db_failed("claim", exc)

@@ -49,6 +49,10 @@ from ax_kombu.store.transitions import transition
 
 log = logging.getLogger(__name__)
 
+#: ``on_published(messages, at_ms)``: told of every batch that reached the broker (on the
+#: dispatcher's thread), e.g. :class:`ax_kombu.celery.handoff.CeleryHandOff`
+OnPublished = Callable[[list[TaskMessage], int], None]
+
 #: how long the dispatcher waits for the lease at a time before looking again
 LEASE_WAIT_S = 0.1
 
@@ -61,15 +65,18 @@ class Claimed(NamedTuple):
 
 
 def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
-    """The message for one claimed row (columns in TaskMessage order, then the target node
-    and the runner: see claims.claim). A row whose stored runner is a Celery one becomes
-    that runner's :class:`~ax_kombu.broker.celery_wire.CeleryBound` message."""
-    kind = CELERY_MESSAGES.get(row[13], TaskMessage) if len(row) > 13 else TaskMessage
-    message = kind(row[0], row[1], row[2], RawJson(row[3]), row[4], row[5], row[6],
-                   row[7], row[8], row[9], row[10], row[11], now_ms, node)
-    if row[12] is not None:  # a shard for one worker: to that worker's own queue
-        message = message._replace(route=worker_queue(row[12]))
-    return message
+    """The message for one claimed row (read by column name: see claims.claim). The message
+    class is the one its stored runner's table gives
+    (:data:`~ax_kombu.broker.celery_wire.CELERY_MESSAGES`; ax's own otherwise)."""
+    kind = CELERY_MESSAGES.get(row.runner, TaskMessage)
+    return kind(task_id=row.task_id, attempt=row.attempt, task_type=row.task_type,
+                payload=RawJson(row.payload), trace_id=row.trace_id,
+                trigger_time=row.trigger_time, timeout_ms=row.timeout_ms,
+                priority=row.priority, retry_count=row.retry_count, max_retry=row.max_retry,
+                processor=row.processor_name, callback_url=row.callback_url,
+                dispatched_at=now_ms, node=node,
+                # a shard for one worker: to that worker's own queue
+                route=None if row.target_node is None else worker_queue(row.target_node))
 
 
 class Dispatcher(threading.Thread):
@@ -81,10 +88,10 @@ class Dispatcher(threading.Thread):
 
     def __init__(self, settings: Settings, store: Store, node: str,
                  on_returned: Callable[[list[int]], None],
-                 on_published: Callable[[list[TaskMessage], int], None] | None = None,
+                 on_published: Sequence[OnPublished] = (),
                  lease: Lease | None = None) -> None:
         super().__init__(name="ax-dispatcher", daemon=True)
-        self._on_published = on_published
+        self._on_published = tuple(on_published)
         self.store = store
         self.node = node
         self.publisher = Publisher(settings)
@@ -171,8 +178,8 @@ class Dispatcher(threading.Thread):
             delays.setdefault(m.priority, []).append(max(0, done - m.trigger_time) / 1000.0)
         for priority, values in delays.items():
             metrics.observe_many(metrics.schedule_delay.labels(queue=priority), values)
-        if self._on_published is not None:
-            self._on_published(sent, done)
+        for hook in self._on_published:
+            hook(sent, done)
         self.published += len(sent)
         metrics.dispatch_total.labels("ok").inc(len(sent))
         metrics.dispatch_latency.observe(time.monotonic() - started)

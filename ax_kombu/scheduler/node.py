@@ -83,19 +83,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
 from ax_kombu.core.ids import LeasedIds
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.scheduler.claimer import Claimer
-from ax_kombu.scheduler.dispatcher import Dispatcher
-from ax_kombu.scheduler.handoff import CeleryHandOff
+from ax_kombu.scheduler.dispatcher import Dispatcher, OnPublished
 from ax_kombu.scheduler.heart import Heart
 from ax_kombu.scheduler.housekeeper import Housekeeper
 from ax_kombu.scheduler.loop import Mailbox
@@ -125,11 +123,15 @@ class Scheduler:
         settings: the node's settings.
         node_id: the node's name; a unique one is made up if not given.
         on_published: ``on_published(messages, at_ms)`` is told of every batch
-            that reached the broker (on the dispatcher's thread).
+            that reached the broker (on the dispatcher's thread), after the hooks.
+        publish_hooks: makers of more such hooks, each given the node's store (the
+            Celery hand-off, :class:`ax_kombu.celery.handoff.CeleryHandOff`, which
+            ``ax-scheduler`` installs), called first, in order.
     """
 
     def __init__(self, settings: Settings, node_id: str | None = None, *,
-                 on_published: Callable[[list[TaskMessage], int], None] | None = None) -> None:
+                 on_published: OnPublished | None = None,
+                 publish_hooks: Sequence[Callable[[Store], OnPublished]] = ()) -> None:
         self.settings = settings
         self.store = Store(settings)
         self.node_id = node_id or nodes.default_node_id("scheduler")
@@ -143,9 +145,11 @@ class Scheduler:
         self.lease = Lease(settings.lease_s)
         fired: Mailbox[int] = Mailbox()
         self.timing = TimingLoop(settings, self.store.clock, fired)
-        # Celery-bound tasks end (SUCCESS) once their publish is confirmed: scheduler.handoff
+        hooks = [make(self.store) for make in publish_hooks]
+        if on_published is not None:
+            hooks.append(on_published)
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
-                                     CeleryHandOff(self.store, on_published), self.lease)
+                                     hooks, self.lease)
         self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
                              settings.id_reservation_s * 1000, self.store.now_ms)
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,

@@ -5,18 +5,14 @@ The one statement behind exactly-once dispatch per attempt: a row moves for
 exactly one claimer, and every claim carries a new attempt number (the fencing
 token workers check).
 
-Staging and Celery: an ax task may be claimed up to ``claim_lead_ms`` before it is
-due (its worker holds it until its trigger time), and a Celery-bound task whose Celery
-workers run the AxBootstep (``runner`` ``'celery_ax'``) up to :data:`CELERY_STAGE_MS`
-before: it is published with Celery's ``eta`` and the bootstep fences it at the due
-instant (:mod:`ax_kombu.broker.celery_wire`). A task for stock Celery workers (``runner``
-``'celery'``, set by :mod:`ax_kombu.celery` alone; see :mod:`ax_kombu.store.schema`) is
-never staged (:func:`celery_unstaged`): nothing would hold a cancel back once Celery has
-its message, so the same statement claims it only once its trigger time is at or before
-the claimer's ``now`` (its reading of the database clock). So it is published no earlier
-than its trigger time on the scheduler's database clock (the publish follows the claim),
-and until then it is DELAYED/READY: ``cancel`` still wins, and a scheduler that dies
-with it in memory leaves it to the others' preload, not to the ack timeout.
+Claim leads: a task may be claimed ahead of its trigger time, by its runner's lead
+(:data:`ax_kombu.core.runners.RUNNERS`): ``claim_lead_ms`` for ax's own runners (their
+worker stages the run until its trigger time), or the lead a runner fixes for itself
+(:data:`~ax_kombu.core.runners.FIXED_LEADS`), 0 for one whose consumer could not hold a
+cancel back (claimed only once its trigger time is at or before the claimer's ``now``, its
+reading of the database clock, and until then DELAYED/READY: ``cancel`` still wins, and a
+scheduler that dies with it in memory leaves it to the others' preload, not to the ack
+timeout). The statements below are built from that table, so they name no runner.
 
 A lost reply: a claim whose statement committed but whose answer never arrived (the
 connection dropped) is repeated as a *resume*, with the same ``node`` and ``now``: the
@@ -36,50 +32,41 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, bindparam, text
 
-from ax_kombu.store.schema import CELERY_RUNNERS, CLAIMABLE, UNPARKED
+from ax_kombu.core.runners import FIXED_LEADS, OFF_AX_QUEUES
+from ax_kombu.store.schema import CLAIMABLE, UNPARKED
 from ax_kombu.store.transitions import _execute_batch, storable
 
 
-def celery_bound(runner: str = "runner") -> str:
-    """SQL, true when ``runner`` (an ``ax_task.runner`` column) names a Celery runner
-    (:data:`ax_kombu.store.schema.CELERY_RUNNERS`)."""
-    return f"{runner} IN ({', '.join(repr(r) for r in CELERY_RUNNERS)})"
+def off_ax_queues(runner: str = "runner") -> str:
+    """SQL, true when ``runner`` (an ``ax_task.runner`` column) names a runner whose tasks
+    no ax worker consumes (:data:`ax_kombu.core.runners.OFF_AX_QUEUES`)."""
+    return f"{runner} IN ({', '.join(repr(r) for r in OFF_AX_QUEUES)})"
 
 
-def celery_unstaged(runner: str = "runner") -> str:
-    """SQL, true when ``runner`` names the Celery runner whose tasks are not staged:
-    ``'celery'``, stock Celery workers (see the module docstring)."""
-    return f"{runner} = 'celery'"
+def _plus(lead: int, what: str, sign: str) -> str:
+    return what if lead == 0 else f"{what} {sign} {lead}"
 
 
-#: how far ahead of its trigger time a task for the bootstep's Celery workers (``runner``
-#: ``'celery_ax'``) is claimed and published, whatever ``claim_lead_ms``: a stock Celery
-#: worker's one consuming thread can trail by hundreds of ms on a busy host, and a message
-#: that arrives after its ``eta`` starts late, while holding one in its timer costs little
-#: (2,000 calls at 500/s, start − due p50 52–201 ms with 250 ms ahead, 7–13 ms with 1 s)
-CELERY_STAGE_MS = 1000
-
-
-def celery_staged(runner: str = "runner") -> str:
-    """SQL, true when ``runner`` names the Celery runner whose tasks are staged
-    :data:`CELERY_STAGE_MS` ahead: ``'celery_ax'`` (see the module docstring)."""
-    return f"{runner} = 'celery_ax'"
+def due_by(runner: str = "runner") -> str:
+    """SQL: the latest trigger time a claim at ``:now`` takes for the row's runner: ``:now``
+    plus its fixed lead, or ``:due_before`` (``now`` + ``claim_lead_ms``)."""
+    whens = " ".join(f"WHEN {runner} = '{name}' THEN {_plus(lead, ':now', '+')}"
+                     for name, lead in sorted(FIXED_LEADS.items()))
+    return f"CASE {whens} ELSE :due_before END" if whens else ":due_before"
 
 
 def fire_time(column: str = "trigger_time", runner: str = "runner") -> str:
-    """SQL: the time the scheduler's timing loop is handed for a task, ``:celery_lag`` after
-    its trigger time when it is not staged (:func:`celery_unstaged`), ``:celery_lag`` −
-    :data:`CELERY_STAGE_MS` after it for the bootstep's Celery workers
-    (:func:`celery_staged`), else the trigger time. The loop fires every id
-    ``claim_lead_ms`` before the time it was handed; with ``:celery_lag`` =
-    ``claim_lead_ms`` the first fires at its trigger time, when the claim takes it, the
-    second :data:`CELERY_STAGE_MS` before it (see the module docstring)."""
-    return (f"{column} + CASE WHEN {celery_unstaged(runner)} THEN :celery_lag "
-            f"WHEN {celery_staged(runner)} THEN :celery_lag - {CELERY_STAGE_MS} ELSE 0 END")
+    """SQL: the time the scheduler's timing loop is handed for a task. The loop fires every
+    id ``claim_lead_ms`` (``:claim_lead``) before the time it was handed, so a runner with
+    a fixed lead is handed its trigger time plus ``claim_lead_ms`` minus that lead: it fires
+    when the claim may take it (:func:`due_by`). Others are handed their trigger time."""
+    whens = " ".join(f"WHEN {runner} = '{name}' THEN {_plus(lead, ':claim_lead', '-')}"
+                     for name, lead in sorted(FIXED_LEADS.items()))
+    return f"{column} + CASE {whens} ELSE 0 END" if whens else column
 
 
-#: in the order of :class:`ax_kombu.broker.messages.TaskMessage`'s first fields, then the
-#: target node and the runner (see dispatcher.to_message)
+#: what a dispatch message needs of a claimed row, read by name
+#: (:func:`ax_kombu.scheduler.dispatcher.to_message`)
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
                   "priority, retry_count, max_retry, processor_name, callback_url, target_node, "
                   "runner")
@@ -89,11 +76,10 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 # so it moves for exactly one of them. Both lock in the same order (primary-key order of
 # ANY(:ids)), so two claims do not deadlock; if different plans ever did, PostgreSQL aborts
 # one, and its ids go back to be claimed again. This was FOR UPDATE SKIP LOCKED + UPDATE:
-# locking first wrote every row twice (lock, then update): claiming 20,000 due rows in
-# batches of 500 went from 27–29k to 33–35k rows/s here (three runs each, 2026-12-02).
+# locking first wrote every row twice (lock, then update; docs/benchmarks.md).
 #
-# A row for stock Celery workers is due by :now, one for the bootstep's by :now +
-# CELERY_STAGE_MS, every other one by :due_before (see the module docstring).
+# A row is due by :now plus its runner's fixed lead, or by :due_before (see the module
+# docstring).
 # A resume also returns the rows the lost statement moved, unchanged (SET reads the old row:
 # a row already DISPATCHING keeps its attempt).
 _CLAIM = """
@@ -101,9 +87,7 @@ _CLAIM = """
        SET status = 'DISPATCHING', attempt = attempt{bump},
            owner_node = :node, dispatched_at = :now{set}
      WHERE task_id {ids} AND {moves}
-       AND trigger_time <= CASE WHEN """ + celery_unstaged() + """ THEN :now
-                                WHEN """ + celery_staged() + f""" THEN :now + {CELERY_STAGE_MS}
-                                ELSE :due_before END""" + """{gate}
+       AND trigger_time <= """ + due_by() + """{gate}
  RETURNING """ + _CLAIM_COLUMNS
 _RESUME = {"moves": f"({CLAIMABLE} OR (status = 'DISPATCHING' "
                     "AND owner_node = :node AND dispatched_at = :now))",
@@ -134,9 +118,8 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
     to exactly one claimer. Rows due after ``due_before`` (default ``now_ms``)
     are left alone.
 
-    Tasks for stock Celery workers (``runner`` ``'celery'``) are due by ``now_ms``, never
-    ``due_before``: they are not staged; those for the bootstep's (``'celery_ax'``) by
-    ``now_ms`` + :data:`CELERY_STAGE_MS` (see the module docstring).
+    A task whose runner fixes its own lead is due by ``now_ms`` plus that lead, never
+    ``due_before`` (:func:`due_by`; see the module docstring).
 
     Gated tasks (:mod:`ax_kombu.store.gates`) are left alone unless ``gated``: the gated
     claim passes it for the tasks it decided may start, and marks them.
@@ -190,8 +173,8 @@ def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str
     rows = list(_execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
                                [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
                                now=now_ms, node=node))
-    gates.wake_next(conn, [(r[1], r[3]) for r in rows if r[2]])
-    return [r[0] for r in rows]
+    gates.wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
+    return [r.task_id for r in rows]
 
 
 _STILL_CLAIMABLE = """
@@ -204,13 +187,13 @@ _STILL_CLAIMABLE_SQL = text(_STILL_CLAIMABLE).bindparams(bindparam("ids", expand
 
 
 def still_claimable(conn: Connection, task_ids: Sequence[int], *,
-                    celery_lag_ms: int = 0) -> list[tuple[int, int, bool]]:
+                    claim_lead_ms: int = 0) -> list[tuple[int, int, bool]]:
     """Of ``task_ids`` (ids a claim skipped), those still claimable and not parked:
     ``(task_id, trigger_time, gated)`` — gated ones go to the gated claim
     (:mod:`ax_kombu.store.gates`), the others were locked by a racing claim that
-    failed, or are for stock Celery workers and not due yet. Such a task's time is its
-    trigger time plus ``celery_lag_ms`` (:func:`fire_time`)."""
+    failed, or have a runner's fixed lead and are not due yet. Such a task's time is the
+    one :func:`fire_time` gives it with ``claim_lead_ms``."""
     if not task_ids:
         return []
-    params = {"ids": list(task_ids), "celery_lag": celery_lag_ms}
+    params = {"ids": list(task_ids), "claim_lead": claim_lead_ms}
     return [(r[0], r[1], bool(r[2])) for r in conn.execute(_STILL_CLAIMABLE_SQL, params)]

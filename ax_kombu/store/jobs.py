@@ -34,6 +34,7 @@ from sqlalchemy import Connection, Row, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ax_kombu.core.gating import SERIAL_PREFIX
+from ax_kombu.core.runners import runner_for
 from ax_kombu.core.states import Status
 from ax_kombu.core.values import initial_status
 from ax_kombu.store import transitions
@@ -146,7 +147,10 @@ def insert_occurrences(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> l
             .on_conflict_do_nothing(index_elements=["job", "scheduled_at"],
                                     index_where=_OCCURRENCE_WHERE)
             .returning(tasks.c.task_id))
-    return [r[0] for r in conn.execute(stmt, [dict(r) for r in rows])]
+    # an occurrence takes the runner its job's route names (ax_job stores no runner)
+    return [r[0] for r in conn.execute(stmt, [
+        {"runner": runner_for(r.get("processor_name"), r.get("callback_url")), **r}
+        for r in rows])]
 
 
 def latest_occurrences(conn: Connection, job: str, limit: int) -> list[Row[Any]]:

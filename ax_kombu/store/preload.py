@@ -196,7 +196,7 @@ def preload(conn: Connection, loaded: Loaded, horizon_ms: int, limit: int,
     mark = read_mark(conn)
     where = share.sql()
     params: dict[str, Any] = {"lo": loaded.until, "hi": horizon_ms, "n": limit,
-                              "celery_lag": celery_lag_ms}
+                              "claim_lead": celery_lag_ms}
     seen = loaded.mark if loaded.until > 0 else None  # None: nothing read yet
     fire = fire_time()
     band_sql, tied_sql = ((_band(where), _tied(where)) if seen is None else
@@ -259,5 +259,5 @@ def overdue_elsewhere(conn: Connection, before_ms: int, share: Share, limit: int
         return []
     if conn.dialect.name == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
-    params = {"lo": since_ms, "hi": before_ms, "n": limit, "celery_lag": celery_lag_ms}
+    params = {"lo": since_ms, "hi": before_ms, "n": limit, "claim_lead": celery_lag_ms}
     return [(r[0], r[2]) for r in conn.execute(text(_band(share.sql(others=True))), params)]

@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, text
 
-from ax_kombu.store.claims import celery_bound
+from ax_kombu.store.claims import off_ax_queues
 from ax_kombu.store.schema import UNPARKED
 
 #: the ack timeout doubles with each re-dispatch of a task, up to 2**MAX_BACKOFF_STEPS times
@@ -31,11 +31,11 @@ _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACK
                 f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
 # Celery-bound tasks (runner 'celery' or 'celery_ax', see ax_kombu.store.schema) are
 # consumed by Celery workers, which no ax heartbeat lists: they are looked at whatever the
-# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (store.handoff), or
+# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (celery.handoff), or
 # ('celery_ax') when the AxBootstep of a Celery worker starts it, so one still DISPATCHING
 # after the ack timeout was never certainly published, or never started.
 _UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :priorities "
-                  f"OR {celery_bound()})")
+                  f"OR {off_ax_queues()})")
 # The attempt a recovery ends goes to the history first, from the row as it still is; on
 # PostgreSQL the rows are locked as they are read, so a worker's late result waits and then
 # finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).
@@ -108,7 +108,7 @@ def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dic
     found: dict[str, int] = {}
     for status in ("DISPATCHING", "READY"):  # one index each (ax_kombu.store.schema)
         stmt = text(f"SELECT priority, count(*) FROM ax_task WHERE status = '{status}' "
-                    f"AND priority IN :priorities AND NOT {celery_bound()} GROUP BY priority"
+                    f"AND priority IN :priorities AND NOT {off_ax_queues()} GROUP BY priority"
                     ).bindparams(bindparam("priorities", expanding=True))
         for priority, n in conn.execute(stmt, {"priorities": list(priorities)}):
             found[priority] = found.get(priority, 0) + int(n)

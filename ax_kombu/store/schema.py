@@ -56,6 +56,8 @@ from sqlalchemy import (
     text,
 )
 
+from ax_kombu.core.runners import default_runner
+
 metadata = MetaData()
 
 #: the states a scheduler claims from (:mod:`ax_kombu.store.claims`); CREATED only in rows
@@ -71,27 +73,11 @@ _OCCURRENCE = "job IS NOT NULL"
 _ORDERED = "order_key IS NOT NULL"
 _ACTIVE_JOB = "NOT paused AND next_fire_at IS NOT NULL"
 
-#: ``ax_task.runner``: an ax worker runs the processor ('ax') or calls the URL ('callback');
-#: a stock Celery worker runs it ('celery'), or one with the AxBootstep ('celery_ax')
-RUNNERS = ("ax", "callback", "celery", "celery_ax")
-#: the runners whose tasks go to a Celery queue (ax_kombu.broker.celery_wire)
-CELERY_RUNNERS = ("celery", "celery_ax")
-
-
 def _default_runner(context: Any) -> str:
     """The runner of an inserted row that names none: 'callback' when it has a
-    callback_url, else 'ax'. Celery runners are named by :mod:`ax_kombu.celery`, with one
-    exception: an occurrence of a recurring job (``job`` set). ``ax_job`` stores no runner
-    yet, so its occurrences take the one the job's processor name was written for
-    (``celery:<queue>``: :mod:`ax_kombu.celery.beat`; ``celery+ax:<queue>``: with the
-    AxBootstep)."""
-    row = context.get_current_parameters()
-    if row.get("callback_url"):
-        return "callback"
-    name = row.get("processor_name") or ""
-    if row.get("job") is not None and name[:7] in ("celery:", "celery+"):
-        return "celery_ax" if name.startswith("celery+ax:") else "celery"
-    return "ax"
+    callback_url, else 'ax' (:func:`ax_kombu.core.runners.default_runner`; never from a
+    name: a row for another runner names it)."""
+    return default_runner(context.get_current_parameters().get("callback_url"))
 
 
 tasks = Table(
@@ -145,9 +131,10 @@ tasks = Table(
     Column("target_node", String(128)),
     #: the processor's return value as JSON (SUCCESS only; at most AX_MAX_RESULT_BYTES)
     Column("result", Text),
-    #: where the task runs (:data:`RUNNERS`): set at enqueue, never derived from a name; only
-    #: :mod:`ax_kombu.celery` writes a Celery runner. Not given: 'callback' for a row with a
-    #: callback_url, else 'ax' (:func:`_default_runner`)
+    #: where the task runs (:data:`ax_kombu.core.runners.RUNNERS`): set when the row is made,
+    #: never derived from a name afterwards; only :mod:`ax_kombu.celery` writes a Celery
+    #: runner. Not given: 'callback' for a row with a callback_url, else 'ax'
+    #: (:func:`_default_runner`)
     Column("runner", String(12), nullable=False, default=_default_runner,
            server_default="ax"),
     #: the biz_key this finished task kept until an ``enqueue(..., unique="pending")`` of

@@ -27,14 +27,16 @@ from ax_kombu.broker.celery_wire import (
 )
 from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.config import Settings, from_env
+from ax_kombu.core.runners import CELERY_AX_LEAD_MS
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store import preload
-from ax_kombu.store.claims import CELERY_STAGE_MS, claim, still_claimable
+from ax_kombu.store.claims import claim, still_claimable
 
 celery = pytest.importorskip("celery")
 
 from ax_kombu.celery.beat import cron_of, job_spec
+from ax_kombu.celery.handoff import CeleryHandOff
 from ax_kombu.celery.producer import call_payload, when
 
 TRIGGER = 1_800_000_000_000
@@ -223,7 +225,7 @@ def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> No
         assert dict(rows) == {plain: trigger[plain], bound: trigger[bound] + LEAD_MS}
         claimed = claim(conn, [plain, bound], "s1", now, due_before=now + LEAD_MS)
         assert [r.task_id for r in claimed] == [plain]
-        assert still_claimable(conn, [plain, bound], celery_lag_ms=LEAD_MS) == [
+        assert still_claimable(conn, [plain, bound], claim_lead_ms=LEAD_MS) == [
             (bound, trigger[bound] + LEAD_MS, False)]
         assert claim(conn, [bound], "s1", trigger[bound] - 1, trigger[bound] + LEAD_MS) == []
         (row,) = claim(conn, [bound], "s1", trigger[bound], trigger[bound] + LEAD_MS)
@@ -232,7 +234,7 @@ def test_the_claim_takes_a_celery_bound_task_only_when_due(client: Client) -> No
 
 def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> None:
     """Runner 'celery_ax' (the bootstep fences it at the due instant): handed to the wheel so
-    that it fires CELERY_STAGE_MS before its trigger time and claimed then; 'celery' still
+    that it fires CELERY_AX_LEAD_MS before its trigger time and claimed then; 'celery' still
     is not staged."""
     fenced = int(client.enqueue_to("celery_ax", "app.tasks.x", {"args": [], "kwargs": {}},
                                    delay=0.1, processor=processor_for("q", fenced=True)))
@@ -243,7 +245,7 @@ def test_a_task_for_bootstep_workers_is_staged_as_an_ax_task(client: Client) -> 
     with client.store.engine.begin() as conn:
         rows, _ = preload.preload(conn, preload.Loaded(), now + 10_000, 10,
                                    celery_lag_ms=LEAD_MS)
-        assert dict(rows) == {fenced: trigger[fenced] + LEAD_MS - CELERY_STAGE_MS,
+        assert dict(rows) == {fenced: trigger[fenced] + LEAD_MS - CELERY_AX_LEAD_MS,
                          stock: trigger[stock] + LEAD_MS}
         claimed = claim(conn, [fenced, stock], "s1", now, due_before=now + LEAD_MS)
         assert [(r.task_id, r.runner) for r in claimed] == [(fenced, "celery_ax")]
@@ -275,7 +277,7 @@ def test_a_celery_bound_task_is_never_published_before_due_an_ax_task_still_is_s
         with lock:
             published.extend((m, db_now) for m in messages)
 
-    scheduler = Scheduler(cfg, "sched-celery", on_published=seen)
+    scheduler = Scheduler(cfg, "sched-celery", on_published=seen, publish_hooks=(CeleryHandOff,))
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
     try:

@@ -1,8 +1,10 @@
-"""The claim's columns line up with the message fields to_message fills by position."""
+"""A claimed row becomes its message by column name (to_message), and the wire format."""
 
 from __future__ import annotations
 
 import json
+from collections import namedtuple
+from typing import Any
 
 from ax_kombu.broker.celery_wire import CeleryBound, CeleryFenced
 from ax_kombu.broker.messages import (
@@ -15,8 +17,15 @@ from ax_kombu.broker.messages import (
 from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.store.claims import _CLAIM_COLUMNS
 
+#: a claimed row as the claim returns it: its columns by name
+ClaimedRow = namedtuple("ClaimedRow", [c.strip() for c in _CLAIM_COLUMNS.split(",")])  # type: ignore[misc]
 
-def test_claim_columns_are_in_message_order() -> None:
+
+def _row(*values: Any, target_node: str | None = None, runner: str = "ax") -> Any:
+    return ClaimedRow(*values, target_node=target_node, runner=runner)
+
+
+def test_claim_columns_are_what_the_message_needs() -> None:
     columns = [c.strip() for c in _CLAIM_COLUMNS.split(",")]
     fields = list(TaskMessage._fields[:12])
     renamed = {"processor_name": "processor"}
@@ -25,14 +34,14 @@ def test_claim_columns_are_in_message_order() -> None:
 
 
 def test_to_message_and_json_round_trip() -> None:
-    row = (5, 2, "t", '{"a":[1,"x"]}', "tr", 100, 500, "high", 1, 3, None, "http://127.0.0.1/x",
-           None)
-    message = to_message(row, "node-1", 123)
+    values = (5, 2, "t", '{"a":[1,"x"]}', "tr", 100, 500, "high", 1, 3, None,
+              "http://127.0.0.1/x")
+    message = to_message(_row(*values, runner="callback"), "node-1", 123)
     assert message.route is None
-    assert to_message(row[:12] + ("w7",), "node-1", 123).route == "ax.worker.w7"
-    assert type(to_message(row + ("callback",), "node-1", 123)) is TaskMessage
-    assert type(to_message(row + ("celery",), "node-1", 123)) is CeleryBound
-    fenced = to_message(row[:12] + ("w7", "celery_ax"), "node-1", 123)
+    assert to_message(_row(*values, target_node="w7"), "node-1", 123).route == "ax.worker.w7"
+    assert type(to_message(_row(*values, runner="callback"), "node-1", 123)) is TaskMessage
+    assert type(to_message(_row(*values, runner="celery"), "node-1", 123)) is CeleryBound
+    fenced = to_message(_row(*values, target_node="w7", runner="celery_ax"), "node-1", 123)
     assert type(fenced) is CeleryFenced and fenced.fenced and fenced.route == "ax.worker.w7"
     assert isinstance(message.payload, RawJson)
     full = json.loads(message.full_json())  # version 1, as an older scheduler sent it
@@ -53,8 +62,9 @@ def test_to_message_and_json_round_trip() -> None:
 
 
 def test_started_sets_only_the_start_and_keeps_the_kind() -> None:
-    row = (5, 2, "t", '{"a":1}', "tr", 100, 500, "high", 1, 3, "p", None, None, "celery")
-    for message in (to_message(row[:13], "n", 1), to_message(row, "n", 1)):
+    values = (5, 2, "t", '{"a":1}', "tr", 100, 500, "high", 1, 3, "p", None)
+    for message in (to_message(_row(*values), "n", 1),
+                    to_message(_row(*values, runner="celery"), "n", 1)):
         started = message.started(777)
         assert type(started) is type(message)
         assert started == message._replace(started_at=777)
