@@ -38,12 +38,6 @@ def compose(ms: int, node: int, sequence: int) -> int:
     return ((ms - EPOCH_MS) << (NODE_BITS + SEQUENCE_BITS)) | (node << SEQUENCE_BITS) | sequence
 
 
-def decompose(task_id: int) -> tuple[int, int, int]:
-    """``(epoch_ms, node, sequence)`` of ``task_id``."""
-    return ((task_id >> (NODE_BITS + SEQUENCE_BITS)) + EPOCH_MS,
-            (task_id >> SEQUENCE_BITS) & MAX_NODE, task_id & MAX_SEQUENCE)
-
-
 class Snowflake:
     """Ids for one node id. Thread-safe; the clock is injected (epoch ms)."""
 
@@ -60,9 +54,6 @@ class Snowflake:
         """``count`` new ids, ascending."""
         with self._lock:
             return [self._next_locked() for _ in range(count)]
-
-    def next_id(self) -> int:
-        return self.next_ids(1)[0]
 
     def _next_locked(self) -> int:
         now = self._clock_ms()

@@ -4,7 +4,22 @@ import threading
 
 import pytest
 
-from ax_kombu.core.ids import EPOCH_MS, MAX_SEQUENCE, LeasedIds, Snowflake, compose, decompose
+from ax_kombu.core.ids import (
+    EPOCH_MS,
+    MAX_NODE,
+    MAX_SEQUENCE,
+    NODE_BITS,
+    SEQUENCE_BITS,
+    LeasedIds,
+    Snowflake,
+    compose,
+)
+
+
+def decompose(task_id: int) -> tuple[int, int, int]:
+    """``(epoch_ms, node, sequence)`` of ``task_id``: the layout the module docstring gives."""
+    return ((task_id >> (NODE_BITS + SEQUENCE_BITS)) + EPOCH_MS,
+            (task_id >> SEQUENCE_BITS) & MAX_NODE, task_id & MAX_SEQUENCE)
 
 
 class Clock:
@@ -27,7 +42,7 @@ def test_ids_are_time_ordered() -> None:
     gen = Snowflake(7, clock)
     first = gen.next_ids(10)
     clock.ms += 1
-    later = gen.next_id()
+    (later,) = gen.next_ids(1)
     assert first == sorted(first) and len(set(first)) == 10
     assert later > first[-1]
     assert decompose(later)[0] == clock.ms
