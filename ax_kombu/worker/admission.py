@@ -59,7 +59,7 @@ class Admission:
             self.refuse(lane.queue.name, message, exc)
             return False
         lane.unacked += 1
-        self._pending.append(Run(lane, task, message, generation))
+        self._pending.append(Run(lane=lane, task=task, message=message, generation=generation))
         return True
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:

@@ -127,7 +127,7 @@ class Consumer:
         ready: set while consuming, cleared when the connection is dropped.
     """
 
-    def __init__(self, settings: Settings, lanes: list[Lane], intake: Intake,
+    def __init__(self, settings: Settings, lanes: list[Lane], *, intake: Intake,
                  shutdown: Shutdown, stats: Counters, wakeup: Wakeup, flags: StopFlags,
                  ready: Event) -> None:
         self._settings = settings

@@ -78,8 +78,8 @@ class Intake:
         self.starter = Starter(stage=self.stage, executors=executors, results=results,
                                resolver=resolver, wakeup=wakeup, clock=clock,
                                now_ms=now_ms or clock, lease=lease, listing=listing)
-        self.planner = Planner(lanes, receipts, self.acks, self.starter, stats, self.pending,
-                               batch_size)
+        self.planner = Planner(lanes, receipts=receipts, acks=self.acks, starter=self.starter,
+                               stats=stats, pending=self.pending, batch_size=batch_size)
         self.receipts = receipts
 
     # -- the connection ------------------------------------------------------------------------

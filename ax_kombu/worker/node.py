@@ -113,8 +113,9 @@ class Worker:
                              listing=self.listing)
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
                                  self.flags)
-        self.consumer = Consumer(settings, self.lanes, self.intake, self.shutdown, self.stats,
-                                 wakeup, self.flags, self.ready)
+        self.consumer = Consumer(settings, self.lanes, intake=self.intake,
+                                 shutdown=self.shutdown, stats=self.stats, wakeup=wakeup,
+                                 flags=self.flags, ready=self.ready)
         self.lifecycle = NodeLifecycle(self.heartbeat, self.lease, self.info,
                                        keep_running=self.intake.stage.begun,
                                        on_refused=self._declared_dead)

@@ -84,7 +84,7 @@ class Planner:
         batch_size: the most RUNNING moves one receipt batch makes.
     """
 
-    def __init__(self, lanes: Sequence[Lane], receipts: ReceiptWriter, acks: Acks,
+    def __init__(self, lanes: Sequence[Lane], *, receipts: ReceiptWriter, acks: Acks,
                  starter: Starter, stats: Counters, pending: list[Run[Lane]],
                  batch_size: int = 500) -> None:
         self._lanes = lanes
@@ -109,8 +109,9 @@ class Planner:
             self.pending.clear()
             for k in range(0, max(1, len(start)), self._batch_size):
                 first = k == 0
-                self._planned.append(Batch(start[k:k + self._batch_size],
-                                           release if first else [], dupes if first else []))
+                self._planned.append(Batch(start=start[k:k + self._batch_size],
+                                           release=release if first else [],
+                                           dupes=dupes if first else []))
         while self._planned and not self.receipts.full:
             batch = self._planned.popleft()
             if batch.start or batch.release or batch.dupes:

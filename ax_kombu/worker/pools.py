@@ -38,31 +38,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
 from ax_kombu.worker.executor import Cancellable, Done, Submission, Timeout
+from ax_kombu.worker.jobs import Job, Watchdog, report
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-
-@dataclass(eq=False, slots=True)
-class _Job:
-    fn: Callable[[], Any]
-    done: Done
-    timeout: Timeout
-    #: not taken by a thread before this (the pool's clock)
-    start_at: float = 0.0
-    started: float = 0.0
-    deadline: float | None = None
-    labels: Mapping[str, Any] = field(default_factory=dict)
-    cancel: Cancellable | None = None
-    reported: bool = False
-    #: past its deadline, still running; reported as timed out when it returns
-    overdue: bool = False
 
 
 class Pool:
@@ -91,14 +75,14 @@ class Pool:
         self._cond = threading.Condition(self._lock)
         #: staged jobs by the time they may start (then submission order): a thread takes
         #: the head once it is due, so a job waiting for its start time takes no thread
-        self._heap: list[tuple[float, int, _Job]] = []
+        self._heap: list[tuple[float, int, Job]] = []
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
         #: threads waiting in _next for a job
         self._idle = 0
-        self._running: set[_Job] = set()
+        self._running: set[Job] = set()
         #: accepted, waiting for a thread (see stage_max)
-        self._staged: set[_Job] = set()
+        self._staged: set[Job] = set()
         #: how many jobs may wait for a thread beyond the slots (the worker sets it)
         self.stage_max = 0
         self._stuck = 0
@@ -115,7 +99,7 @@ class Pool:
                          for i in range(size)]
         for thread in self._threads:
             thread.start()
-        self._watchdog = threading.Thread(target=_Watchdog(self).run,
+        self._watchdog = threading.Thread(target=Watchdog(self).run,
                                           name=f"ax-{name}-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -188,7 +172,8 @@ class Pool:
             start_at: no thread takes the job before this time (the pool's clock); staged
                 jobs are taken in this order, a job that waits taking no thread.
         """
-        job = _Job(fn, done, timeout_s, start_at, labels=labels or {}, cancel=cancel)
+        job = Job(fn=fn, done=done, timeout=timeout_s, start_at=start_at, labels=labels or {},
+                  cancel=cancel)
         with self._lock:
             taken = len(self._running) + len(self._staged)
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
@@ -203,8 +188,8 @@ class Pool:
         one lock, waking as many idle threads as there are jobs; False, and none staged,
         once the pool is closed. (A receipt batch starts hundreds of runs at once: one
         lock and one wake-up for them all, not one each, while the threads take work.)"""
-        made = [_Job(j.fn, j.done, j.timeout_s, j.start_at, labels=j.labels, cancel=j.cancel)
-                for j in jobs]
+        made = [Job(fn=j.fn, done=j.done, timeout=j.timeout_s, start_at=j.start_at,
+                    labels=j.labels, cancel=j.cancel) for j in jobs]
         with self._lock:
             if self._closed:
                 return False
@@ -214,7 +199,7 @@ class Pool:
                 self._work.notify(min(self._idle, len(made)))
         return True
 
-    def _stage(self, job: _Job) -> None:
+    def _stage(self, job: Job) -> None:
         """Add ``job`` to the stage (the caller has the lock)."""
         self._staged.add(job)
         heapq.heappush(self._heap, (job.start_at, next(self._seq), job))
@@ -230,7 +215,7 @@ class Pool:
             heapq.heapify(self._heap)
             self._work.notify_all()
 
-    def _next(self) -> _Job | None:
+    def _next(self) -> Job | None:
         """The next staged job once it may start (a pool thread); None once closed and empty."""
         with self._work:
             while True:
@@ -247,7 +232,7 @@ class Pool:
                 finally:
                     self._idle -= 1
 
-    def _take(self, job: _Job) -> bool:
+    def _take(self, job: Job) -> bool:
         """A thread takes a staged job: its clock and deadline start now. False if it was
         reported already (abandoned while staged): the thread skips it."""
         timeout = job.timeout() if callable(job.timeout) else job.timeout
@@ -276,7 +261,7 @@ class Pool:
                 outcome = Outcome(False, error=exc, duration_s=self._clock() - job.started)
             self._finish(job, outcome)
 
-    def _finish(self, job: _Job, outcome: Outcome) -> None:
+    def _finish(self, job: Job, outcome: Outcome) -> None:
         """The slot is free before the outcome is reported: whoever the report wakes
         (the worker acks, and is handed the next message) finds the slot free."""
         with self._lock:
@@ -299,7 +284,7 @@ class Pool:
                               duration_s=outcome.duration_s)
         if first:
             try:
-                _report(self.name, job, outcome)
+                report(self.name, job, outcome)
             finally:
                 with self._lock:
                     self._reporting -= 1
@@ -347,7 +332,7 @@ class Pool:
             if job.cancel is not None:
                 job.cancel.set("shutdown")
             ran_s = self._clock() - job.started if job.started else 0.0
-            _report(self.name, job, Outcome(False, abandoned=reason, duration_s=ran_s))
+            report(self.name, job, Outcome(False, abandoned=reason, duration_s=ran_s))
         return len(jobs)
 
     def close(self) -> None:
@@ -358,61 +343,3 @@ class Pool:
             self._closed = True
             self._cond.notify_all()
             self._work.notify_all()
-
-
-class _Watchdog:
-    """Marks a pool's jobs overdue at their deadline and sets their cancellation signal.
-
-    It shares the pool's lock and state (a part of the pool on its own thread).
-    """
-
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-
-    def run(self) -> None:
-        pool = self.pool
-        while True:
-            with pool._cond:
-                if pool._closed and not pool._running:
-                    return
-                expired = self._expired(pool._clock())
-                if not expired:
-                    pool._cond.wait(self._wait_s())
-                    continue
-            for job in expired:
-                if job.cancel is not None:
-                    job.cancel.set("timeout")
-
-    def _expired(self, now: float) -> list[_Job]:
-        """Jobs that just passed their deadline, marked overdue (the caller has the lock)."""
-        pool = self.pool
-        expired = [j for j in pool._running
-                   if (due := _deadline_ahead(j)) is not None and due <= now]
-        for job in expired:
-            job.overdue = True
-            pool._overdue += 1
-            pool.timeouts += 1
-            log.warning("job timed out; cancellation signalled, outcome recorded when it returns",
-                        extra={"pool": pool.name, **job.labels})
-        return expired
-
-    def _wait_s(self) -> float:
-        pool = self.pool
-        pending = [due for j in pool._running if (due := _deadline_ahead(j)) is not None]
-        pool._wake_at = min(pending) if pending else None
-        if pool._wake_at is None:
-            return 1.0
-        return max(0.0, min(1.0, pool._wake_at - pool._clock()))
-
-
-def _deadline_ahead(job: _Job) -> float | None:
-    """The job's deadline if the watchdog still waits for it (not reported, not overdue)."""
-    return None if job.reported or job.overdue else job.deadline
-
-
-def _report(pool: str, job: _Job, outcome: Outcome) -> None:
-    """Call the job's ``done``; a broken callback must not kill the pool thread."""
-    try:
-        job.done(outcome)
-    except Exception:
-        log.exception("outcome callback failed", extra={"pool": pool, **job.labels})

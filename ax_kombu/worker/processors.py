@@ -47,17 +47,13 @@ from ax_kombu.exceptions import (
     ProcessorRefused,
     ValidationError,
 )
-from ax_kombu.worker.callbacks import (
-    callback_processor,
-    check_callback_url,
-    host_allowed,
-    post_callback,
-)
+from ax_kombu.worker.callback_targets import check_callback_url, host_allowed
+from ax_kombu.worker.callbacks import callback_processor, post_callback
 from ax_kombu.worker.context import Cancellation, Context
 
-__all__ = ["Cancellation", "Context", "Resolver", "RetryPolicy", "check_callback_url", "host_allowed",
-           "load_modules", "policy_of", "post_callback", "processor", "registered",
-           "split_names"]
+__all__ = ["Cancellation", "Context", "Resolver", "RetryPolicy", "check_callback_url",
+           "host_allowed", "load_modules", "policy_of", "post_callback", "processor",
+           "registered", "split_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Processor = Callable[[Any, "Context"], Any]

@@ -53,7 +53,7 @@ _SLIM_COMPARED = ("trace_id", "trigger_time", "priority")
 _slim_compared = operator.attrgetter(*_SLIM_COMPARED)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Batch:
     """One round of receipts, and (once written) what came of it."""
 

@@ -329,10 +329,11 @@ class ResultWriter:
         if _result_not_stored(result, finish):
             error = stored_result(outcome.value, self.settings.max_result_bytes)[1]
         return transitions.Attempt(
-            task.task_id, task.attempt, task.task_type, self.node, task.trigger_time,
-            task.dispatched_at, task.started_at, result.ended_ms,
-            (finish.kind or _OUTCOMES[finish.status]) if moved else "CANCELLED", error,
-            round(outcome.duration_s * 1000))
+            task_id=task.task_id, attempt=task.attempt, task_type=task.task_type,
+            node=self.node, trigger_time=task.trigger_time, dispatched_at=task.dispatched_at,
+            started_at=task.started_at, finished_at=result.ended_ms,
+            outcome=(finish.kind or _OUTCOMES[finish.status]) if moved else "CANCELLED",
+            error=error, duration_ms=round(outcome.duration_s * 1000))
 
     def _account(self, batch: list[RunResult], finishes: list[Finish], moved: set[int]) -> None:
         _observe(batch, finishes)

@@ -105,7 +105,7 @@ class IllegalMove(Exception):
 L = TypeVar("L")
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, kw_only=True)
 class Run(Generic[L]):
     """One received message and the run it asks for, in one :class:`State`.
 

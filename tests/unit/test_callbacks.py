@@ -28,7 +28,8 @@ import urllib3.util.connection
 from ax_kombu.config import from_env
 from ax_kombu.exceptions import CallbackFailed, ProcessorRefused
 from ax_kombu.worker import callbacks
-from ax_kombu.worker.callbacks import address_refusal, host_allowed, post_callback
+from ax_kombu.worker.callback_targets import address_refusal, host_allowed
+from ax_kombu.worker.callbacks import post_callback
 from ax_kombu.worker.processors import Context, Resolver
 
 from ..loopback_http import serving

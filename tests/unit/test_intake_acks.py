@@ -66,7 +66,8 @@ def arrive(intake: Intake, n: int, sent: list[tuple[int, bool]],
         task = TaskMessage(tag, 1, "t", {}, "tr", now, 60_000, "default", 0, 3, "p", None, now,
                            "s0")
         lane.unacked += 1
-        deliveries.append(Run(lane, task, Message(tag, sent), intake.acks.generation))
+        deliveries.append(Run(lane=lane, task=task, message=Message(tag, sent),
+                              generation=intake.acks.generation))
     intake.pending.extend(deliveries)
     return deliveries
 

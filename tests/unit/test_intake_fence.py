@@ -63,8 +63,9 @@ def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int) -> Batch:
     task = TaskMessage(task_id, 1, "t", {}, "tr", now - 10, 60_000, "default", 0, 3, "p", None,
                        now, "s0")
     lane.reserved += 1  # as plan() does
-    planned = Run(lane, task, Message(), intake.acks.generation, State.PLANNED)
-    return Batch([planned], [], [],
+    planned = Run(lane=lane, task=task, message=Message(), generation=intake.acks.generation,
+                  state=State.PLANNED)
+    return Batch(start=[planned], release=[], dupes=[],
                  started={task_id: task}, incarnation=incarnation)
 
 

@@ -18,7 +18,7 @@ def delivery(lane: Lane, task_id: int, attempt: int = 1) -> Run[Lane]:
                        trace_id="tr", trigger_time=0, timeout_ms=1000, priority=lane.priority,
                        retry_count=0, max_retry=0, processor=None, callback_url=None,
                        dispatched_at=0, node="s")
-    return Run(lane, task, message=None, generation=1)
+    return Run(lane=lane, task=task, message=None, generation=1)
 
 
 @pytest.fixture

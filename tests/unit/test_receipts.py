@@ -41,7 +41,7 @@ def lane() -> Iterator[Lane]:
 
 def test_a_genuine_message_is_the_stored_task_and_not_forged(lane: Lane) -> None:
     genuine = [message(1), message(2)]
-    deliveries = [Run(lane, m, message=None, generation=1) for m in genuine]
+    deliveries = [Run(lane=lane, task=m, message=None, generation=1) for m in genuine]
     started, forged = stored_tasks(deliveries, [row(genuine[1]), row(genuine[0])])
     assert started == {1: genuine[0], 2: genuine[1]} and forged == []
 
@@ -51,7 +51,7 @@ def test_a_forged_message_gives_way_to_the_row_and_is_named_with_its_fields(lane
     forged_message = stored._replace(payload={"user": 0}, processor=None,
                                      callback_url="http://169.254.169.254/", max_retry=99,
                                      timeout_ms=10**9, dispatched_at=1, node="evil")
-    delivery = Run(lane, forged_message, message=None, generation=1)
+    delivery = Run(lane=lane, task=forged_message, message=None, generation=1)
     started, forged = stored_tasks([delivery], [row(stored)])
     # what runs is the row; the message keeps only its attempt, dispatched_at and node
     assert started == {7: stored._replace(dispatched_at=1, node="evil")}
@@ -62,7 +62,7 @@ def test_a_forged_message_gives_way_to_the_row_and_is_named_with_its_fields(lane
 
 def test_a_stored_payload_that_is_not_json_is_marked_unreadable(lane: Lane) -> None:
     m = message(9)
-    started, _ = stored_tasks([Run(lane, m, message=None, generation=1)],
+    started, _ = stored_tasks([Run(lane=lane, task=m, message=None, generation=1)],
                               [row(m, payload="{not json")])
     assert type(started[9].payload) is UnreadablePayload
 
@@ -72,10 +72,10 @@ def test_a_version_2_message_is_compared_on_the_fields_it_carries(lane: Lane) ->
     genuine = TaskMessage.from_body(json.loads(stored.to_json()))
     forged_message = TaskMessage.from_body(json.loads(
         stored._replace(trace_id="evil", trigger_time=1).to_json()))
-    started, forged = stored_tasks([Run(lane, genuine, message=None, generation=1)],
+    started, forged = stored_tasks([Run(lane=lane, task=genuine, message=None, generation=1)],
                                    [row(stored)])
     assert started == {8: stored} and forged == []  # the row fills in all it did not carry
-    delivery = Run(lane, forged_message, message=None, generation=1)
+    delivery = Run(lane=lane, task=forged_message, message=None, generation=1)
     started, forged = stored_tasks([delivery], [row(stored)])
     assert started == {8: stored}
     assert forged == [(delivery, ["trace_id", "trigger_time"])]

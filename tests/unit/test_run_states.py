@@ -21,7 +21,7 @@ ILLEGAL = sorted(((a, b) for a, b in itertools.product(State, State) if b not in
 
 
 def run_in(state: State) -> Run[None]:
-    return Run(None, TASK, message=object(), generation=1, state=state)
+    return Run(lane=None, task=TASK, message=object(), generation=1, state=state)
 
 
 def test_the_table_names_every_state() -> None:
@@ -64,7 +64,7 @@ def test_every_state_but_the_final_ones_leads_to_settled_or_returned() -> None:
 
 
 def test_a_new_run_is_received_and_its_ack_is_its_message_dropped() -> None:
-    run = Run(None, TASK, message=object(), generation=1)
+    run = Run(lane=None, task=TASK, message=object(), generation=1)
     assert run.state is State.RECEIVED and not run.acked
     run.message = None
     assert run.acked
