@@ -49,10 +49,10 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.exceptions import StoreError
 from ax_kombu.node.lifecycle import NodeLifecycle
 from ax_kombu.node.steps import Blueprint, Call, Job, Step, Timers
+from ax_kombu.node.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.store import Store
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.nodes import Heartbeat, default_node_id
-from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.worker.consumer import Consumer
 from ax_kombu.worker.control import StopFlags, Wakeup
 from ax_kombu.worker.counters import Counters
@@ -204,7 +204,7 @@ class Worker:
         returns the exit code.
 
         0 after a warm stop, 1 after a cold one, and
-        :data:`~ax_kombu.supervision.EXIT_CRASHED` if one of the worker's threads
+        :data:`~ax_kombu.node.supervision.EXIT_CRASHED` if one of the worker's threads
         died (it then stops cold).
 
         Raises:

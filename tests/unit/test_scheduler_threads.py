@@ -149,8 +149,8 @@ def test_the_local_clock_reading_never_asks_the_database() -> None:
 
 def test_a_stage_thread_that_dies_stops_the_node_with_exit_code_70(
         cfg: Settings, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ax_kombu.node.supervision import EXIT_CRASHED
     from ax_kombu.scheduler.claimer import Claimer
-    from ax_kombu.supervision import EXIT_CRASHED
 
     def broken(self: Claimer) -> None:
         raise RuntimeError("claimer broke")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import threading
 
-from ax_kombu.supervision import CrashFlag, watch_threads
+from ax_kombu.node.supervision import CrashFlag, watch_threads
 
 
 def test_a_thread_that_raises_is_reported_once_with_its_name() -> None:
