@@ -32,7 +32,7 @@ from typing import Any
 from ax_kombu import recurring
 from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
-from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.values import MAX_TASK_TYPE, check_text, show
 from ax_kombu.exceptions import (
     JobNotFound,
@@ -47,7 +47,7 @@ from ax_kombu.store import jobs as job_store
 from ax_kombu.store.archive import fetch_archived
 from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.enqueue import KEY_POLICY, insert_tasks, write_tasks
-from ax_kombu.store.leases import StoreLessor
+from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.tasks import attempts_of, fetch_task
 from ax_kombu.validation import broadcast_row, build_row, check_route, shard_count, shard_rows
 from ax_kombu.views import TaskId, TaskView
@@ -85,7 +85,7 @@ class Client(Moving):
         self.settings = settings
         self.store = Store(settings)
         owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.ids = LeasedIds(StoreLessor(self.store.engine), owner,
+        self.ids = ReservedIds(StoreReserver(self.store.engine), owner,
                              settings.id_reservation_s * 1000, self.store.now_ms)
         self.pid = os.getpid()
         self.borrowing = Borrowing(self.store.engine)

@@ -8,10 +8,10 @@ Layout (63 bits, always positive in a signed BIGINT)::
 
 Uniqueness rests on two facts:
 
-* No two live processes hold the same node id. Processes start without any
-  coordination of their own, so node ids are *leased* through the store
-  (:mod:`ax_kombu.store.leases`): a process takes an expired slot with a
-  conditional UPDATE and stops using it before its lease ends.
+* No two live processes use the same node id. Processes start without any
+  coordination of their own, so each *reserves* its node id in the store (an id
+  reservation, :mod:`ax_kombu.store.leases`): a process takes a slot whose reservation
+  has ended with a conditional UPDATE, and stops using it before its own ends.
 * Within one node id the (ms, sequence) pair only grows. The clock read is
   the database clock (so a slot handed from a dead process to a new one on
   another host continues from a comparable time), and if it steps backwards
@@ -66,32 +66,32 @@ class Snowflake:
         return compose(self._last_ms, self.node, self._sequence)
 
 
-class Lessor(Protocol):
-    """Where node ids are leased from (the store)."""
+class Reserver(Protocol):
+    """Where node ids are reserved (the store)."""
 
-    def acquire(self, owner: str, lease_ms: int) -> tuple[int, int]:
-        """Lease a free slot: returns ``(slot, lease_until_ms)``."""
+    def acquire(self, owner: str, reservation_ms: int) -> tuple[int, int]:
+        """Reserve a free slot: returns ``(slot, reserved_until_ms)``."""
 
-    def renew(self, slot: int, owner: str, lease_ms: int) -> int | None:
-        """Extend our lease; returns the new end, or None if it was lost."""
+    def renew(self, slot: int, owner: str, reservation_ms: int) -> int | None:
+        """Extend our reservation; returns its new end, or None if it was lost."""
 
     def release(self, slot: int, owner: str) -> None:
         """Give the slot back."""
 
 
-class LeasedIds:
-    """Snowflake ids under a node id leased from the store, renewed as needed.
+class ReservedIds:
+    """Snowflake ids under a node id reserved in the store, renewed as needed.
 
-    The lease is renewed when less than a third of it is left, before any id
-    is issued, so ids are only ever issued under a lease that is still valid
-    for at least ``lease_ms / 3`` on the database clock.
+    The reservation is renewed when less than a third of it is left, before any id
+    is issued, so ids are only ever issued under a reservation that still holds for
+    at least ``reservation_ms / 3`` on the database clock.
     """
 
-    def __init__(self, lessor: Lessor, owner: str, lease_ms: int,
+    def __init__(self, reserver: Reserver, owner: str, reservation_ms: int,
                  clock_ms: Callable[[], int]) -> None:
-        self._lessor = lessor
+        self._reserver = reserver
         self._owner = owner
-        self._lease_ms = lease_ms
+        self._reservation_ms = reservation_ms
         self._clock_ms = clock_ms
         self._lock = threading.Lock()
         self._slot: int | None = None
@@ -104,13 +104,13 @@ class LeasedIds:
 
     def _generator(self) -> Snowflake:
         now = self._clock_ms()
-        if self._gen is not None and now < self._until - self._lease_ms // 3:
+        if self._gen is not None and now < self._until - self._reservation_ms // 3:
             return self._gen
         until = None
         if self._slot is not None:
-            until = self._lessor.renew(self._slot, self._owner, self._lease_ms)
+            until = self._reserver.renew(self._slot, self._owner, self._reservation_ms)
         if until is None:
-            self._slot, until = self._lessor.acquire(self._owner, self._lease_ms)
+            self._slot, until = self._reserver.acquire(self._owner, self._reservation_ms)
             self._gen = Snowflake(self._slot, self._clock_ms)
         self._until = until
         assert self._gen is not None
@@ -123,5 +123,5 @@ class LeasedIds:
     def release(self) -> None:
         with self._lock:
             if self._slot is not None:
-                self._lessor.release(self._slot, self._owner)
+                self._reserver.release(self._slot, self._owner)
             self._slot, self._gen, self._until = None, None, 0

@@ -55,7 +55,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
-from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.lease import Lease
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher
@@ -98,7 +98,7 @@ class Claimer(Loop):
     """
 
     def __init__(self, settings: Settings, store: Store, node_id: str, fired: Mailbox[int],
-                 timing: TimingLoop, dispatcher: Dispatcher, ids: LeasedIds,
+                 timing: TimingLoop, dispatcher: Dispatcher, ids: ReservedIds,
                  lease: Lease | None = None) -> None:
         super().__init__("ax-claimer", fired.ready)
         self._batch = settings.claim_batch

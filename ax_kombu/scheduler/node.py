@@ -89,7 +89,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import Settings
-from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.scheduler.claimer import Claimer
@@ -102,7 +102,7 @@ from ax_kombu.scheduler.retention import Retention
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.engine import make_engine
-from ax_kombu.store.leases import StoreLessor
+from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 
@@ -150,7 +150,7 @@ class Scheduler:
             hooks.append(on_published)
         self.dispatcher = Dispatcher(settings, self.store, self.node_id, self.timing.retry_later,
                                      hooks, self.lease)
-        self.ids = LeasedIds(StoreLessor(self.store.engine), f"{self.node_id}:{os.getpid()}",
+        self.ids = ReservedIds(StoreReserver(self.store.engine), f"{self.node_id}:{os.getpid()}",
                              settings.id_reservation_s * 1000, self.store.now_ms)
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
                                self.dispatcher, self.ids, self.lease)

@@ -48,7 +48,7 @@ from sqlalchemy import Connection, Row
 
 from ax_kombu.config import Settings
 from ax_kombu.core import cron
-from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.values import STRATEGIES
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability import metrics
@@ -77,7 +77,7 @@ class Materialiser:
         ids: where task ids come from.
     """
 
-    def __init__(self, settings: Settings, store: Store, ids: LeasedIds,
+    def __init__(self, settings: Settings, store: Store, ids: ReservedIds,
                  node_id: str = "") -> None:
         self._settings = settings
         self._store = store

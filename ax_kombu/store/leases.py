@@ -1,6 +1,7 @@
-"""Snowflake node-id leases held in the ``ax_id_lease`` table (see :mod:`ax_kombu.core.ids`).
+"""Id reservations: snowflake node ids reserved in the ``ax_id_lease`` table (an old name,
+kept; see :mod:`ax_kombu.core.ids`).
 
-A slot is taken with one conditional UPDATE on a slot whose lease has ended
+A slot is taken with one conditional UPDATE on a slot whose reservation has ended
 (on the database clock); on PostgreSQL the candidate row is locked with
 ``SKIP LOCKED`` so processes starting together take different slots without
 waiting on each other. SQLite serialises writers, which gives the same.
@@ -15,13 +16,13 @@ from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.schema import id_leases as L
 
 
-class StoreLessor:
-    """The :class:`ax_kombu.core.ids.Lessor` backed by the task store."""
+class StoreReserver:
+    """The :class:`ax_kombu.core.ids.Reserver` backed by the task store."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def acquire(self, owner: str, lease_ms: int) -> tuple[int, int]:
+    def acquire(self, owner: str, reservation_ms: int) -> tuple[int, int]:
         with self._engine.begin() as conn:
             now = db_now_ms(conn)
             candidate = (select(L.c.slot).where(L.c.lease_until < now)
@@ -29,20 +30,20 @@ class StoreLessor:
                          .with_for_update(skip_locked=True).scalar_subquery())
             slot = conn.execute(
                 update(L).where(L.c.slot == candidate, L.c.lease_until < now)
-                .values(owner=owner, lease_until=now + lease_ms).returning(L.c.slot)
+                .values(owner=owner, lease_until=now + reservation_ms).returning(L.c.slot)
             ).scalar_one_or_none()
         if slot is None:
-            raise IdExhausted("all 1024 snowflake node ids are leased; "
+            raise IdExhausted("all 1024 snowflake node ids are reserved; "
                               "too many producer processes are alive at once")
-        return int(slot), now + lease_ms
+        return int(slot), now + reservation_ms
 
-    def renew(self, slot: int, owner: str, lease_ms: int) -> int | None:
+    def renew(self, slot: int, owner: str, reservation_ms: int) -> int | None:
         with self._engine.begin() as conn:
             now = db_now_ms(conn)
             moved = conn.execute(
                 update(L).where(L.c.slot == slot, L.c.owner == owner, L.c.lease_until > now)
-                .values(lease_until=now + lease_ms)).rowcount
-        return now + lease_ms if moved == 1 else None
+                .values(lease_until=now + reservation_ms)).rowcount
+        return now + reservation_ms if moved == 1 else None
 
     def release(self, slot: int, owner: str) -> None:
         with self._engine.begin() as conn:

@@ -18,11 +18,11 @@ from sqlalchemy import delete, insert, select, update
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings
-from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.ids import ReservedIds
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.store import Store, nodes
 from ax_kombu.store import jobs as job_store
-from ax_kombu.store.leases import StoreLessor
+from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.schema import jobs, tasks
 from ax_kombu.store.schema import nodes as node_table
 
@@ -47,7 +47,7 @@ def client(settings: Settings) -> Iterator[Client]:
 @pytest.fixture
 def materialiser(settings: Settings) -> Iterator[Materialiser]:
     store = Store(settings)
-    ids = LeasedIds(StoreLessor(store.engine), f"test:{uuid.uuid4().hex[:8]}",
+    ids = ReservedIds(StoreReserver(store.engine), f"test:{uuid.uuid4().hex[:8]}",
                     settings.id_reservation_s * 1000, store.now_ms)
     yield Materialiser(settings, store, ids, "s-test")
     ids.release()

@@ -135,15 +135,15 @@ def test_inspect_shows_an_occurrences_job_strategy_and_a_tasks_order_key_and_sha
         ax: Ax) -> None:
     from ax_kombu.api import Client
     from ax_kombu.config import from_env
-    from ax_kombu.core.ids import LeasedIds
+    from ax_kombu.core.ids import ReservedIds
     from ax_kombu.scheduler.recurrence import Materialiser
-    from ax_kombu.store.leases import StoreLessor
+    from ax_kombu.store.leases import StoreReserver
 
     ax.ok("jobs", "add", "recon", "recon.run", "--every", "1s", "--strategy", "serial")
     settings = from_env({}, database_url=ax.db)
     client = Client(settings)
     try:
-        ids = LeasedIds(StoreLessor(client.store.engine), "test", 60_000, client.store.now_ms)
+        ids = ReservedIds(StoreReserver(client.store.engine), "test", 60_000, client.store.now_ms)
         Materialiser(settings, client.store, ids).run(client.store.now_ms())
         occurrence = client.occurrences("recon", 1)[0]
         sharded = client.enqueue("reindex", {"index": "orders"}, order_key="k", shards=2)

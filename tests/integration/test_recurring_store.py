@@ -22,14 +22,14 @@ from sqlalchemy import Row, delete, select, text
 
 from ax_kombu.api import Client, TaskView
 from ax_kombu.config import Settings, from_env
-from ax_kombu.core.ids import LeasedIds
+from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import JobNotFound, ValidationError
 from ax_kombu.recurring import build_job, schedule_job
 from ax_kombu.scheduler.recurrence import ON_TIME_MS, Materialiser
 from ax_kombu.store import Store, claims, transitions
 from ax_kombu.store import jobs as job_store
-from ax_kombu.store.leases import StoreLessor
+from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.schema import jobs, tasks
 
 STEP = 250  # the housekeeper's default job_interval_ms
@@ -41,7 +41,7 @@ class Scheduler:
 
     def __init__(self, settings: Settings) -> None:
         self.store = Store(settings)
-        self.ids = LeasedIds(StoreLessor(self.store.engine), f"test:{uuid.uuid4().hex[:8]}",
+        self.ids = ReservedIds(StoreReserver(self.store.engine), f"test:{uuid.uuid4().hex[:8]}",
                              settings.id_reservation_s * 1000, self.store.now_ms)
         self.materialiser = Materialiser(settings, self.store, self.ids)
 

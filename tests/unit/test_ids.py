@@ -10,7 +10,7 @@ from ax_kombu.core.ids import (
     MAX_SEQUENCE,
     NODE_BITS,
     SEQUENCE_BITS,
-    LeasedIds,
+    ReservedIds,
     Snowflake,
     compose,
 )
@@ -83,44 +83,44 @@ def test_bad_node_is_refused() -> None:
         Snowflake(1024, lambda: EPOCH_MS)
 
 
-class FakeLessor:
-    """Leases in a dict, with the same contract as the store's lessor."""
+class FakeReserver:
+    """Reservations in a dict, with the same contract as the store's reserver."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.leases: dict[int, tuple[str, int]] = {}
+        self.reserved: dict[int, tuple[str, int]] = {}
 
-    def acquire(self, owner: str, lease_ms: int) -> tuple[int, int]:
+    def acquire(self, owner: str, reservation_ms: int) -> tuple[int, int]:
         for slot in range(1024):
-            held = self.leases.get(slot)
-            if held is None or held[1] < self.clock.ms:
-                self.leases[slot] = (owner, self.clock.ms + lease_ms)
-                return slot, self.clock.ms + lease_ms
+            taken = self.reserved.get(slot)
+            if taken is None or taken[1] < self.clock.ms:
+                self.reserved[slot] = (owner, self.clock.ms + reservation_ms)
+                return slot, self.clock.ms + reservation_ms
         raise AssertionError("exhausted")
 
-    def renew(self, slot: int, owner: str, lease_ms: int) -> int | None:
-        held = self.leases.get(slot)
-        if held is None or held[0] != owner or held[1] <= self.clock.ms:
+    def renew(self, slot: int, owner: str, reservation_ms: int) -> int | None:
+        taken = self.reserved.get(slot)
+        if taken is None or taken[0] != owner or taken[1] <= self.clock.ms:
             return None
-        self.leases[slot] = (owner, self.clock.ms + lease_ms)
-        return self.clock.ms + lease_ms
+        self.reserved[slot] = (owner, self.clock.ms + reservation_ms)
+        return self.clock.ms + reservation_ms
 
     def release(self, slot: int, owner: str) -> None:
-        self.leases.pop(slot, None)
+        self.reserved.pop(slot, None)
 
 
-def test_lease_is_renewed_before_it_runs_out_and_replaced_when_lost() -> None:
+def test_a_reservation_is_renewed_before_it_runs_out_and_replaced_when_lost() -> None:
     clock = Clock(EPOCH_MS + 1_000)
-    lessor = FakeLessor(clock)
-    ids = LeasedIds(lessor, "a", 9_000, clock)
+    reserver = FakeReserver(clock)
+    ids = ReservedIds(reserver, "a", 9_000, clock)
     ids.next_ids(1)
     assert ids.slot == 0
     clock.ms += 6_500  # less than a third left: renewed, same slot
     ids.next_ids(1)
-    assert ids.slot == 0 and lessor.leases[0][1] == clock.ms + 9_000
-    clock.ms += 20_000  # lease ran out while idle; another process takes slot 0
-    other = LeasedIds(lessor, "b", 9_000, clock)
+    assert ids.slot == 0 and reserver.reserved[0][1] == clock.ms + 9_000
+    clock.ms += 20_000  # the reservation ran out while idle; another process takes slot 0
+    other = ReservedIds(reserver, "b", 9_000, clock)
     other.next_ids(1)
     assert other.slot == 0
     ids.next_ids(1)
-    assert ids.slot == 1  # never issues under a slot it no longer holds
+    assert ids.slot == 1  # never issues under a slot it no longer has
