@@ -142,8 +142,8 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
             Either reaches at most 3650 days ahead.
         priority: "high", "default" or "slow" — the queue it is dispatched to.
         biz_key: makes enqueue idempotent per (task_type, biz_key); ≤ 255 characters.
-        unique: with a biz_key, ``"always"`` (default: the key is held for good) or
-            ``"pending"`` (held only until its task finishes; then a new task takes it).
+        unique: with a biz_key, ``"always"`` (default: the key is kept for good) or
+            ``"pending"`` (kept only until its task finishes; then a new task takes it).
         on_conflict: with a biz_key, ``"keep"`` (default: the existing task stays as it
             is) or ``"replace"`` (a holder that has not started takes this payload and
             time, as :func:`reschedule` moves it: a debounce; ``.replaced`` is True).

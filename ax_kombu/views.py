@@ -79,7 +79,7 @@ class TaskView:
     attempts: tuple[Attempt, ...] = ()
     #: the task was moved to the archive tables (``ax archive``, ``AX_RETENTION``)
     archived: bool = False
-    #: the biz_key this finished task held until an ``enqueue(..., unique="pending")``
+    #: the biz_key this finished task kept until an ``enqueue(..., unique="pending")``
     #: took it over (``biz_key`` is then None)
     released_key: str | None = None
     #: every move of its trigger time (``reschedule``, ``run_now``, a replacing enqueue),

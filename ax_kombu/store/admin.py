@@ -6,12 +6,12 @@ Guarantees, on PostgreSQL and SQLite alike:
 * :func:`retry_tasks` is one compare-and-set ``UPDATE`` per batch
   (:func:`ax_kombu.store.transitions.transition`, FAILED | CANCELLED → READY): a task
   that meanwhile left FAILED or CANCELLED does not move. A retried task is due at
-  once, held by no scheduler, keeps its ``retry_count`` and ``last_error``; its
+  once, loaded by no scheduler, keeps its ``retry_count`` and ``last_error``; its
   ``ax_attempt`` rows stay, so the history shows the earlier attempts. Schedulers
   are woken in the same transaction (on commit).
 * :func:`purge_finished` deletes in short transactions of at most ``batch`` tasks
   each, the tasks first (``DELETE … RETURNING``), then the ``ax_attempt`` rows of
-  exactly the tasks deleted, so no lock is held long and a task retried meanwhile
+  exactly the tasks deleted, so no lock is kept long and a task retried meanwhile
   keeps its history.
 
 Every function here raises :class:`~ax_kombu.exceptions.StoreError` when the

@@ -15,10 +15,10 @@ whose transaction it may have aborted (PostgreSQL), as any failed statement of t
 would. The task, its duplicate-check entry and its ``ax_due`` entry are written by the
 caller's transaction, so they commit or roll back with it, and no other session sees them
 before the commit. Duplicate protection (``biz_key``, fingerprint) stays exact: the
-advisory locks of :mod:`ax_kombu.store.tasks` are transaction-scoped, so **they are held
+advisory locks of :mod:`ax_kombu.store.tasks` are transaction-scoped, so **they are kept
 until the caller's transaction ends**, and another producer enqueuing a task whose key
 or fingerprint falls in the same lock bucket waits for that commit (keep such
-transactions short). On SQLite the first statement takes the database's write lock, held
+transactions short). On SQLite the first statement takes the database's write lock, kept
 likewise until the caller commits.
 
 **Which database.** The connection must reach the database the ax store uses:

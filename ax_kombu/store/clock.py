@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 #: (local ms before the query, database ms, local ms after the query); the database
 #: reading must be exact to well under a millisecond (PostgreSQL's is to the microsecond):
 #: a reading rounded to whole milliseconds would make :meth:`DbClock.earliest_ms` up to
-#: half a millisecond late, and a held task start that much early
+#: half a millisecond late, and a staged run start that much early
 Sample = tuple[float, float, float]
 
 #: how far the wall clock may move against the monotonic one between two readings

@@ -120,7 +120,7 @@ def _biz_ident(row: Mapping[str, Any]) -> tuple[str, str] | None:
 
 class _Dedup:
     """Decides, row by row, which rows are duplicates of existing or earlier ones, and
-    what a row's key policy (:data:`KEY_POLICY`) makes of a key already held."""
+    what a row's key policy (:data:`KEY_POLICY`) makes of a key already taken."""
 
     def __init__(self, window_ms: int, by_biz: dict[tuple[str, str], Holder],
                  by_fp: dict[str, list[tuple[int, int]]]) -> None:
@@ -214,7 +214,7 @@ def insert_tasks(engine: Engine, rows: Sequence[Mapping[str, Any]], window_ms: i
 
 
 #: a row's key (not a column): ``(unique, on_conflict)`` — ``unique`` ``"always"`` (a
-#: biz_key is held for good) or ``"pending"`` (held while its task has not finished: a
+#: biz_key is kept for good) or ``"pending"`` (kept while its task has not finished: a
 #: finished holder gives it up, into ``released_key``); ``on_conflict`` ``"keep"`` (the
 #: holder stays as it is) or ``"replace"`` (a pending holder takes the new payload and
 #: time, as :func:`ax_kombu.store.moves.move` does)

@@ -1,4 +1,4 @@
-"""What an enqueue does with a business key already held: take it, or replace the holder.
+"""What an enqueue does with a business key already taken: take it, or replace the holder.
 
 The verdicts (:class:`Verdict`) come from :class:`ax_kombu.store.enqueue._Dedup`, under the
 enqueue's key locks; this module carries out the two that change an existing task, each as

@@ -10,7 +10,7 @@ Each move is one compare-and-set on the row, and its rowcount decides:
   longer finds the task due at the old time (a wheel still holding the old time claims
   nothing), or the claim does, and the move finds the task DISPATCHING and reports it.
   **No window exists in which both times run.** A task claimed or staged for its start
-  (DISPATCHING, or RUNNING held by a worker until its trigger time) is not moved: the
+  (DISPATCHING, or RUNNING and staged on a worker until its trigger time) is not moved: the
   caller learns it (:class:`~ax_kombu.exceptions.TooLateToMove`). The new time reaches the
   schedulers as any new task's does: ``ax_due`` gets its entry from the database's trigger,
   and a time inside the preload window wakes them (NOTIFY, at the commit).

@@ -29,11 +29,12 @@ MAX_BACKOFF_STEPS = 5
 
 _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACKOFF_STEPS} "
                 f"THEN {1 << MAX_BACKOFF_STEPS} ELSE (1 << redispatches) END)) < :now")
-# Celery-bound tasks (runner 'celery' or 'celery_ax', see ax_kombu.store.schema) are
+# Celery-bound tasks (runner 'celery' or 'celery_ax', see ax_kombu.core.runners) are
 # consumed by Celery workers, which no ax heartbeat lists: they are looked at whatever the
-# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (celery.handoff), or
-# ('celery_ax') when the AxBootstep of a Celery worker starts it, so one still DISPATCHING
-# after the ack timeout was never certainly published, or never started.
+# priorities. Each leaves DISPATCHING as soon as its publish is confirmed (the hand-off, in
+# ax_kombu.celery), or ('celery_ax') when the AxBootstep of a Celery worker starts it, so
+# one still DISPATCHING after the ack timeout was never certainly published, or never
+# started.
 _UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :priorities "
                   f"OR {off_ax_queues()})")
 # The attempt a recovery ends goes to the history first, from the row as it still is; on

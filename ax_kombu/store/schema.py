@@ -341,6 +341,6 @@ nodes = Table(
     Column("info", Text, nullable=False, server_default="{}"),
     #: a worker's listed runs: RUNNING tasks it has staged and will not start before a
     #: later write without them (``,id,id,``; :mod:`ax_kombu.worker.listing`): they never
-    #: started (migration 0013 as ``held_runs``, renamed by 0020)
+    #: started (migration 0013; named so by 0020)
     Column("listed_runs", Text),
 )
