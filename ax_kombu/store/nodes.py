@@ -51,6 +51,7 @@ from ax_kombu.config import worker_queue
 from ax_kombu.exceptions import NodeNameInUse
 from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.recovery import recover_running
 from ax_kombu.store.schema import nodes
 
 
@@ -224,8 +225,6 @@ class Heartbeat:
 
 def _take_over(conn: Connection, node: str, now_ms: int, keep: Sequence[int]) -> TakeOver:
     """Recover what tasks an earlier incarnation of ``node`` left (see the module docstring)."""
-    from ax_kombu.store.recovery import recover_running  # recovery imports this module
-
     requeued = conn.execute(_REQUEUE_DISPATCHING, {"node": node}).rowcount
     running = recover_running(conn, [node], now_ms, keep=keep)
     return TakeOver(int(requeued), len(running))
