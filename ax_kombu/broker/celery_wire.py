@@ -13,7 +13,7 @@ consuming ``<queue>`` runs it.
 * A payload this format cannot carry (not such an object, args not a list, …) makes
   :func:`celery_message` raise :class:`Unbuildable` with the reason: the publisher leaves
   that message out of its batch, and its task ends FAILED with the reason
-  (:func:`ax_kombu.store.claims.fail_unbuildable`); the rest of the batch is sent.
+  (:func:`ax_kombu.store.gates.fail_unbuildable`); the rest of the batch is sent.
 
 The message is what Celery's own ``app.send_task`` builds
 (``celery.app.amqp.AMQP.as_task_v2``): the headers, a JSON body

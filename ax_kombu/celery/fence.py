@@ -1,18 +1,14 @@
-"""The ax side of one Celery worker: its node, its incarnation, and the start and end of each run.
+"""The ax side of one Celery worker's runs: the start fence, and where each end goes.
 
-Used by :class:`ax_kombu.celery.AxBootstep`. Contracts:
+Used by :class:`ax_kombu.celery.AxBootstep`; the node itself (registration, beats, lease,
+the shared incarnation) is :mod:`ax_kombu.celery.node`, the ends :mod:`ax_kombu.celery.ends`.
+Contracts:
 
-* **One node per Celery worker** (``celery@<hostname>``), registered and heartbeated by the
-  worker's main process (:class:`~ax_kombu.store.nodes.Heartbeat`). A beat refused (the
-  worker was declared dead, e.g. paused past the silence window) registers a new
-  incarnation, keeping the ax tasks this process still runs.
 * **Every start is fenced by the live incarnation**: the RUNNING move is one
   compare-and-set on ``(task_id, attempt)`` *and* on this node's live incarnation
   (:func:`ax_kombu.store.transitions.start_many`), so a worker declared dead starts nothing
-  until it has registered again. The incarnation lives in a page of shared memory made
-  before the pool forks, so prefork children fence with the one their parent holds now,
-  not the one of their fork. A start refused because the node is not live waits (up to the
-  silence window) for the next incarnation and tries once more; else the message is
+  until it has registered again. A start refused because the node is not live waits (up to
+  the silence window) for the next incarnation and tries once more; else the message is
   refused (ax's ack timeout dispatches the task again).
 * **Fenced ahead**: a message published ahead of its due instant (Celery's ``eta``) has
   its RUNNING move written when the worker's main process receives it (:meth:`Fence.
@@ -20,11 +16,11 @@ Used by :class:`ax_kombu.celery.AxBootstep`. Contracts:
   run checks that it may start without a write: in the process that moved it (a thread
   pool) by its :class:`~ax_kombu.core.lease.Lease` (its beats prove the incarnation live;
   each beat also drops the moved runs whose task was cancelled since), in a prefork child
-  by one read of the row and the node (:meth:`Fence.fenced_ahead`). A commit's latency (a
-  disk flush, now and then 100 ms here) is paid up to a second early, not at the start. A message
-  whose move was not written ahead (late, or the move failed) is moved at the start, as
-  before. A worker that dies between the two has the task counted as run ("worker
-  lost", retried): its RUNNING row cannot tell.
+  by one read of the row and the node (:meth:`Fence.fenced_ahead`). A commit's latency is
+  paid up to a second early, not at the start. A message whose move was not written ahead
+  (late, or the move failed) is moved at the start, as before. A worker that dies between
+  the two has the task counted as run ("worker lost", retried): its RUNNING row cannot
+  tell.
 * **Never early**: a run whose trigger time is still ahead on the database clock (its
   message carried Celery's ``eta`` and the worker's clock is ahead) waits for it after the
   RUNNING move, which writes the trigger time as ``started_at``.
@@ -39,45 +35,28 @@ from __future__ import annotations
 
 import atexit
 import logging
-import mmap
-import os
 import queue
-import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Literal
 
-from sqlalchemy import Connection, bindparam, exists, select
+from sqlalchemy import bindparam, exists, select
 
+from ax_kombu.celery import ends as celery_ends
+from ax_kombu.celery.ends import End, EndWriter
+from ax_kombu.celery.node import POLL_S, CeleryNode, ProcessStore, SharedIncarnation
 from ax_kombu.config import Settings
-from ax_kombu.core.backoff import backoff_ms, default_rng
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.states import Status
 from ax_kombu.store import Store
 from ax_kombu.store import gates as gate_store
-from ax_kombu.store.engine import make_engine
-from ax_kombu.store.nodes import Heartbeat
 from ax_kombu.store.schema import nodes, tasks
-from ax_kombu.store.tasks import cancelled_among, wake_schedulers
-from ax_kombu.store.transitions import (
-    Attempt,
-    Finish,
-    Started,
-    finish_many,
-    record_attempts,
-    transition,
-)
+from ax_kombu.store.tasks import cancelled_among
+from ax_kombu.store.transitions import Started, transition
 from ax_kombu.store.transitions import start_many as start_rows
 
-if TYPE_CHECKING:
-    from ax_kombu.celery.ends import EndWriter
-
 log = logging.getLogger(__name__)
-_INT64 = struct.Struct("q")
-#: how often a refused start looks for the next incarnation
-_POLL_S = 0.05
 #: the most RUNNING moves one statement of the fencing-ahead thread makes
 _AHEAD_BATCH = 500
 #: how long a start waits for its move being written ahead in this process
@@ -90,7 +69,6 @@ _FENCED_KEEP_S = 60.0
 #: message costs the worker's main process the GIL it needs to receive them)
 _AHEAD_GATHER_S = 0.01
 
-
 #: a row RUNNING at an attempt on a node (Fence.running_here)
 _RUNNING_HERE = (
     select(*[tasks.c[name] for name in Started._fields])
@@ -101,30 +79,7 @@ _FENCED_AHEAD = _RUNNING_HERE.where(
     exists().where(nodes.c.node_id == bindparam("node"), nodes.c.incarnation == bindparam("inc"),
                    nodes.c.stopped_at.is_(None)))
 
-
-class End(NamedTuple):
-    """The end of one run, ready to write: the run as it started, its move, and the
-    outcome its history row gets if it is retried (``RETRY``, or ``LOST``)."""
-
-    task: Started
-    finish: Finish
-    outcome: str
-    #: when the run ended (database clock, epoch ms)
-    ended_at: int
-
-
-class SharedIncarnation:
-    """The node's live incarnation, in a page of memory shared with the processes forked
-    after it was made (an anonymous ``mmap`` is ``MAP_SHARED``)."""
-
-    def __init__(self) -> None:
-        self._page = mmap.mmap(-1, _INT64.size)
-
-    def get(self) -> int:
-        return int(_INT64.unpack_from(self._page, 0)[0])
-
-    def set(self, incarnation: int) -> None:
-        _INT64.pack_into(self._page, 0, incarnation)
+__all__ = ["End", "Fence", "SharedIncarnation"]
 
 
 class Fence:
@@ -146,20 +101,12 @@ class Fence:
                  running: Callable[[], Collection[int]] = tuple,
                  pool_size: int | None = None) -> None:
         self.settings = settings
-        self._pool_size = pool_size
         self.node_id = node_id
-        self._running = running
-        self._store: Store | None = None
-        self._pid = 0
-        #: a store inherited through fork, kept referenced: its connections are the main
-        #: process's (closing them here, when it is collected, would cut the main process's)
-        self._inherited: list[Store] = []
-        #: the worker's main process: made before its pool forks any child
-        self._main_pid = os.getpid()
+        self._stores = ProcessStore(settings, pool_size)
+        self.node = CeleryNode(settings, node_id, self._stores, running,
+                               on_registered=self._forget_fenced,
+                               on_beat=self._drop_cancelled)
         self._lock = threading.Lock()
-        self.heartbeat: Heartbeat | None = None
-        self.incarnation = SharedIncarnation()
-        self._stop = threading.Event()
         self._writer: EndWriter | None = None
         #: moves being written ahead in this process (the start waits for them)
         self._ahead: dict[tuple[int, int], threading.Event] = {}
@@ -169,90 +116,42 @@ class Fence:
         self._fenced: dict[tuple[int, int], tuple[Started, int, float]] = {}
         #: the runs start in this process (threads, solo, gevent), not in forked children
         self.runs_here = True
-        #: how long this process may still start under its incarnation (its beats)
-        self.lease = Lease(settings.lease_s)
         self._ahead_queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
 
     @property
     def store(self) -> Store:
-        with self._lock:
-            if self._store is None or self._pid != os.getpid():
-                if self._store is not None:
-                    self._inherited.append(self._store)
-                self._store, self._pid = self._open(), os.getpid()
-            return self._store
+        """The store of the calling process."""
+        return self._stores.get()
 
-    def _open(self) -> Store:
-        """The store of this process, its pool sized for ``pool_size`` threads at once: the
-        default pool (5, overflow closed on return) would open and close a PostgreSQL
-        connection per run at the worker's concurrency."""
-        store = Store(self.settings)
-        if self._pool_size and store.engine.dialect.name == "postgresql":
-            store.engine.dispose()
-            store.engine = make_engine(self.settings.database_url, pool_size=self._pool_size)
-        return store
+    @property
+    def incarnation(self) -> SharedIncarnation:
+        return self.node.incarnation
+
+    @property
+    def lease(self) -> Lease:
+        return self.node.lease
 
     # -- the node -------------------------------------------------------------------------
 
     def register(self, queues: list[str]) -> None:
         """Become an ax node and heartbeat (on a daemon thread) until the process exits."""
-        info = {"celery": True, "celery_queues": queues}
-        self.heartbeat = Heartbeat(self.store, self.node_id, "worker",
-                                   silence_ms=self.settings.silence_ms)
-        self._register(info)
-        threading.Thread(target=self._beat, args=(info,), name="ax-celery-heartbeat",
-                         daemon=True).start()
-        atexit.register(self.unregister)
-
-    def _register(self, info: dict[str, Any]) -> None:
-        heartbeat = self.heartbeat
-        assert heartbeat is not None
-        self.lease.revoke()
-        self._fenced.clear()  # moved under the incarnation this one recovers from
-        sent = time.monotonic()
-        heartbeat.register(info, keep_running=sorted(self._running()))
-        self.incarnation.set(heartbeat.incarnation)
-        self.lease.confirm(sent, heartbeat.incarnation)
-
-    def _beat(self, info: dict[str, Any]) -> None:
-        heartbeat = self.heartbeat
-        assert heartbeat is not None
-        while not self._stop.wait(self.settings.heartbeat_interval_s):
-            try:
-                sent = time.monotonic()
-                if heartbeat.beat(info):
-                    self.lease.confirm(sent, heartbeat.incarnation)
-                    self._drop_cancelled()
-                else:
-                    log.warning("this Celery worker was declared dead by ax; registering anew",
-                                extra={"node": self.node_id})
-                    self._register(info)
-            except Exception:  # a database outage: try again at the next beat
-                log.warning("ax heartbeat failed", exc_info=True, extra={"node": self.node_id})
+        self.node.register(queues)
 
     def unregister(self) -> None:
         """Stop beating and mark the node stopped (a clean exit: nothing runs any more)."""
-        self._stop.set()
-        heartbeat, self.heartbeat = self.heartbeat, None  # once
-        if heartbeat is not None and self._main_pid == os.getpid():
-            try:
-                heartbeat.stop()
-            except Exception:  # the process is exiting; the silence window covers it
-                log.warning("could not mark the ax node stopped", exc_info=True)
+        self.node.unregister()
 
     def in_pool_child(self) -> bool:
         """Whether this is a pool process forked by the registered main process (prefork)."""
-        return os.getpid() != self._main_pid
+        return self.node.in_pool_child()
 
-    def _live(self, incarnation: int) -> bool:
-        """Whether ``incarnation`` is this node's live one in the store now."""
-        with self.store.engine.connect() as conn:
-            return conn.execute(select(nodes.c.node_id).where(
-                nodes.c.node_id == self.node_id, nodes.c.incarnation == incarnation,
-                nodes.c.stopped_at.is_(None))).first() is not None
+    def _forget_fenced(self) -> None:
+        """Registered anew: what was moved ahead under the incarnation this one recovers
+        from is read from the row at its start (and refused)."""
+        self._fenced.clear()
 
-    # -- the runs -------------------------------------------------------------------------
+    # -- the starts -----------------------------------------------------------------------
 
     def prefence(self, task_id: int, attempt: int) -> None:
         """A message due later has arrived (the main process): write its RUNNING move
@@ -276,15 +175,7 @@ class Fence:
                 except queue.Empty:
                     break
             try:
-                incarnation, attempts = self.incarnation.get(), dict(batch)
-                with self._one_statement() as conn:
-                    moved = start_rows(conn, batch, self.node_id, self.store.now_ms(),
-                                       incarnation=incarnation)
-                if self.runs_here:
-                    at = time.monotonic()
-                    for row in moved:
-                        self._fenced[(row.task_id, attempts[row.task_id])] = (row, incarnation,
-                                                                              at)
+                self._move_ahead(batch)
             except Exception:  # the store failed: each run moves its row at its start
                 log.warning("ax: could not fence Celery runs ahead; they are fenced at start",
                             exc_info=True, extra={"node": self.node_id})
@@ -295,11 +186,22 @@ class Fence:
                         if event is not None:
                             event.set()
 
+    def _move_ahead(self, batch: list[tuple[int, int]]) -> None:
+        """One RUNNING move for ``batch``, under the incarnation live now."""
+        incarnation, attempts = self.incarnation.get(), dict(batch)
+        with self._stores.one_statement() as conn:
+            moved = start_rows(conn, batch, self.node_id, self.store.now_ms(),
+                               incarnation=incarnation)
+        if self.runs_here:
+            at = time.monotonic()
+            for row in moved:
+                self._fenced[(row.task_id, attempts[row.task_id])] = (row, incarnation, at)
+
     def fenced_ahead(self, task_id: int, attempt: int, incarnation: int) -> Started | None:
         """The row, if it was moved RUNNING at ``attempt`` on this node (ahead) and
         ``incarnation`` is still this node's live one: one read (a statement built once,
         in autocommit: no transaction to end), no write."""
-        with self._one_statement() as conn:
+        with self._stores.one_statement() as conn:
             row = conn.execute(_FENCED_AHEAD, {"id": task_id, "att": attempt,
                                                "node": self.node_id, "inc": incarnation}).first()
         return _started(row)
@@ -310,33 +212,38 @@ class Fence:
         or no live incarnation took it (refuse the message). ``ahead``: the message was
         published ahead of its due instant, so its move may have been written already
         (:meth:`prefence`)."""
-        if ahead:
-            key = (task_id, attempt)
-            event = self._ahead.get(key)
-            if event is not None:
-                event.wait(_AHEAD_WAIT_S)
-            fenced = self._fenced.pop(key, None)
-            if fenced is not None:  # moved by this process: its lease decides, no round trip
-                covered = self._covered(fenced[1])
-                if covered is False:
-                    return None  # moved under an incarnation declared dead since
-                if covered:
-                    self._hold_until(fenced[0].trigger_time)
-                    return fenced[0]
-            started = self.fenced_ahead(task_id, attempt, self.incarnation.get())
-            if started is not None:
-                self._hold_until(started.trigger_time)
-                return started
+        started = self._started_ahead(task_id, attempt) if ahead else None
+        if started is False:
+            return None  # moved under an incarnation declared dead since
+        if started is None:
+            started = self._start_now(task_id, attempt, ahead)
+        if started is not None:
+            self._wait_until(started.trigger_time)
+        return started
+
+    def _started_ahead(self, task_id: int, attempt: int) -> Started | Literal[False] | None:
+        """The row moved ahead for this attempt, if its start may go on; False if it must
+        be refused; None if no move ahead decides it."""
+        key = (task_id, attempt)
+        event = self._ahead.get(key)
+        if event is not None:
+            event.wait(_AHEAD_WAIT_S)
+        fenced = self._fenced.pop(key, None)
+        if fenced is not None:  # moved by this process: its lease decides, no round trip
+            covered = self._covered(fenced[1])
+            if covered is not None:
+                return fenced[0] if covered else False
+        return self.fenced_ahead(task_id, attempt, self.incarnation.get())
+
+    def _start_now(self, task_id: int, attempt: int, ahead: bool) -> Started | None:
         incarnation = self.incarnation.get()
         started = self._start(task_id, attempt, incarnation)
         if started is None and ahead:  # moved ahead by the main process meanwhile
             started = self.fenced_ahead(task_id, attempt, incarnation)
-        if started is None and not self._live(incarnation):
-            newer = self._next_incarnation(incarnation)
+        if started is None and not self.node.live(incarnation):
+            newer = self.node.next_incarnation(incarnation)
             if newer is not None:
                 started = self._start(task_id, attempt, newer)
-        if started is not None:
-            self._hold_until(started.trigger_time)
         return started
 
     def _covered(self, incarnation: int) -> bool | None:
@@ -347,7 +254,7 @@ class Fence:
         while (covered := self.lease.covers(incarnation)) is None:
             if time.monotonic() >= deadline:
                 return None
-            self.lease.wait(incarnation, _POLL_S)
+            self.lease.wait(incarnation, POLL_S)
         return covered
 
     def _drop_cancelled(self) -> None:
@@ -368,62 +275,29 @@ class Fence:
                 self._fenced.pop(key, None)
 
     def _start(self, task_id: int, attempt: int, incarnation: int) -> Started | None:
-        store = self.store
-        with self._one_statement() as conn:
-            rows = start_rows(conn, [(task_id, attempt)], self.node_id, store.now_ms(),
+        with self._stores.one_statement() as conn:
+            rows = start_rows(conn, [(task_id, attempt)], self.node_id, self.store.now_ms(),
                               incarnation=incarnation)
         return rows[0] if rows else None
 
-    @contextmanager
-    def _one_statement(self) -> Iterator[Connection]:
-        """A connection for one statement that commits alone: in autocommit on PostgreSQL
-        (one round trip, not three: the start and the end of every run go through here,
-        on the worker's pool threads), in a transaction elsewhere."""
-        engine = self.store.engine
-        if engine.dialect.name != "postgresql":
-            with engine.begin() as conn:
-                yield conn
-            return
-        with engine.connect() as conn:
-            yield conn.execution_options(isolation_level="AUTOCOMMIT")
-
-    def _next_incarnation(self, stale: int) -> int | None:
-        """Wait up to the silence window for an incarnation after ``stale``."""
-        deadline = time.monotonic() + self.settings.silence_ms / 1000
-        while time.monotonic() < deadline:
-            current = self.incarnation.get()
-            if current != stale:
-                return current
-            time.sleep(_POLL_S)
-        return None
-
-    def _hold_until(self, trigger_ms: int) -> None:
+    def _wait_until(self, trigger_ms: int) -> None:
         """Sleep until ``trigger_ms`` on the database clock (a run never starts early)."""
         wait_ms = trigger_ms - self.store.now_ms()  # measures the clock when due (a child)
         if wait_ms > 0:
             time.sleep(wait_ms / 1000)
 
+    # -- the ends -------------------------------------------------------------------------
+
     def end_of(self, task: Started, attempt: int, error: str | None,
                result: str | None = None, *, outcome: str = "RETRY") -> End:
-        """The end of a run started by :meth:`start`: SUCCESS when ``error`` is None, else
-        a retry with ax's backoff (its history row says ``outcome``) or FAILED when no
-        retries remain."""
-        now = self.store.now_ms()
-        if error is None:
-            end = Finish(task.task_id, attempt, Status.SUCCESS, now, result=result)
-        elif task.retry_count >= task.max_retry:
-            end = Finish(task.task_id, attempt, Status.FAILED, now, error)
-        else:
-            delay = backoff_ms(task.retry_count, self.settings.retry_backoff_base_ms,
-                               self.settings.retry_backoff_max_ms, default_rng(),
-                               self.settings.retry_backoff_jitter)
-            end = Finish(task.task_id, attempt, Status.DELAYED, now + delay, error)
-        return End(task, end, outcome, now)
+        """The end of a run started by :meth:`start` (:func:`ax_kombu.celery.ends.end_of`)."""
+        return celery_ends.end_of(task, attempt, error, result, self.store.now_ms(),
+                                  self.settings, outcome=outcome)
 
     def finish(self, task: Started, attempt: int, error: str | None,
                result: str | None = None, *, outcome: str = "RETRY") -> bool:
-        """Record the end of a run started by :meth:`start` (:meth:`end_of`) now; returns
-        whether the row moved (fenced by attempt)."""
+        """Record the end of a run started by :meth:`start` now; returns whether the row
+        moved (fenced by attempt)."""
         return bool(self.record([self.end_of(task, attempt, error, result, outcome=outcome)]))
 
     def finish_soon(self, task: Started, attempt: int, error: str | None,
@@ -436,9 +310,7 @@ class Fence:
             return
         with self._lock:
             if self._writer is None:
-                from ax_kombu.celery.ends import EndWriter
-
-                self._writer = EndWriter(self)
+                self._writer = EndWriter(self.record)
                 atexit.register(self.flush, 10.0)
             writer = self._writer
         writer.put(end)
@@ -449,30 +321,8 @@ class Fence:
         return writer is None or writer.flush(timeout_s)
 
     def record(self, ends: Sequence[End]) -> list[int]:
-        """Write ``ends``: one statement when all are SUCCESS of ungated runs, else one
-        transaction that also records the retries' history rows and wakes what waits on
-        a gate. Returns the ids that moved (a row recovered or cancelled meanwhile, or at
-        another attempt, does not)."""
-        finishes = [e.finish for e in ends]
-        if all(e.finish.status is Status.SUCCESS and not e.task.gated for e in ends):
-            with self._one_statement() as conn:
-                return finish_many(conn, finishes)
-        with self.store.engine.begin() as conn:
-            moved = finish_many(conn, finishes)
-            done = set(moved)
-            retried = [e for e in ends if e.finish.status is Status.DELAYED
-                       and e.finish.task_id in done]
-            if retried:
-                record_attempts(conn, [
-                    Attempt(e.task.task_id, e.finish.attempt, e.task.task_type, self.node_id,
-                            e.task.trigger_time, None, e.task.started_at,
-                            e.ended_at, e.outcome,
-                            e.finish.error) for e in retried])
-                wake_schedulers(conn, min(e.finish.at_ms for e in retried))
-            gated = [(e.task.task_type, e.task.order_key) for e in ends if e.task.gated]
-            if gated:
-                gate_store.wake_next(conn, gated)
-        return moved
+        """Write ``ends`` (:func:`ax_kombu.celery.ends.record`); returns the ids that moved."""
+        return celery_ends.record(self._stores, self.node_id, ends)
 
     def running_here(self, task_id: int, attempt: int) -> Started | None:
         """The row of ``task_id`` if it is RUNNING at ``attempt`` on this node (as

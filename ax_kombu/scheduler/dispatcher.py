@@ -44,7 +44,7 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.core.states import Status
 from ax_kombu.observability import metrics
 from ax_kombu.store import Store
-from ax_kombu.store.claims import Unbuildable, fail_unbuildable
+from ax_kombu.store.gates import Unbuildable, fail_unbuildable
 from ax_kombu.store.transitions import transition
 
 log = logging.getLogger(__name__)

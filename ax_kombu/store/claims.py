@@ -22,19 +22,18 @@ are returned again, at the attempt it gave them, as if claimed now, so the claim
 publishes them instead of leaving them to the ack timeout.
 
 A message that cannot be built (:mod:`ax_kombu.broker.celery_wire`) ends its task alone:
-:func:`fail_unbuildable` moves it DISPATCHING → FAILED with the reason.
+:func:`ax_kombu.store.gates.fail_unbuildable` moves it DISPATCHING → FAILED with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from sqlalchemy import Connection, Row, bindparam, text
 
 from ax_kombu.core.runners import FIXED_LEADS, OFF_AX_QUEUES
 from ax_kombu.store.schema import CLAIMABLE, UNPARKED
-from ax_kombu.store.transitions import _execute_batch, storable
 
 
 def off_ax_queues(runner: str = "runner") -> str:
@@ -138,43 +137,6 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
               "due_before": now_ms if due_before is None else due_before}
     stmt = (_CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC)[gated, resume]
     return list(conn.execute(stmt, params))
-
-
-#: a message that cannot be built: its task ends FAILED, fenced by attempt and by the node
-#: that claimed it (its end wakes what waits on its order key or limit, as any end does)
-_FAIL_UNBUILDABLE = """
-    UPDATE ax_task AS t SET status = 'FAILED', finished_at = :now, last_error = v.err
-      FROM {source}
-     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
-       AND t.owner_node = :node
- RETURNING task_id, task_type, gated, order_key"""
-
-
-class Unbuildable(NamedTuple):
-    """One claimed attempt whose message could not be built, and why."""
-
-    task_id: int
-    attempt: int
-    reason: str
-
-
-def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str,
-                     now_ms: int) -> list[int]:
-    """DISPATCHING → FAILED for each attempt in ``refused`` that ``node`` still holds at
-    that attempt, ``last_error`` = its reason, ``finished_at = now_ms``; one statement.
-
-    Returns:
-        The ids that moved.
-    """
-    from ax_kombu.store import gates  # gates builds on claim(): imported when first used
-
-    if not refused:
-        return []
-    rows = list(_execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
-                               [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
-                               now=now_ms, node=node))
-    gates.wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
-    return [r.task_id for r in rows]
 
 
 _STILL_CLAIMABLE = """

@@ -25,6 +25,10 @@ wake that never comes (the worker died running the task), the scheduler's recove
 Guarantees: never more than the limit of a type DISPATCHING or RUNNING at once (counted
 under the type's lock); never two tasks of one key at once, and a key's tasks start in
 ``(order_seq, task_id)`` order.
+
+Every end outside a worker's result wakes what waits as a worker's does: a claimed task
+whose message cannot be built (:mod:`ax_kombu.broker.celery_wire`) ends FAILED alone,
+with the reason (:func:`fail_unbuildable`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
 from ax_kombu.store.schema import CLAIMABLE, UNPARKED, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
+from ax_kombu.store.transitions import _execute_batch, storable
 
 _WAITING = ("CREATED", "DELAYED", "READY")
 _ACTIVE = ("DISPATCHING", "RUNNING")
@@ -304,3 +309,38 @@ def list_limits(conn: Connection) -> dict[str, int]:
     rows = conn.execute(select(limits.c.task_type, limits.c.max_running)
                         .order_by(limits.c.task_type))
     return {r[0]: r[1] for r in rows}
+
+
+#: a message that cannot be built: its task ends FAILED, fenced by attempt and by the node
+#: that claimed it (its end wakes what waits on its order key or limit, as any end does)
+_FAIL_UNBUILDABLE = """
+    UPDATE ax_task AS t SET status = 'FAILED', finished_at = :now, last_error = v.err
+      FROM {source}
+     WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'DISPATCHING'
+       AND t.owner_node = :node
+ RETURNING task_id, task_type, gated, order_key"""
+
+
+class Unbuildable(NamedTuple):
+    """One claimed attempt whose message could not be built, and why."""
+
+    task_id: int
+    attempt: int
+    reason: str
+
+
+def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str,
+                     now_ms: int) -> list[int]:
+    """DISPATCHING → FAILED for each attempt in ``refused`` that ``node`` still holds at
+    that attempt, ``last_error`` = its reason, ``finished_at = now_ms``; one statement.
+
+    Returns:
+        The ids that moved.
+    """
+    if not refused:
+        return []
+    rows = list(_execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
+                               [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
+                               now=now_ms, node=node))
+    wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
+    return [r.task_id for r in rows]

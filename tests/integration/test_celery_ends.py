@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import text
 
 from ax_kombu.api import Client
-from ax_kombu.celery.ends import EndWriter
-from ax_kombu.celery.fence import End, Fence
+from ax_kombu.celery.ends import End, EndWriter
+from ax_kombu.celery.fence import Fence
 from ax_kombu.config import from_env
 from ax_kombu.core.states import Status
 from ax_kombu.store.transitions import Finish, Started
@@ -49,7 +49,7 @@ def test_an_end_the_store_refuses_fails_alone_and_the_others_are_written(
     ids = running(client, 5)
     now = int(client.store.now_ms())
     bad = ids[2]
-    writer = EndWriter(Fence(from_env({}, database_url=pg_url), NODE))
+    writer = EndWriter(Fence(from_env({}, database_url=pg_url), NODE).record)
     for task_id in ids:  # finished_at out of a bigint's range: a DataError, not an outage
         writer.put(end(task_id, 2**70 if task_id == bad else now, now))
     assert writer.flush(30), "a refused end held its batch"
