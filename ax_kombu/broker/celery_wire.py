@@ -29,11 +29,11 @@ every transport delivers straight to that queue.
   ``'celery_ax'``) is staged as ax's own are: claimed and published up to
   :data:`ax_kombu.core.runners.CELERY_AX_LEAD_MS` (1 s) before it is due, with Celery's own
   ``eta`` header = its trigger time,
-  so the Celery worker's timer holds it to the due instant (an ``eta`` message does not
+  so the Celery worker's timer keeps it until the due instant (an ``eta`` message does not
   count against the worker's prefetch), and the bootstep fences it then
   (:mod:`ax_kombu.celery.fence`: a cancel meanwhile wins, a run never starts before its
   trigger time on the database clock). One already due when it is built has no ``eta``.
-  A task for stock workers (``'celery'``) has no fence to hold a cancel back, so it is
+  A task for stock workers (``'celery'``) has no fence to refuse it once cancelled, so it is
   claimed only once due on the scheduler's database clock (:mod:`ax_kombu.store.claims`)
   and its message never has an ``eta``: the Celery worker runs it as soon as it reads it.
 * ``ax_task_id``, ``ax_attempt`` and ``trace_id`` ride along as extra headers (a Celery

@@ -8,7 +8,7 @@ each is due, publishes a standard Celery message that an unmodified
     from myapp import app, send_email
 
     ax.celery.install(app)                        # once, where the app is made
-    send_email.apply_async(("a@b.c",), countdown=1800)   # stored in ax, not held by a worker
+    send_email.apply_async(("a@b.c",), countdown=1800)   # stored in ax, not kept by a worker
     send_email.delay("a@b.c")                     # no eta/countdown: straight to Celery
 
     ax.celery.enqueue(app, "myapp.send_email", args=("a@b.c",), eta=when,
@@ -27,7 +27,7 @@ Guarantees:
   only once its trigger time has come on its database clock (:mod:`ax_kombu.store.claims`),
   so until then ``cancel`` wins, and the message has no ``eta``. For workers with the
   extension (below) it is staged as ax's own tasks are: published up to 1 s ahead
-  (:data:`ax_kombu.core.runners.CELERY_AX_LEAD_MS`) with Celery's ``eta``, held by the
+  (:data:`ax_kombu.core.runners.CELERY_AX_LEAD_MS`) with Celery's ``eta``, kept by the
   Celery worker's timer, and fenced at the due instant, so it starts on time (a cancel
   meanwhile still wins: the fence refuses it).
 * Without the worker extension, once the broker has accepted that message the ax

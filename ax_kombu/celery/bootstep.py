@@ -9,7 +9,7 @@ tasks it receives (those carrying the ``ax_task_id`` and ``ax_attempt`` headers)
 
 * **Staged and fenced ahead, checked at the due instant**: ax publishes such a task up
   to 1 s (:data:`ax_kombu.core.runners.CELERY_AX_LEAD_MS`) before it is due, with Celery's
-  own ``eta`` header, so the Celery worker's timer holds it to the due instant
+  own ``eta`` header, so the Celery worker's timer keeps it until the due instant
   (:mod:`ax_kombu.broker.celery_wire`). When the message arrives (``task_received``, in
   the main process) the row moves DISPATCHING → RUNNING by compare-and-set on
   ``(task_id, attempt)`` and on this worker's live ax incarnation, with ``owner_node`` =

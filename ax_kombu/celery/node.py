@@ -10,7 +10,7 @@ Used by :class:`ax_kombu.celery.fence.Fence`. Contracts:
   counted, and the next one comes an interval later.
 * **The incarnation is shared with the pool's children**: it lives in a page of shared
   memory made before the pool forks, so prefork children fence with the one their parent
-  holds now, not the one of their fork.
+  has now, not the one of their fork.
 * **A store per process**: each process (prefork children included) opens its own on first
   use; one inherited through a fork is kept referenced, never closed (its connections are
   the parent's).

@@ -9,7 +9,7 @@ claim statement names no runner:
   Both are claimed ``claim_lead_ms`` before they are due (the scheduler's setting) and
   staged by the worker until then.
 * ``'celery'``: a stock Celery worker runs it (:mod:`ax_kombu.celery`). Nothing on that
-  side could hold a cancel back once Celery has its message, so it is claimed only once
+  side could refuse it once cancelled after Celery has its message, so it is claimed only once
   due (lead 0), and its publish is recorded as its end (a *hand-off*,
   :mod:`ax_kombu.celery.handoff`).
 * ``'celery_ax'``: a Celery worker running the AxBootstep runs it; published with Celery's

@@ -136,7 +136,7 @@ class Claimer(Loop):
             self._drop_connection()
 
     def _step(self) -> None:
-        """Resume a claim whose reply was lost, or claim the next batch; or hold the fired
+        """Resume a claim whose reply was lost, or claim the next batch; or keep the fired
         ids while the broker is down; or sleep."""
         fired = self._fired.items
         if not fired and self._unsure is None:
@@ -242,7 +242,7 @@ class Claimer(Loop):
 
     def _claim_gated(self, task_ids: list[int]) -> None:
         """One gated claim: claim what may start, park what must wait (one transaction).
-        What it leaves held (a broadcast with no live worker yet) is tried again later."""
+        What it leaves (a broadcast with no live worker yet) is tried again later."""
         now = self._claim_now()
         incarnation = self._incarnation()
         try:

@@ -83,7 +83,7 @@ class Dispatcher(threading.Thread):
     """Publishes claimed batches in order; puts unpublished tasks back to READY.
 
     ``on_returned(ids)`` is called with the ids that went back to READY (still
-    held by this node), so the loop can fire them again later.
+    this node's), so the loop can fire them again later.
     """
 
     def __init__(self, settings: Settings, store: Store, node: str,
@@ -127,7 +127,7 @@ class Dispatcher(threading.Thread):
 
     def _report_down(self, cause: str) -> None:
         if cause != self._down_cause:
-            log.warning("broker unreachable; holding due tasks", extra={"error": cause})
+            log.warning("broker unreachable; due tasks wait for it", extra={"error": cause})
             self._down_cause = cause
 
     def _report_up(self) -> None:

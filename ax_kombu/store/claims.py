@@ -8,8 +8,8 @@ token workers check).
 Claim leads: a task may be claimed ahead of its trigger time, by its runner's lead
 (:data:`ax_kombu.core.runners.RUNNERS`): ``claim_lead_ms`` for ax's own runners (their
 worker stages the run until its trigger time), or the lead a runner fixes for itself
-(:data:`~ax_kombu.core.runners.FIXED_LEADS`), 0 for one whose consumer could not hold a
-cancel back (claimed only once its trigger time is at or before the claimer's ``now``, its
+(:data:`~ax_kombu.core.runners.FIXED_LEADS`), 0 for one whose consumer could not refuse
+a cancelled task (claimed only once its trigger time is at or before the claimer's ``now``, its
 reading of the database clock, and until then DELAYED/READY: ``cancel`` still wins, and a
 scheduler that dies with it in memory leaves it to the others' preload, not to the ack
 timeout). The statements below are built from that table, so they name no runner.

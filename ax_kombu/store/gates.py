@@ -331,7 +331,7 @@ class Unbuildable(NamedTuple):
 
 def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str,
                      now_ms: int) -> list[int]:
-    """DISPATCHING → FAILED for each attempt in ``refused`` that ``node`` still holds at
+    """DISPATCHING → FAILED for each attempt in ``refused`` that ``node`` still owns at
     that attempt, ``last_error`` = its reason, ``finished_at = now_ms``; one statement.
 
     Returns:

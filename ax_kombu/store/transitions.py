@@ -49,8 +49,8 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 # Each takes many (task_id, attempt) pairs and is ONE statement: an UPDATE joined to the
 # batch, passed as ONE JSON parameter (an array of rows; PostgreSQL: jsonb_array_elements,
 # SQLite: json_each). One string costs the worker a tenth of the CPU of one array per
-# column (psycopg2 adapts every element of an array in turn, holding the GIL: 3.5 against
-# 0.37 µs per row of a 7-column, 500-row batch, and PostgreSQL's time per row fell too).
+# column (psycopg2 adapts every element of an array in turn, keeping the GIL; PostgreSQL's
+# time per row fell too: docs/benchmarks.md).
 # The status test is written COALESCE(t.status, '') = … so that no planner drives the join
 # by the (status, trigger_time) index — a walk over every DISPATCHING or RUNNING row,
 # possibly 100,000s — instead of one primary-key lookup per batch row.
@@ -262,7 +262,7 @@ def storable(text: str) -> str:
     """``text`` as both stores accept it in a TEXT column: a NUL (PostgreSQL refuses it)
     written as the four characters ``\\x00``, a lone surrogate (no driver encodes it to
     UTF-8) as its escape (``\\udc80``), as Python's ``repr`` shows them. That escape is
-    also JSON's, so JSON text (which never holds a raw NUL) reads back the same value."""
+    also JSON's, so JSON text (which never contains a raw NUL) reads back the same value."""
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")
     try:
@@ -282,7 +282,7 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     Columns set: SUCCESS ``finished_at``, ``result``; FAILED ``finished_at``,
     ``last_error``; DELAYED ``trigger_time``, ``retry_count + 1`` (unchanged for a
     :data:`SNOOZED` run), ``last_error`` and ``owner_node = NULL`` (a scheduler
-    adopts it); and
+    claims it again); and
     ``started_at`` where the result gives the run's real start.
 
     ``last_error`` and ``result`` are written :func:`storable` (callers pass them

@@ -42,7 +42,7 @@ def test_an_unreachable_broker_is_logged_once_per_cause_and_once_when_back(
     lines = [(r.levelname, r.getMessage(), getattr(r, "error", None)) for r in caplog.records
              if r.name == "ax_kombu.scheduler.dispatcher"]
     assert lines == [
-        ("WARNING", "broker unreachable; holding due tasks", "ConnectionRefusedError('refused')"),
-        ("WARNING", "broker unreachable; holding due tasks", "TimeoutError('timed out')"),
+        ("WARNING", "broker unreachable; due tasks wait for it", "ConnectionRefusedError('refused')"),
+        ("WARNING", "broker unreachable; due tasks wait for it", "TimeoutError('timed out')"),
         ("INFO", "broker reachable again; dispatching", None),
     ]
