@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
 from ax_kombu.core import outcomes as core
 from ax_kombu.core.backoff import RetryPolicy, Uniform
 from ax_kombu.core.outcomes import MAX_ERROR, Outcome
 from ax_kombu.store.ends import clean_text, refused, refused_alone
 from ax_kombu.store.transitions import Finish
+from ax_kombu.worker.task import Ended
 
 __all__ = ["MAX_ERROR", "RunResult", "decide", "describe", "error_text", "refused",
            "refused_alone", "stored_result"]
@@ -26,7 +26,7 @@ __all__ = ["MAX_ERROR", "RunResult", "decide", "describe", "error_text", "refuse
 class RunResult(NamedTuple):
     """One outcome, with the task it belongs to and when it ended (DB clock)."""
 
-    task: TaskMessage
+    task: Ended
     outcome: Outcome
     ended_ms: int
 

@@ -44,10 +44,11 @@ from ax_kombu.store.schema import tasks
 from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.run import Run
+from ax_kombu.worker.task import RunTask
 
 log = logging.getLogger(__name__)
 
-_WIRE = len(WIRE_FIELDS)
+_wire = operator.attrgetter(*WIRE_FIELDS)
 #: what a version-2 message says that its row says too (task_id and attempt fence the move)
 _SLIM_COMPARED = ("trace_id", "trigger_time", "priority")
 _slim_compared = operator.attrgetter(*_SLIM_COMPARED)
@@ -62,7 +63,7 @@ class Batch:
     dupes: list[Run[Lane]]
     #: task id → the task now RUNNING as its row stores it (what runs);
     #: None if the write was given up (the messages stay unacked)
-    started: dict[int, TaskMessage] | None = None
+    started: dict[int, RunTask] | None = None
     #: started deliveries whose message differs from the stored task, with the fields that do
     forged: list[tuple[Run[Lane], list[str]]] = field(default_factory=list)
     #: task id → (counter suffix, log text) for each refused start
@@ -189,8 +190,8 @@ class UnreadablePayload(str):
     """A stored payload that is not JSON (the row was written by hand): its run fails."""
 
 
-def stored_tasks(deliveries: list[Run[Lane]], rows: list[transitions.Started]
-                 ) -> tuple[dict[int, TaskMessage], list[tuple[Run[Lane], list[str]]]]:
+def stored_tasks(runs: list[Run[Lane]], rows: list[transitions.Started]
+                 ) -> tuple[dict[int, RunTask], list[tuple[Run[Lane], list[str]]]]:
     """The started tasks as their rows store them, and the messages that differ from those.
 
     Each stored payload is parsed here, once. The message keeps only what
@@ -198,31 +199,24 @@ def stored_tasks(deliveries: list[Run[Lane]], rows: list[transitions.Started]
     it), ``dispatched_at`` and ``node``. A message that differs anywhere else is
     returned with the names of the fields that do (never their values).
     """
-    by_id = {d.task.task_id: d for d in deliveries}
-    started: dict[int, TaskMessage] = {}
+    by_id = {r.task.task_id: r for r in runs}
+    started: dict[int, RunTask] = {}
     forged: list[tuple[Run[Lane], list[str]]] = []
     for row in rows:
-        delivery = by_id[row.task_id]
-        message = delivery.task
+        run = by_id[row.task_id]
+        message = run.task
+        assert type(message) is TaskMessage  # not fenced yet: the message's
         try:
             payload: Any = json.loads(row.payload)
         except (ValueError, RecursionError):  # written by hand: the run fails, saying so
             payload = UnreadablePayload(row.payload)
-        task = TaskMessage(row.task_id, message.attempt, row.task_type, payload,
-                           row.trace_id, row.trigger_time, row.timeout_ms, row.priority,
-                           row.retry_count, row.max_retry, row.processor_name, row.callback_url,
-                           message.dispatched_at, message.node, row.job, row.scheduled_at,
-                           bool(row.gated), row.order_key, row.shard_index, row.shard_total,
-                           None, row.started_at)
+        task = RunTask.of(row, message, payload)
         started[row.task_id] = task
-        if message.slim:  # version 2: the few fields it carries
-            if _slim_compared(task) != _slim_compared(message):
-                forged.append((delivery, [name for name in _SLIM_COMPARED
-                                          if getattr(task, name) != getattr(message, name)]))
-        elif task[:_WIRE] != message[:_WIRE]:
-            forged.append((delivery, [name for name, mine, theirs
-                                      in zip(WIRE_FIELDS, task, message, strict=False)
-                                      if mine != theirs]))
+        compared = _slim_compared if message.slim else _wire  # version 2: the few it carries
+        if compared(task) != compared(message):
+            names = _SLIM_COMPARED if message.slim else WIRE_FIELDS
+            forged.append((run, [name for name in names
+                                 if getattr(task, name) != getattr(message, name)]))
     return started, forged
 
 
@@ -263,7 +257,7 @@ def _explain(conn: Connection, refused: list[Run[Lane]]) -> dict[int, tuple[str,
     return {d.task.task_id: refusal(d.task, rows.get(d.task.task_id)) for d in refused}
 
 
-def refusal(task: TaskMessage, row: Any) -> tuple[str, str]:
+def refusal(task: TaskMessage | RunTask, row: Any) -> tuple[str, str]:
     """(counter suffix, log text) for a message whose RUNNING move failed."""
     if row is None:
         return "missing", "no such task"

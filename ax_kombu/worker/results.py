@@ -68,7 +68,6 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings
 from ax_kombu.core.backoff import Uniform, default_rng
 from ax_kombu.core.outcomes import Outcome
@@ -83,6 +82,7 @@ from ax_kombu.store.transitions import DISCARDED, SNOOZED, Finish
 from ax_kombu.worker.counters import Counters, Room
 from ax_kombu.worker.outcomes import RunResult, decide, refused, stored_result
 from ax_kombu.worker.processors import policy_of
+from ax_kombu.worker.task import Ended
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class ResultWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, task: TaskMessage, outcome: Outcome,
+    def put(self, task: Ended, outcome: Outcome,
             on_durable: Callable[[], None] | None = None) -> None:
         """Queue the outcome of one run for writing (thread-safe).
 

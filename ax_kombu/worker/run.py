@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.worker.task import RunTask
 
 
 class State(enum.Enum):
@@ -115,7 +116,7 @@ class Run(Generic[L]):
 
     lane: L
     #: the message's task until the RUNNING move, then the task as its row stores it
-    task: TaskMessage
+    task: TaskMessage | RunTask
     #: the broker message until it is acked (then None: acked at most once)
     message: Any
     #: which broker connection it came on (acks are only valid there)

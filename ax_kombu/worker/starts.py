@@ -50,6 +50,7 @@ from ax_kombu.worker.processors import Resolver, call
 from ax_kombu.worker.receipts import UnreadablePayload
 from ax_kombu.worker.run import WAITING, Run, State
 from ax_kombu.worker.stage import Stage
+from ax_kombu.worker.task import Ended, RunTask
 
 #: how long a staged run waits for the lease before looking at its signal again
 LEASE_WAIT_S = 0.1
@@ -64,7 +65,7 @@ class Withdrawn(Exception):
 class Outcomes(Protocol):
     """Where a started run's outcome goes (:class:`~ax_kombu.worker.results.ResultWriter`)."""
 
-    def put(self, task: TaskMessage, outcome: Outcome,
+    def put(self, task: Ended, outcome: Outcome,
             on_durable: Callable[[], None] | None = None) -> None: ...
 
 
@@ -121,11 +122,11 @@ class Starter:
                 for run in lane_runs:
                     self._done(run, Outcome(False, abandoned="the pool is closed"))
 
-    def _wait_s(self, task: TaskMessage) -> float:
+    def _wait_s(self, task: TaskMessage | RunTask) -> float:
         """How long until the task's trigger time (0 once due), on the database clock."""
         return max(0.0, task.trigger_time - self._clock()) / 1000.0
 
-    def _timeout_s(self, task: TaskMessage) -> float:
+    def _timeout_s(self, task: TaskMessage | RunTask) -> float:
         """A run's timeout from when a thread takes it: what is left of its wait until its
         trigger time, then ``timeout_ms``."""
         return self._wait_s(task) + task.timeout_ms / 1000.0
@@ -146,8 +147,9 @@ class Starter:
         if run.state is not State.STARTED:
             raise Withdrawn(f"{cancel.reason or 'withdrawn'} before it started")
         metrics.start_delay.observe(-left_ms / 1000.0)
+        assert type(task) is RunTask  # fenced: the row's task
         # the real start (the RUNNING move wrote when it was fenced): the result records it
-        task = run.task = task.started(max(task.trigger_time, int(self._now_ms())))
+        task.started_at = max(task.trigger_time, int(self._now_ms()))
         ctx = Context(task_id=task.task_id, attempt=task.attempt, trace_id=task.trace_id,
                       trigger_time=task.trigger_time, task_type=task.task_type,
                       retry_count=task.retry_count, max_retry=task.max_retry,
@@ -195,7 +197,7 @@ class Starter:
                 run.move(State.STAGED)
                 run.move(State.STARTED)
 
-    def _execute(self, task: TaskMessage, ctx: Context) -> Any:
+    def _execute(self, task: RunTask, ctx: Context) -> Any:
         if type(task.payload) is UnreadablePayload:
             raise ProcessorRefused("the stored payload is not JSON")
         func = self._resolver.resolve(task.processor, task.callback_url)

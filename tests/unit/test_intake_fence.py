@@ -17,6 +17,7 @@ from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.receipts import Batch
 from ax_kombu.worker.run import Run, State
+from ax_kombu.worker.task import RunTask
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,8 +66,12 @@ def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int) -> Batch:
     lane.reserved += 1  # as plan() does
     planned = Run(lane=lane, task=task, message=Message(), generation=intake.acks.generation,
                   state=State.PLANNED)
+    fenced = RunTask(task_id=task_id, attempt=1, task_type="t", payload={}, trace_id="tr",
+                     trigger_time=now - 10, timeout_ms=60_000, priority="default",
+                     retry_count=0, max_retry=3, processor="p", callback_url=None,
+                     dispatched_at=now, node="s0")  # the row's task, as the RUNNING move read it
     return Batch(start=[planned], release=[], dupes=[],
-                 started={task_id: task}, incarnation=incarnation)
+                 started={task_id: fenced}, incarnation=incarnation)
 
 
 def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> None:
@@ -99,7 +104,7 @@ def test_a_run_whose_timeout_passes_while_it_waits_is_kept_for_hand_back() -> No
     batch = _batch(intake, lane, 44, incarnation=1)
     waiting = batch.start[0]
     assert batch.started is not None  # the row's settings are what runs
-    batch.started[44] = batch.started[44]._replace(timeout_ms=200)
+    batch.started[44].timeout_ms = 200
     intake.planner.receipted(batch)
     deadline = time.monotonic() + 10
     while intake.stage.runs and time.monotonic() < deadline:
