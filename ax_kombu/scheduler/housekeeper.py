@@ -78,8 +78,8 @@ from ax_kombu.config import Settings
 from ax_kombu.core.ids import compose
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
+from ax_kombu.scheduler.loop import MAX_SLEEP_S, Loop
 from ax_kombu.scheduler.recurrence import Materialiser
-from ax_kombu.scheduler.stage import MAX_SLEEP_S, Stage
 from ax_kombu.scheduler.strays import Strays
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, preload, recovery
@@ -112,7 +112,7 @@ DROP_WAIT_S = 2.0
 STEPS = ("jobs", "preload", "strays", "judge", "overdue", "recovery", "prune", "due")
 
 
-class Housekeeper(Stage):
+class Housekeeper(Loop):
     """Preloads, writes recurring occurrences, judges and recovers, each when due, until
     :meth:`stop`.
 
