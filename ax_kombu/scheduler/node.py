@@ -82,7 +82,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -239,9 +238,7 @@ class Scheduler:
         while self._stop is None:
             try:
                 self.timing.start_at(self.store.now_ms())
-                sent = time.monotonic()
-                self.heartbeat.register(self._info())
-                self.lease.confirm(sent, self.heartbeat.incarnation)
+                self.heart.lifecycle.register()  # the node lifecycle: confirms the lease
                 break
             except SQLAlchemyError as exc:
                 log.warning("database unreachable; retrying",

@@ -88,3 +88,37 @@ def test_a_name_taken_meanwhile_ends_the_beats() -> None:
     heart.register_error = NodeNameInUse("taken")
     with pytest.raises(NodeNameInUse):
         life.beat()
+
+
+class FakeLiveness:
+    """What the scheduler's heart tells its Liveness, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def fenced(self) -> None:
+        self.calls.append("fenced")
+
+    def registered(self, now: int) -> None:
+        self.calls.append(f"registered@{now}")
+
+    def landed(self, now: int) -> None:
+        self.calls.append(f"landed@{now}")
+
+    def database_failed(self) -> None:
+        self.calls.append("failed")
+
+
+def test_the_scheduler_heart_beats_through_the_lifecycle() -> None:
+    from ax_kombu.scheduler.heart import Heart
+
+    heart = FakeHeartbeat(True, False, OperationalError("beat", {}, Exception("down")))
+    liveness, lease = FakeLiveness(), Lease(10.0)
+    beating = Heart(liveness, heart, 1.0, lambda: 7.0, lease, dict)  # type: ignore[arg-type]
+    beating.lifecycle.register()
+    beating.beat()  # lands
+    beating.beat()  # refused: the wheel is dropped, then the node registers anew
+    beating.beat()  # fails: the node stops judging others
+    assert liveness.calls == ["registered@7", "landed@7", "fenced", "registered@7", "landed@7",
+                              "failed"]
+    assert heart.incarnation == 2 and lease.covers(2) and beating.beats == 2
