@@ -59,12 +59,3 @@ def test_to_message_and_json_round_trip() -> None:
     assert json.loads(envelope["body"]) == body
     assert envelope["properties"]["delivery_info"]["routing_key"] == "q"
     assert envelope["properties"]["delivery_tag"] == "5.2"
-
-
-def test_started_sets_only_the_start_and_keeps_the_kind() -> None:
-    values = (5, 2, "t", '{"a":1}', "tr", 100, 500, "high", 1, 3, "p", None)
-    for message in (to_message(_row(*values), "n", 1),
-                    to_message(_row(*values, runner="celery"), "n", 1)):
-        started = message.started(777)
-        assert type(started) is type(message)
-        assert started == message._replace(started_at=777)
