@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
 from ax_kombu.config import Settings, from_env
 from ax_kombu.store.engine import make_engine, migrate
@@ -54,33 +55,50 @@ def pg_database() -> Iterator[str]:
     admin.dispose()
 
 
-def _clean_pg(url: str) -> None:
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_attempt, "
-                          "ax_task_archive, ax_attempt_archive, ax_fingerprint, ax_due, ax_move"))
-        conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
+@pytest.fixture(scope="session")
+def _pg_cleaner(pg_database: str) -> Iterator[Engine]:
+    """One engine for the whole run that empties the database between tests."""
+    engine = make_engine(pg_database, pool_size=1)
+    yield engine
     engine.dispose()
 
 
 @pytest.fixture
-def pg_url(pg_database: str) -> str:
+def pg_url(pg_database: str, _pg_cleaner: Engine) -> str:
     """This run's PostgreSQL database, emptied for the test."""
-    _clean_pg(pg_database)
+    with _pg_cleaner.begin() as conn:
+        conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_attempt, "
+                          "ax_task_archive, ax_attempt_archive, ax_fingerprint, ax_due, ax_move"))
+        conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
     return pg_database
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite store migrated once for the run: each test gets a copy of its own (running
+    the migrations for every test cost about half a second each)."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "ax.sqlite3"
+    engine = make_engine(f"sqlite:///{path}")
+    migrate(engine)
+    engine.dispose()  # the last connection closed checkpoints the WAL into the main file
+    return path
+
+
 @pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'ax.sqlite3'}"
+def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+    """A migrated SQLite store of this test's own (a copy of :func:`sqlite_template`)."""
+    path = tmp_path / "ax.sqlite3"
+    for suffix in ("", "-wal"):  # a WAL only if the checkpoint at close did not happen
+        if Path(f"{sqlite_template}{suffix}").exists():
+            shutil.copyfile(f"{sqlite_template}{suffix}", f"{path}{suffix}")
+    return f"sqlite:///{path}"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Each store test runs twice: on a SQLite file and on PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ax.sqlite3'}"
-    url: str = request.getfixturevalue("pg_url")
+def store_url(request: pytest.FixtureRequest) -> str:
+    """Each store test runs twice: on a SQLite file and on PostgreSQL, each migrated and
+    the test's own (an emptied database, a copied file)."""
+    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
     return url
 
 

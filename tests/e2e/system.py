@@ -7,8 +7,8 @@ read the ``ax_task`` table. Each daemon's output goes to a log file in the
 test's temporary directory; :meth:`System.wait_for` and :meth:`System.tails`
 put the end of every log into an assertion message.
 
-:class:`RunLog` reads what the processors of :mod:`tests.e2e.e2e_tasks`
-append: one line per processor run.
+What the processors of :mod:`tests.e2e.e2e_tasks` ran is read from their run ledger
+(:class:`tests.ledger.Ledger`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,43 +212,6 @@ class System:
     def node_info(self, name: str) -> dict[str, Any]:
         row = self.node(name)
         return {} if row is None else dict(json.loads(row.info))
-
-
-@dataclass(frozen=True)
-class Run:
-    """One processor run, as the processor recorded it."""
-
-    task_id: int
-    attempt: int
-    retry: int
-    trigger: int
-    start: int
-    pid: int
-
-
-class RunLog:
-    """The file the ``e2e.task`` processor appends one line per run to."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __str__(self) -> str:
-        return str(self.path)
-
-    def runs(self) -> list[Run]:
-        if not self.path.exists():
-            return []
-        lines = self.path.read_text().splitlines()
-        return [Run(d["id"], d["attempt"], d["retry"], d["trigger"], d["start"], d["pid"])
-                for d in map(json.loads, lines)]
-
-    def by_task(self) -> dict[int, list[Run]]:
-        runs: dict[int, list[Run]] = defaultdict(list)
-        for run in self.runs():
-            runs[run.task_id].append(run)
-        for task_runs in runs.values():
-            task_runs.sort(key=lambda r: r.attempt)
-        return dict(runs)
 
 
 def pct(values: list[int], q: float) -> int:

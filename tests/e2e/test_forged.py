@@ -18,7 +18,8 @@ from ax_kombu.broker.messages import RawJson, TaskMessage
 from ax_kombu.core.states import Status
 from ax_kombu.store import claims, transitions
 
-from .system import RunLog, System
+from ..ledger import Ledger
+from .system import System
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -32,7 +33,7 @@ def system(pg_url: str, broker: dict[str, str], tmp_path: Path) -> Iterator[Syst
 
 def test_a_forged_message_runs_the_stored_task_not_the_message(system: System,
                                                                tmp_path: Path) -> None:
-    stored, forged = RunLog(tmp_path / "stored.jsonl"), RunLog(tmp_path / "forged.jsonl")
+    stored, forged = Ledger(tmp_path / "stored.jsonl"), Ledger(tmp_path / "forged.jsonl")
     system.worker("worker-0")
     system.wait_ready()
     # due now (no scheduler runs here): the worker holds a message until its trigger time

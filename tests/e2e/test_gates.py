@@ -128,7 +128,7 @@ def nodes(entries: Iterable[Entry]) -> dict[str, int]:
 
 
 @dataclass
-class GateCluster(System):
+class GateSystem(System):
     """A :class:`System` whose daemons know the ledger file, and whose workers know their
     name (``E2E_GATES_NODE``)."""
 
@@ -208,7 +208,7 @@ def _reset(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(pg_database: str, redis_url: str,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GateCluster]:
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GateSystem]:
     """One cluster for the module, on this run's database (emptied) and its own Redis
     queues and key prefix."""
     _reset(pg_database)
@@ -217,7 +217,7 @@ def cluster(pg_database: str, redis_url: str,
               "queue_default": "default" + suffix, "queue_slow": "slow" + suffix,
               "broker_key_prefix": f"axtest:{RUN_ID}:{suffix}:"}
     tmp = tmp_path_factory.mktemp("gates")
-    ax = GateCluster(pg_database, broker, tmp, env=HEARTBEAT, ledger=tmp / "ledger.jsonl")
+    ax = GateSystem(pg_database, broker, tmp, env=HEARTBEAT, ledger=tmp / "ledger.jsonl")
     try:
         ax.start()
         yield ax
@@ -234,7 +234,7 @@ def cluster(pg_database: str, redis_url: str,
         client.close()
 
 
-def due_in(cluster: GateCluster, ms: int) -> tuple[int, datetime]:
+def due_in(cluster: GateSystem, ms: int) -> tuple[int, datetime]:
     """A trigger instant ``ms`` from now on the store's clock: epoch ms and datetime."""
     at = cluster.client.store.now_ms() + ms
     return at, datetime.fromtimestamp(at / 1000, UTC)
@@ -249,7 +249,7 @@ PER_KEY = 10
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_order_keys_run_in_order_per_key_and_keys_run_together(cluster: GateCluster) -> None:
+def test_order_keys_run_in_order_per_key_and_keys_run_together(cluster: GateSystem) -> None:
     cluster.check_alive()
     due_ms, run_at = due_in(cluster, 1000)
     # enqueued round-robin over the keys: ids interleave, a key's ids rise with its seq
@@ -300,7 +300,7 @@ LIMITED_S = 0.1
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_limit_caps_running_tasks_across_the_cluster(cluster: GateCluster) -> None:
+def test_a_limit_caps_running_tasks_across_the_cluster(cluster: GateSystem) -> None:
     cluster.check_alive()
     cluster.client.set_limit("e2e.limited", LIMIT)
     due_ms, run_at = due_in(cluster, 1000)
@@ -335,7 +335,7 @@ SLOW_S = 2.5
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_serial_job_runs_one_occurrence_at_a_time_and_drops_none(cluster: GateCluster) -> None:
+def test_a_serial_job_runs_one_occurrence_at_a_time_and_drops_none(cluster: GateSystem) -> None:
     cluster.check_alive()
     job = cluster.client.schedule("e2e.serial", "e2e.serial", {"sleep": SLOW_S}, every=1,
                                   strategy="serial")
@@ -380,7 +380,7 @@ def test_a_serial_job_runs_one_occurrence_at_a_time_and_drops_none(cluster: Gate
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_discard_job_cancels_occurrences_due_while_one_runs(cluster: GateCluster) -> None:
+def test_a_discard_job_cancels_occurrences_due_while_one_runs(cluster: GateSystem) -> None:
     cluster.check_alive()
     job = cluster.client.schedule("e2e.discard", "e2e.discard", {"sleep": SLOW_S}, every=1,
                                   strategy="discard")
@@ -432,7 +432,7 @@ COVER_WAIT_S = 5.0
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_cover_job_supersedes_the_running_occurrence(cluster: GateCluster) -> None:
+def test_a_cover_job_supersedes_the_running_occurrence(cluster: GateSystem) -> None:
     cluster.check_alive()
     job = cluster.client.schedule("e2e.cover", "e2e.cover", {"wait": COVER_WAIT_S}, every=1,
                                   strategy="cover")
@@ -488,7 +488,7 @@ SHARDS = 8
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_shards_run_each_index_once(cluster: GateCluster) -> None:
+def test_shards_run_each_index_once(cluster: GateSystem) -> None:
     cluster.check_alive()
     task_id = cluster.client.enqueue("e2e.shard", {"batch": uuid.uuid4().hex}, shards=SHARDS)
     ids = set(task_id.shards)
@@ -512,20 +512,20 @@ def test_shards_run_each_index_once(cluster: GateCluster) -> None:
 # -- a shard per worker --------------------------------------------------------------------------
 
 
-def heartbeat_age_ms(cluster: GateCluster, name: str) -> int:
+def heartbeat_age_ms(cluster: GateSystem, name: str) -> int:
     """How long ago (store clock, ms) ``name`` last heartbeated."""
     (row,) = cluster.query("SELECT heartbeat_at FROM ax_node WHERE node_id = :n", n=name)
     return cluster.client.store.now_ms() - int(row.heartbeat_at)
 
 
-def shard_rows(cluster: GateCluster, task_type: str) -> dict[int, Any]:
+def shard_rows(cluster: GateSystem, task_type: str) -> dict[int, Any]:
     return cluster.rows("task_type = :t", t=task_type)
 
 
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_a_workers_broadcast_runs_one_shard_on_each_worker(cluster: GateCluster) -> None:
+def test_a_workers_broadcast_runs_one_shard_on_each_worker(cluster: GateSystem) -> None:
     cluster.check_alive()
     cluster.wait_for(lambda: all(heartbeat_age_ms(cluster, w) < 1000 for w in WORKERS), 10,
                      "both workers heartbeating")
@@ -560,7 +560,7 @@ def test_a_workers_broadcast_runs_one_shard_on_each_worker(cluster: GateCluster)
     assert not wrong, f"shards that ran on another worker than their target: {wrong}; {context}"
 
 
-def own_queue_depth(cluster: GateCluster, node: str) -> int:
+def own_queue_depth(cluster: GateSystem, node: str) -> int:
     """Messages waiting in ``node``'s own queue (every priority list of it) in Redis."""
     import redis
 
@@ -575,7 +575,7 @@ def own_queue_depth(cluster: GateCluster, node: str) -> int:
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_shard_whose_worker_died_before_starting_runs_on_another(cluster: GateCluster
+def test_a_shard_whose_worker_died_before_starting_runs_on_another(cluster: GateSystem
                                                                     ) -> None:
     # last in the module: it kills gate-w1 (and restarts it at the end)
     cluster.check_alive()

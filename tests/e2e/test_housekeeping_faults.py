@@ -29,7 +29,8 @@ from sqlalchemy import text
 
 from ax_kombu.store.engine import make_engine
 
-from .system import Daemon, RunLog, System, stop_all
+from ..ledger import Ledger
+from .system import Daemon, System, stop_all
 from .test_metrics_scrape import free_port, total, try_scrape
 
 #: a dead node is noticed after 0.5 s x 3 silent beats
@@ -98,7 +99,7 @@ def test_a_failing_housekeeping_step_stops_neither_beats_nor_tasks(system: Syste
         system.database_url), "metrics_port": port}) for name, port in ports.items()]
     system.worker("w0")
     system.wait_ready()
-    ticks = RunLog(tmp_path / "ticks.jsonl")
+    ticks = Ledger(tmp_path / "ticks.jsonl")
     system.client.schedule("hk.good", "e2e.task", {"log": str(ticks)}, every=1)
     _insert_unplannable_job(system, "hk.unplannable")
 
@@ -111,7 +112,7 @@ def test_a_failing_housekeeping_step_stops_neither_beats_nor_tasks(system: Syste
 
     before = {name: _beat(system, name) for name in ports}
     errors_before = {name: _job_errors(port) for name, port in ports.items()}
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     locker = make_engine(system.database_url).connect()
     try:
         tx = locker.begin()

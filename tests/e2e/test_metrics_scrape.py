@@ -43,7 +43,8 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from .system import RunLog, System
+from ..ledger import Ledger
+from .system import System
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -117,7 +118,7 @@ def dedup(kind: str) -> float:
 
 def test_scraped_counts_equal_what_happened(system: System, tmp_path: Path) -> None:
     started = time.monotonic()
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     sched_port, worker_port = free_port(), free_port()
     metrics_args = ["--metrics-port", "{}", "--metrics-addr", "127.0.0.1"]
     system._start("scheduler", "sched-0",

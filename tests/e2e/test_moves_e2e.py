@@ -1,6 +1,6 @@
 """Tasks that move with the business, against a real ``ax-scheduler`` and ``ax-worker``
 (PostgreSQL + Redis; each scenario at this one tier), counted from what ran
-(:class:`~tests.e2e.system.RunLog`):
+(:class:`~tests.e2e.system.Ledger`):
 
 * a transaction that stays open and commits late still fires its task at the commit,
   while other producers commit later tasks in between (out-of-order commits), with the
@@ -25,7 +25,8 @@ import pytest
 
 from ax_kombu.exceptions import IllegalTransition, TooLateToMove
 
-from .system import CLOCK_TOLERANCE_MS, RunLog, System, pct
+from ..ledger import Ledger
+from .system import CLOCK_TOLERANCE_MS, System, pct
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -48,14 +49,14 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _task(log: RunLog, i: int, **options: Any) -> dict[str, Any]:
+def _task(log: Ledger, i: int, **options: Any) -> dict[str, Any]:
     return {"task_type": "e2e.task", "payload": {"log": str(log), "i": i}, **options}
 
 
 @pytest.mark.timeout(90)
 def test_a_late_commit_fires_at_the_commit_despite_later_commits_in_between(
         system: System, tmp_path: Path) -> None:
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     dsn = system.database_url.replace("postgresql+psycopg2://", "postgresql://")
     late = [psycopg2.connect(dsn) for _ in range(3)]
     try:
@@ -111,7 +112,7 @@ N_BURST = 600
 @pytest.mark.timeout(90)
 def test_a_reschedule_racing_the_claim_never_runs_at_the_old_time(
         system: System, tmp_path: Path) -> None:
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     lead = system.settings.claim_lead_ms
     ids = system.enqueue_many([_task(log, i, delay=3) for i in range(N_BURST)])
     due = system.tasks()[ids[0]].trigger_time
@@ -137,7 +138,7 @@ def test_a_reschedule_racing_the_claim_never_runs_at_the_old_time(
 @pytest.mark.timeout(90)
 def test_a_cancel_by_key_racing_the_claim_never_runs_a_task_cancelled_in_time(
         system: System, tmp_path: Path) -> None:
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     lead = system.settings.claim_lead_ms
     ids = system.enqueue_many([_task(log, i, delay=3, biz_key=f"order-{i}")
                                for i in range(N_BURST)])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from ax_kombu.config import from_env
 from ax_kombu.store import Store
 from ax_kombu.store.schema import nodes
 
+from ..waiting import wait_until
 from .system import stop_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
@@ -33,12 +33,12 @@ def test_a_second_live_scheduler_with_the_same_name_is_refused(tmp_path: Path) -
     first = _scheduler(tmp_path, "first.log")
     try:
         store = Store(from_env({}, database_url=f"sqlite:///{tmp_path / 'ax.db'}"))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def registered() -> bool:
             with store.engine.connect() as conn:
-                if conn.execute(select(nodes.c.pid).where(nodes.c.node_id == "s0")).first():
-                    break
-            time.sleep(0.1)
+                return conn.execute(select(nodes.c.pid).where(nodes.c.node_id == "s0")
+                                    ).first() is not None
+        wait_until(registered, 30, 0.1)
         store.close()
         second = _scheduler(tmp_path, "second.log")
         assert second.wait(30) == 6

@@ -42,7 +42,7 @@ from .system import Daemon
 from .test_recurring import (
     HEARTBEAT,
     UNDISPATCHED,
-    Cluster,
+    RecurringSystem,
     Tick,
     _drop_jobs,
     brief,
@@ -73,9 +73,9 @@ LATE_BOUND_MS = 3500
 
 
 @pytest.fixture
-def cluster(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterator[Cluster]:
+def cluster(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterator[RecurringSystem]:
     _drop_jobs(pg_url)
-    ax = Cluster(pg_url, redis_broker, tmp_path, env={**HEARTBEAT},
+    ax = RecurringSystem(pg_url, redis_broker, tmp_path, env={**HEARTBEAT},
                  ledger=tmp_path / "ledger.jsonl")
     yield ax
     ax.close()
@@ -86,7 +86,7 @@ def cluster(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterat
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_sigkill_of_the_holding_scheduler_loses_and_repeats_no_occurrence(
-        cluster: Cluster) -> None:
+        cluster: RecurringSystem) -> None:
     cluster.env = {**cluster.env, **KILL_HEARTBEAT}
     schedulers = cluster.start(schedulers=2)
     for name, args in JOBS.items():
@@ -114,7 +114,7 @@ def test_sigkill_of_the_holding_scheduler_loses_and_repeats_no_occurrence(
     check_on_time(cluster, kill_at)
 
 
-def check_once(cluster: Cluster, expected: dict[str, list[int]], survivor: Daemon,
+def check_once(cluster: RecurringSystem, expected: dict[str, list[int]], survivor: Daemon,
                kill_at: int) -> None:
     """Each expected occurrence ran exactly once; none ran that is not an occurrence."""
     assert survivor.proc.returncode == 0, f"{survivor.name} did not stop warm\n{cluster.tails()}"
@@ -134,7 +134,7 @@ def check_once(cluster: Cluster, expected: dict[str, list[int]], survivor: Daemo
           f"occurrences each ran once; latest start {late} ms after its occurrence")
 
 
-def check_on_time(cluster: Cluster, kill_at: int) -> None:
+def check_on_time(cluster: RecurringSystem, kill_at: int) -> None:
     """Every occurrence due after the kill started within ``LATE_BOUND_MS``, but those
     the victim had claimed (run at a later attempt, after the ack timeout)."""
     after = [t for runs in cluster.ticks().values() for t in runs
@@ -152,7 +152,7 @@ def _with_lock_timeout(url: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}options=-c%20lock_timeout%3D200"
 
 
-def _held_by(cluster: Cluster, node: str, live: list[str]) -> dict[str, set[int]]:
+def _held_by(cluster: RecurringSystem, node: str, live: list[str]) -> dict[str, set[int]]:
     """The occurrences in ``node``'s share among the schedulers ``live``, not yet claimed,
     by job."""
     out: dict[str, set[int]] = {}
@@ -166,7 +166,7 @@ def _held_by(cluster: Cluster, node: str, live: list[str]) -> dict[str, set[int]
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_what_a_killed_scheduler_held_runs_while_the_survivors_housekeeping_fails(
-        cluster: Cluster) -> None:
+        cluster: RecurringSystem) -> None:
     cluster.env = {**cluster.env, "database_url": _with_lock_timeout(cluster.database_url)}
     schedulers = cluster.start(schedulers=2)
     for name, args in JOBS.items():

@@ -1,13 +1,13 @@
-"""Two real ``ax-scheduler`` processes on PostgreSQL + Redis: exactly once per attempt,
-and nothing lost when one of them is killed with SIGKILL."""
+"""Two real ``ax-scheduler`` processes on PostgreSQL + Redis: exactly once per attempt.
+
+A scheduler killed with SIGKILL is the fault suite's (tests/faults/test_faults.py
+``test_sigkill_a_scheduler``: nothing lost, no attempt run twice, under a steady load)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.store.schema import nodes, tasks
 
 from ..integration.harness import Received, collecting, starting
+from ..waiting import wait_until
 from .system import stop_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(240)]
@@ -58,15 +59,6 @@ def running(cfg: Settings, tmp_path: Path) -> Iterator[list[subprocess.Popen[byt
     stop_all(procs)
 
 
-def wait_until(predicate: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return bool(predicate())  # type: ignore[operator]
-
-
 def count(client: Client, status: str | None = None, table: object = tasks) -> int:
     stmt = select(func.count()).select_from(table)  # type: ignore[arg-type]
     if status is not None:
@@ -81,15 +73,11 @@ def schedulers(client: Client) -> int:
                                 .where(nodes.c.kind == "scheduler")).scalar_one())
 
 
-def run_burst(cfg: Settings, client: Client, procs: list[subprocess.Popen[bytes]],
-              kill_at: int | None) -> list[Received]:
+def run_burst(cfg: Settings, client: Client) -> list[Received]:
     with starting(client.store.engine) as start_task, collecting(cfg, start_task) as got:
         assert wait_until(lambda: schedulers(client) == 2, 60), "schedulers did not start"
         client.enqueue_many([{"task_type": "burst", "payload": {"i": i},
                               "delay": 1 + 3 * i / N} for i in range(N)])
-        if kill_at is not None:
-            assert got.wait_for(lambda: len(got.got) >= kill_at, timeout=60)
-            procs[0].send_signal(signal.SIGKILL)
         assert got.wait_for(lambda: count(client, "RUNNING") == N, timeout=120), \
             f"only {count(client, 'RUNNING')} of {N} tasks were dispatched"
     return got.got
@@ -103,7 +91,7 @@ def assert_once_per_attempt(received: list[Received]) -> None:
 def test_two_schedulers_publish_every_task_exactly_once(
         cfg: Settings, running: list[subprocess.Popen[bytes]]) -> None:
     client = Client(cfg)
-    received = run_burst(cfg, client, running, kill_at=None)
+    received = run_burst(cfg, client)
     assert_once_per_attempt(received)
     assert len(received) == N  # no re-dispatch was needed: exactly one message per task
     with client.store.engine.connect() as conn:
@@ -111,19 +99,3 @@ def test_two_schedulers_publish_every_task_exactly_once(
                                     .group_by(tasks.c.owner_node)).all())
     assert sum(by_node.values()) == N
     client.close()
-
-
-def test_killing_one_scheduler_loses_nothing(cfg: Settings,
-                                             running: list[subprocess.Popen[bytes]]) -> None:
-    client = Client(cfg)
-    received = run_burst(cfg, client, running, kill_at=N // 3)
-    assert running[0].wait(10) == -signal.SIGKILL
-    assert_once_per_attempt(received)
-    assert {r.body["task_id"] for r in received} == {
-        int(t) for t in _all_ids(client)}  # every task reached the consumer
-    client.close()
-
-
-def _all_ids(client: Client) -> list[int]:
-    with client.store.engine.connect() as conn:
-        return [r[0] for r in conn.execute(select(tasks.c.task_id))]

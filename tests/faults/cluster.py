@@ -4,7 +4,7 @@ settings (:data:`SHORT`) so a scenario takes seconds.
 
 A node can be SIGKILLed and started again under the same name; every pid it had is kept,
 and so is what the table said a killed worker was running (those tasks may run twice).
-Each daemon finds the :class:`~tests.faults.ledger.Ledger` file in its environment
+Each daemon finds the :class:`~tests.ledger.Ledger` file in its environment
 (``FAULT_LEDGER``) and its node name in ``FAULT_NODE``.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from tests.e2e.system import Daemon, System, _command, stop_all
 
-from .ledger import Ledger
+from ..ledger import Ledger
 from .timing import now_ms
 
 TASKS_MODULE = "tests.faults.fault_tasks"
@@ -167,3 +167,4 @@ class Cluster(System):
     def status_of(self, ids: Iterable[int]) -> Counter[str]:
         rows = self.task_rows()
         return Counter(rows[i].status if i in rows else "MISSING" for i in ids)
+

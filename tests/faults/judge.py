@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ledger import Run
 from .cluster import Cluster
-from .ledger import Run
 from .producer import Planned
 from .timing import now_ms
 from .verdict import Verdict

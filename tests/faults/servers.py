@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.e2e.system import stop_all
 
-from .timing import poll
+from ..waiting import wait_until
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ def wait_port(port: int, timeout: float, host: str = "127.0.0.1",
         except OSError:
             return False
         return True
-    return bool(poll(check, timeout, interval))
+    return bool(wait_until(check, timeout, interval))
 
 
 class PrivateRedis:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
+from ..waiting import wait_until
 from .cluster import Cluster
-from .timing import poll
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.integration]
 
@@ -42,14 +42,14 @@ def test_an_unbuildable_message_fails_its_task_alone(cluster: Cluster) -> None:
     cluster.scheduler("s0")
     cluster.wait_registered(["s0", "w0"], timeout=20)
 
-    ran = poll(lambda: set(cluster.ledger.by_task()) >= set(ordinary), 15)
+    ran = wait_until(lambda: set(cluster.ledger.by_task()) >= set(ordinary), 15)
     assert ran, f"ordinary tasks never ran: {cluster.status_of(ordinary)}\n{cluster.tails()}"
-    failed = poll(lambda: cluster.task_rows([bad])[bad].status == "FAILED", 5)
+    failed = wait_until(lambda: cluster.task_rows([bad])[bad].status == "FAILED", 5)
     row = cluster.task_rows([bad])[bad]
     assert failed, f"the bad task is {row.status}\n{cluster.tails()}"
     assert "cannot build the Celery message" in row.last_error
     assert "payload must be an object" in row.last_error
-    assert poll(lambda: cluster.status_of(ordinary) == {"SUCCESS": ORDINARY}, 5), \
+    assert wait_until(lambda: cluster.status_of(ordinary) == {"SUCCESS": ORDINARY}, 5), \
         cluster.status_of(ordinary)
     runs = cluster.ledger.by_task()
     assert {i: len(runs[i]) for i in ordinary} == dict.fromkeys(ordinary, 1)  # once each

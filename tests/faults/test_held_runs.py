@@ -14,10 +14,11 @@ import pytest
 
 from ax_kombu.store.recovery import UNSTARTED_ERROR
 
+from ..waiting import wait_until
 from .cluster import WORKER_POOLS, Cluster
 from .judge import conclude, judge
 from .producer import Producer
-from .timing import now_ms, poll
+from .timing import now_ms
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.integration]
 
@@ -63,7 +64,7 @@ def test_a_worker_killed_while_holding_staged_runs_counts_no_retry_for_them(
     def holding() -> bool:
         started = {r.task_id for r in cluster.ledger.runs() if r.pid == victim.proc.pid}
         return sleeper_id in started and bool(staged_on_w0())
-    assert poll(holding, 15, 0.02), (
+    assert wait_until(holding, 15, 0.02), (
         f"w0 never ran the sleeper while holding staged runs\n{cluster.tails()}")
     last_due = max(p.trigger for p in strict.planned + lenient.planned)
 
@@ -71,7 +72,7 @@ def test_a_worker_killed_while_holding_staged_runs_counts_no_retry_for_them(
         value = cluster.query("SELECT listed_runs FROM ax_node WHERE node_id = 'w0'")[0].listed_runs
         return {t for t in waiting if f",{t}," in (value or "")}
     # the lane holds its stage once the sleeper has run past the horizon (1 s): written down
-    assert poll(lambda: now_ms() > last_due + 300 and written_held() >= staged_on_w0(), 10,
+    assert wait_until(lambda: now_ms() > last_due + 300 and written_held() >= staged_on_w0(), 10,
                 0.05), f"w0 did not write its held runs down\n{cluster.tails()}"
     held = staged_on_w0()
     killed_at = cluster.kill_node("w0")

@@ -39,13 +39,14 @@ import pytest
 
 from ax_kombu.store.preload import Share
 
+from ..ledger import Run
+from ..waiting import wait_until
 from .cluster import DEAD_WINDOW_MS, Cluster
 from .judge import EARLY_TOLERANCE_MS, conclude, judge
-from .ledger import Run
 from .producer import Producer
 from .proxy import TcpProxy
-from .test_faults import fenced_after, logged
-from .timing import now_ms, poll
+from .test_faults import logged
+from .timing import now_ms
 from .verdict import Verdict
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.integration]
@@ -81,6 +82,14 @@ def _waiting(cluster: Cluster, task_ids: list[int]) -> list[int]:
         "SELECT task_id FROM ax_task WHERE task_id = ANY(:ids) AND (status IN "
         "('DELAYED', 'READY') OR (status = 'DISPATCHING' AND owner_node = 's0'))",
         ids=task_ids)]
+
+
+def fenced_after(cluster: Cluster, name: str, after_ms: int) -> dict[int, tuple[int, str]]:
+    """RUNNING tasks of ``name`` due after ``after_ms``: fenced, not started (never early);
+    task id -> (attempt, priority)."""
+    return {r.task_id: (r.attempt, r.priority) for r in cluster.query(
+        "SELECT task_id, attempt, priority FROM ax_task WHERE status = 'RUNNING' "
+        "AND owner_node = :n AND trigger_time > :t", n=name, t=after_ms)}
 
 
 def logged_runs(daemon_log: Path, message: str) -> set[tuple[int, int]]:
@@ -194,7 +203,7 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
     load = Producer(cluster, rate=RATE, duration=5, lead=(1.0, 4.0)).start()
     try:
         t0 = time.monotonic()
-        poll(lambda: time.monotonic() - t0 > 1.5 and len(held_by(cluster, "s0", PAIR).get(
+        wait_until(lambda: time.monotonic() - t0 > 1.5 and len(held_by(cluster, "s0", PAIR).get(
             "DELAYED", {})) >= 20, 10, 0.05)
         broker_proxy.passing.clear()  # s0's publish hangs; its claims pile up unpublished
         time.sleep(0.5)
@@ -208,7 +217,7 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
             in_flight = _in_flight(cluster, "s0", claimed)
             assert wheel and claimed, (f"s0 held {len(wheel)} tasks in its wheel and "
                                        f"{len(claimed)} claimed when stopped\n{cluster.tails()}")
-            taken = poll(lambda: cluster.node("s0").stopped_at is not None
+            taken = wait_until(lambda: cluster.node("s0").stopped_at is not None
                          and not _waiting(cluster, [*wheel, *claimed]), 15, 0.1)
             taken_at = now_ms()
             assert taken, f"s0's tasks were not taken over while it was stopped\n{cluster.tails()}"
@@ -292,7 +301,11 @@ def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> 
     w0 starts the staged runs it held at their old attempt after w1 ran them (the
     issue's measurement: two of them); without the attempt in the outcome's
     compare-and-set (``finish_many``), w0's outcome ends the row while w1's run of the
-    new attempt goes on, and w1's own outcome is then refused (the row's end is w0's)."""
+    new attempt goes on, and w1's own outcome is then refused (the row's end is w0's).
+
+    This is the suite's one SIGSTOP of a worker (it was also test_faults.py's
+    ``test_sigstop_a_worker_holding_staged_runs``, whose checks are here too): w0 logs that
+    it was declared dead, and no run starts before the producer's planned time."""
     cluster.env = {**cluster.env, **LEAD_ENV}
     for name in ("s0", "s1"):
         cluster.scheduler(name)
@@ -311,7 +324,7 @@ def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> 
         running = open_runs(cluster.ledger.runs(), victim.proc.pid)
         return (len(running) >= SLEEPERS and len(fenced_after(cluster, "w0", now_ms())) >= STAGED
                 or now_ms() >= first_due - 250)
-    poll(holding, 10, 0.01)
+    wait_until(holding, 10, 0.01)
     cluster.signal(victim, signal.SIGSTOP)
     stop_at = now_ms()
     try:
@@ -328,7 +341,7 @@ def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> 
             return (cluster.node("w0").stopped_at is not None
                     and all(any(r.task_id == t and r.node == "w1" and r.attempt > a
                                 for r in runs) for t, a in running.items()))
-        taken = poll(rerun_on_w1, 20, 0.05)
+        taken = wait_until(rerun_on_w1, 20, 0.05)
         taken_at = now_ms()
         assert taken, f"w1 did not run w0's sleepers while it was stopped\n{cluster.tails()}"
     finally:
@@ -395,9 +408,17 @@ def _worker_fences(cluster: Cluster, verdict: Verdict, log: Path, pid: int, stag
                         "not exercised (the scenario did not happen)")
     if not any(r.task_id in after_ids for r in runs if r.pid == pid):
         problems.append("w0 ran nothing after it registered anew")
+    early_planned = sorted(r.task_id for r in runs if r.planned is not None
+                           and r.start < r.planned - EARLY_TOLERANCE_MS)
+    if early_planned:
+        problems.append(f"{len(early_planned)} tasks started before their planned trigger "
+                        f"time: {early_planned[:5]}")
+    withdrawn = logged(log, "declared dead", "withdrawn")
+    if not withdrawn:
+        problems.append("w0 never logged that it was declared dead")
     verdict.extra["sleepers: w0's outcomes refused (result not recorded) / written while w1 "
                   "still ran the new attempt"] = (
         f"{sum(1 for t, a in running.items() if (t, a) in stale)} / {while_w1_ran}")
     verdict.extra["staged runs started at the attempt w0 held"] = len(started_staged)
-    verdict.extra["w0's log: stage withdrawn"] = logged(log, "declared dead", "withdrawn")
+    verdict.extra["w0's log: stage withdrawn"] = withdrawn
     return problems

@@ -1,25 +1,19 @@
-"""Time on the test host, and waiting on a condition with a deadline.
+"""Time on the test host.
 
 Times in the fault suite are epoch milliseconds of the test host (the database runs on
-the same clock); deadlines are taken on the monotonic clock.
+the same clock); deadlines are taken on the monotonic clock (:func:`tests.waiting.wait_until`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+
+from tests.waiting import wait_until
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def poll(check: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """``check()`` until it is true or ``timeout`` s passed; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
+#: the multi-host tests' name for the suite's one poll helper
+poll = wait_until

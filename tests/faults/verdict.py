@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ledger import Run
+from ..ledger import Run
 
 
 @dataclass
@@ -38,8 +38,6 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     settled_s: float = 0.0
-    #: a queue without consumer: most messages the broker held per task
-    broker_per_task: float | None = None
     #: ledger lines that did not parse (the instrument failed: the verdict is void)
     ledger_corrupt: int = 0
 
@@ -55,8 +53,7 @@ class Verdict:
         return [self.fault, str(self.tasks), str(len(self.lost)), stuck, twice,
                 str(len(self.published_twice)), str(len(self.overlapping)), str(len(self.early)),
                 ms(self.late_during_ms), ms(self.late_after_ms),
-                f"{self.later - len(self.later_not_once)}/{self.later}",
-                "-" if self.broker_per_task is None else f"{self.broker_per_task:.1f}"]
+                f"{self.later - len(self.later_not_once)}/{self.later}"]
 
     def describe(self, limit: int = 8) -> str:
         lines = [f"fault: {self.fault}: {self.tasks} tasks, settled after {self.settled_s:.1f} s"]
@@ -123,8 +120,7 @@ class Verdict:
 
 
 HEADER = ["fault", "tasks", "lost", "stuck (not final)", "ran twice", "pub. twice / attempt",
-          "2 runs at once", "early", "max late during", "max late after", "later ran once",
-          "broker msgs / task"]
+          "2 runs at once", "early", "max late during", "max late after", "later ran once"]
 
 
 def table(verdicts: Sequence[Verdict]) -> str:

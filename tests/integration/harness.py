@@ -17,6 +17,11 @@ from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store import Store
 from ax_kombu.store.nodes import Heartbeat
 
+from ..waiting import eventually, wait_until
+
+__all__ = ["Collector", "Received", "Starter", "collecting", "consume", "eventually",
+           "scheduler_running", "starting", "task_row"]
+
 
 def task_row(task_id: int, trigger_time: int, status: str = "DELAYED",
              fingerprint: str | None = None, node: str | None = None,
@@ -32,15 +37,6 @@ def task_row(task_id: int, trigger_time: int, status: str = "DELAYED",
             "biz_key": None, "fingerprint": fingerprint or f"{task_id:032x}", "trace_id": "x",
             "attempt": 0, "created_at": 1, "runner": "ax", "redispatches": 0, "gated": False,
             **({node_column: node} if node is not None or node_column != "owner_node" else {})}
-
-
-def eventually(check: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll ``check`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.02)
 
 
 def consume(settings: Settings, queues: list[Queue], expected: int,
@@ -134,12 +130,7 @@ class Collector:
         return [r.body["task_id"] for r in self.got]
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.02)
-        return predicate()
+        return bool(wait_until(predicate, timeout, 0.02))
 
 
 class Starter:

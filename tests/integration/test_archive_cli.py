@@ -10,9 +10,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms, make_engine, migrate
 from ax_kombu.store.schema import attempt_archive, attempts, task_archive, tasks
 
+from ..waiting import eventually
 from .ax_cli import Ax, ax_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -166,7 +166,7 @@ def test_a_killed_run_loses_nothing_and_duplicates_nothing(ax: Ax, engine: Engin
     proc = subprocess.Popen([*ax_command(), "archive", "--older-than", "7d", "--batch", "4"],
                             env={**_clean_env(), **ax.env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    poll_until(lambda: count(engine, task_archive) >= 40)
+    eventually(lambda: count(engine, task_archive) >= 40, interval=0.01)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(10) == -signal.SIGKILL
 
@@ -178,13 +178,6 @@ def test_a_killed_run_loses_nothing_and_duplicates_nothing(ax: Ax, engine: Engin
     assert ax.json("archive", "--older-than", "7d")["tasks"] == len(hot)
     assert state(engine)[2] == before[0] and state(engine)[3] == before[1]
     assert count(engine, tasks) == count(engine, attempts) == 0
-
-
-def poll_until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # -- to a file -----------------------------------------------------------------------------------
@@ -286,7 +279,7 @@ def test_two_retention_stages_at_once_move_each_task_once(engine: Engine, pg_url
     try:
         for stage in stages:
             stage.start()
-        poll_until(lambda: count(engine, task_archive) == len(ids))
+        eventually(lambda: count(engine, task_archive) == len(ids), interval=0.01)
     finally:
         for stage in stages:
             stage.stop()
@@ -310,7 +303,8 @@ def test_a_scheduler_with_ax_retention_archives(engine: Engine, pg_url: str,
     proc = subprocess.Popen([*_scheduler(), "-n", "retention-test"], env={**_clean_env(), **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        poll_until(lambda: count(engine, task_archive) == len(old) or proc.poll() is not None)
+        eventually(lambda: count(engine, task_archive) == len(old) or proc.poll() is not None,
+                   interval=0.01)
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -23,6 +23,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import from_env
 
 from ..services import unavailable
+from ..waiting import eventually
 from .harness import collecting, scheduler_running, starting
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -34,18 +35,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
 def wait_port(port: int, up: bool, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            if up:
-                return
-        except OSError:
-            if not up:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"port {port} did not go {'up' if up else 'down'}")
+    eventually(lambda: port_open(port) == up, timeout,
+               f"port {port} going {'up' if up else 'down'}", interval=0.05)
 
 
 class PrivateRedis:
@@ -139,7 +139,6 @@ def test_a_worker_reconnects_when_the_broker_comes_back(
     from ax_kombu.broker.connection import connection, declare_queues
     from ax_kombu.core.states import Status
 
-    from .harness import eventually
     from .test_worker import Dispatch, running
 
     broker, stop, start = outage

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +22,7 @@ from ax_kombu.store.claims import claim, still_claimable
 from ax_kombu.store.engine import migrate
 from ax_kombu.store.preload import Loaded, Share
 
+from ..waiting import eventually
 from .harness import task_row
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -188,10 +188,8 @@ def test_a_running_scheduler_prunes_the_entries_left_behind(client: Client) -> N
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while any(at == old for _, at in _entries(engine)):
-            assert time.monotonic() < deadline, "the old entries were not pruned"
-            thread.join(0.05)
+        eventually(lambda: not any(at == old for _, at in _entries(engine)), 20,
+                   "the old entries pruned")
     finally:
         scheduler.request_stop()
         thread.join(30)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.schema import jobs, tasks
 from ax_kombu.store.schema import nodes as node_table
 
+from ..waiting import eventually
 from .ax_cli import run_ax
 
 pytestmark = pytest.mark.timeout(60)
@@ -174,10 +174,8 @@ def test_a_running_scheduler_prunes_old_node_rows_and_keeps_recent_ones(
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while "worker@gone.1.abcd" in _node_names(store.engine):
-            assert time.monotonic() < deadline, "the old node row was not pruned"
-            thread.join(0.05)
+        eventually(lambda: "worker@gone.1.abcd" not in _node_names(store.engine), 20,
+                   "the old node row pruned")
         assert {"worker@recent.2.abcd", "s-prune"} <= _node_names(store.engine)
     finally:
         scheduler.request_stop()

@@ -4,7 +4,6 @@ Kombu consumer."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +14,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 
+from ..waiting import eventually
 from .harness import collecting, scheduler_running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -96,10 +96,7 @@ def test_database_down_at_start_is_waited_for_not_a_crash(broker: dict[str, str]
     scheduler = Scheduler(cfg)
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while "database unreachable" not in caplog.text:
-        assert time.monotonic() < deadline, "no retry was logged"
-        thread.join(0.05)
+    eventually(lambda: "database unreachable" in caplog.text, 20, "a retry logged")
     assert thread.is_alive()  # still waiting, not crashed
     scheduler.request_stop()
     thread.join(20)
@@ -162,3 +159,5 @@ def test_a_preload_that_fails_loses_nothing(
             f"only {len(got.got)} of 20 dispatched"
     assert sorted(lost) == sorted(ids)  # the first preload did read every one
     assert sorted(got.ids()) == sorted(ids)
+
+

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +27,9 @@ from ax_kombu.config import from_env
 from ax_kombu.store.nodes import pid_running
 from ax_kombu.worker.supervisor import child_name, restart_delay_s
 
-from ..e2e.system import Daemon, RunLog, System
+from ..e2e.system import Daemon, System
+from ..ledger import Ledger
+from ..waiting import wait_until
 
 
 def services(test: Callable[..., None]) -> Callable[..., None]:
@@ -90,15 +91,15 @@ def assert_stopped_cleanly(supervisor: Daemon) -> None:
 
 
 def two_children(make_system: Callable[..., System], tmp_path: Path
-                 ) -> tuple[System, RunLog, Daemon, set[int]]:
+                 ) -> tuple[System, Ledger, Daemon, set[int]]:
     """A system, its run log, a supervisor of two children started on it, the children's pids."""
     system = make_system()
     supervisor = start(system)
-    return (system, RunLog(tmp_path / "runs.jsonl"), supervisor,
+    return (system, Ledger(tmp_path / "runs.jsonl"), supervisor,
             {pid_of(system, name) for name in CHILDREN})
 
 
-def items(log: RunLog, count: int, **payload: Any) -> list[dict[str, Any]]:
+def items(log: Ledger, count: int, **payload: Any) -> list[dict[str, Any]]:
     return [{"task_type": "e2e.task", "payload": {"log": str(log), "i": i, **payload},
              "delay": 1.0, "max_retry": 3} for i in range(count)]
 
@@ -148,7 +149,7 @@ def test_sigterm_to_the_supervisor_stops_every_child_warmly(
 def test_a_killed_child_is_restarted_under_its_name_and_every_task_runs(
         make_system: Callable[..., System], tmp_path: Path) -> None:
     system = make_system(ack_timeout_ms=3000)
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     supervisor = start(system)
     victim = CHILDREN[0]
     victim_pid = pid_of(system, victim)
@@ -212,7 +213,7 @@ def free_port() -> int:
 def test_one_endpoint_sums_the_children_metrics(
         make_system: Callable[..., System], tmp_path: Path) -> None:
     system = make_system()
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     port = free_port()
     supervisor = start(system, "--metrics-port", str(port))
     pids = [pid_of(system, name) for name in CHILDREN]
@@ -269,7 +270,7 @@ def test_by_default_a_worker_runs_one_process_per_core(
     system.wait_for(lambda: names <= system.live_nodes(), 60,
                     f"{len(names)} worker process(es) registered")
     assert system.live_nodes() == {"sched-0", *names}
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     system.enqueue_many(items(log, 20))
     system.wait_final(20, 60)
     runs = log.by_task()
@@ -342,11 +343,8 @@ def test_a_second_signal_stops_every_child_cold(tmp_path: Path) -> None:
                     "SELECT node_id FROM ax_node WHERE stopped_at IS NULL").fetchall()
             return {r[0] for r in rows} >= {"wc.1", "wc.2"}
 
-        deadline = time.monotonic() + 40
-        while not registered():
-            assert time.monotonic() < deadline and proc.poll() is None, \
-                (tmp_path / "wc.log").read_text()
-            time.sleep(0.05)
+        wait_until(lambda: registered() or proc.poll() is not None, 40)
+        assert registered() and proc.poll() is None, (tmp_path / "wc.log").read_text()
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGQUIT)
         assert proc.wait(30) == 1
@@ -382,7 +380,7 @@ def test_the_children_get_the_urls_by_environment_not_on_their_command_line(
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         assert f"AX_DATABASE_URL={db}".encode() in environ
         assert f"AX_BROKER_URL={broker}".encode() in environ
-    log = RunLog(tmp_path / "runs.jsonl")
+    log = Ledger(tmp_path / "runs.jsonl")
     ids = system.enqueue_many(items(log, 6, sleep=0.01))
     system.wait_final(len(ids), 30)
     assert {r.status for r in system.tasks().values()} == {"SUCCESS"}

@@ -37,12 +37,12 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.faults.judge import EARLY_TOLERANCE_MS, conclude, judge
-from tests.faults.ledger import Run
 from tests.faults.producer import Producer
 from tests.faults.test_faults import logged
 from tests.faults.test_zombies import logged_runs, refused_messages
 from tests.faults.timing import now_ms, poll
 from tests.faults.verdict import Verdict
+from tests.ledger import Run
 
 from .conftest import need_root, need_tool
 from .netns import BridgeForwarder, BridgeRedis, HostCluster, Hosts, remove_stale

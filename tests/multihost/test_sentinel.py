@@ -40,10 +40,10 @@ import pytest
 
 from tests.faults.cluster import Cluster
 from tests.faults.judge import conclude, judge
-from tests.faults.ledger import Run
 from tests.faults.producer import Planned, Producer
 from tests.faults.test_faults import load_then
 from tests.faults.timing import now_ms, poll
+from tests.ledger import Run
 from tests.services import serving
 
 from .conftest import need_tool
