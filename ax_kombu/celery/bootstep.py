@@ -309,7 +309,7 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
         from ax_kombu.store.schema import tasks
 
         with self.fence.store.engine.connect() as conn:
-            return [(r[0], r[1]) for r in conn.execute(
+            return [(r.task_id, r.attempt) for r in conn.execute(
                 select(tasks.c.task_id, tasks.c.attempt).where(
                     tasks.c.status == "RUNNING", tasks.c.owner_node == self.fence.node_id))]
 

@@ -140,7 +140,7 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
 
 
 _STILL_CLAIMABLE = """
-    SELECT task_id, """ + fire_time() + """,
+    SELECT task_id, """ + fire_time() + """ AS fire,
            gate IS NOT NULL OR EXISTS (SELECT 1 FROM ax_limit AS l
                                         WHERE l.task_type = ax_task.task_type) AS gated
       FROM ax_task
@@ -158,4 +158,4 @@ def still_claimable(conn: Connection, task_ids: Sequence[int], *,
     if not task_ids:
         return []
     params = {"ids": list(task_ids), "claim_lead": claim_lead_ms}
-    return [(r[0], r[1], bool(r[2])) for r in conn.execute(_STILL_CLAIMABLE_SQL, params)]
+    return [(r.task_id, r.fire, bool(r.gated)) for r in conn.execute(_STILL_CLAIMABLE_SQL, params)]

@@ -267,7 +267,7 @@ def retarget(conn: Connection, dead: Sequence[str]) -> list[int]:
     in the dead worker's queue carry an attempt that is no longer the row's."""
     if not dead:
         return []
-    return [r[0] for r in conn.execute(_RETARGET, {"dead": list(dead)})]
+    return [r.task_id for r in conn.execute(_RETARGET, {"dead": list(dead)})]
 
 
 def wake_type(conn: Connection, task_type: str) -> int:
