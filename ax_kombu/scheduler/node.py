@@ -62,7 +62,7 @@ Guarantees:
   judges no one dead until its own beats have landed for a whole window
   (:mod:`~ax_kombu.scheduler.liveness`).
 * **Supervised**: if any of the node's threads dies, the node stops cold and
-  :meth:`Scheduler.run` returns :data:`~ax_kombu.supervision.EXIT_CRASHED`.
+  :meth:`Scheduler.run` returns :data:`~ax_kombu.node.supervision.EXIT_CRASHED`.
 * **Execution is at-least-once**: a re-dispatched task may run twice if the
   first worker did run it (see :mod:`ax_kombu.worker.node`).
 
@@ -91,6 +91,7 @@ from ax_kombu.config import Settings
 from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
+from ax_kombu.node.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher, OnPublished
 from ax_kombu.scheduler.heart import Heart
@@ -103,7 +104,6 @@ from ax_kombu.store import Store, nodes
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.tasks import wake_schedulers
-from ax_kombu.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Scheduler:
     def run(self) -> int:
         """Start, run the timing loop until a stop, shut down; returns the exit code.
 
-        0 after a stop, :data:`~ax_kombu.supervision.EXIT_CRASHED` if one of the
+        0 after a stop, :data:`~ax_kombu.node.supervision.EXIT_CRASHED` if one of the
         node's threads died (the node then stops cold).
 
         Raises:
