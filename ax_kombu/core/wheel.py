@@ -8,8 +8,9 @@ Contract:
   of the tick holding its ``due_ms``: never early, at most ``tick_ms - 1`` ms late (exactly
   on time with 1 ms ticks), and a key on a level boundary fires exactly at its tick.
 * ``TimingWheel.add``/``remove`` are O(1) (a constant number of levels).  ``advance``
-  costs O(fired + cascaded keys) plus a scan of at most the level sizes per non-empty
-  slot it reaches; empty stretches are jumped over, never walked tick by tick.
+  costs O(fired keys + cascaded ticks) plus a few integer operations per level for each
+  tick that fires or cascades; empty stretches are jumped over, never walked tick by tick,
+  and an ``advance`` before the next such tick returns at once.
 * ``advance(now_ms)`` returns each key due at or before ``now_ms`` exactly once, in
   ascending ``due_ms`` order, ties in insertion order.
 * A key added with ``due_ms <= current_ms`` is never lost: it fires on the next
@@ -17,29 +18,36 @@ Contract:
   ``horizon_ms``; ``TriggerTimer`` parks such keys in a ``DelayQueue`` and moves them
   into the wheel once the horizon reaches them.
 * Adding a key that is already present reschedules it.
+
+Shape, for the scheduler's use (bursts of ids due in one millisecond, added in batches,
+fired in 1 ms passes): the keys of a tick share a bucket (an insertion-ordered dict) and the
+levels file ticks, not keys, so adding, firing or cancelling a key is a few dictionary
+operations.  A bitmap per level finds the next non-empty slot.  ``TriggerTimer`` is the
+wheel itself with a queue attached, so a pass is one method call.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections.abc import Hashable, Iterator
+import math
+from collections.abc import Collection, Hashable, Iterable
 from typing import Generic, TypeVar
+
+from ax_kombu.core.delay_queue import DelayQueue
 
 K = TypeVar("K", bound=Hashable)
 
 #: 512 x 64 x 64 = 2,097,152 ticks: about 34.9 minutes with 1 ms ticks.
 DEFAULT_LEVEL_SIZES: tuple[int, ...] = (512, 64, 64)
 
-_OVERDUE = -1  # level marker for keys that fire on the next advance()
+_OVERDUE = -1  # tick marker for keys that fire on the next advance()
+_NEVER = 1 << 62  # the next event of a wheel with no ticks filed
 
-# Per-key record: (due_ms, seq, level, slot, tick).  ``seq`` is unique, so
-# comparing two records never reaches the remaining fields.
-_Entry = tuple[int, int, int, int, int]
+# Per-key record: (due_ms, seq, tick); ``seq`` is unique, so a comparison never reaches tick.
+_Entry = tuple[int, int, int]
 
 
-class TimingWheel(Generic[K]):
-    """Hierarchical timing wheel; see the module docstring for the contract."""
+class _Wheel(Generic[K]):
+    """The wheel's mechanics, shared by ``TimingWheel`` and ``TriggerTimer``."""
 
     def __init__(
         self, start_ms: int, tick_ms: int = 1, level_sizes: tuple[int, ...] = DEFAULT_LEVEL_SIZES
@@ -48,27 +56,25 @@ class TimingWheel(Generic[K]):
             raise ValueError(f"tick_ms must be >= 1, got {tick_ms}")
         if not level_sizes or min(level_sizes) < 2:
             raise ValueError(f"level_sizes must be non-empty with sizes >= 2: {level_sizes}")
-        self._start = start_ms
-        self._tick_ms = tick_ms
-        self._sizes = level_sizes
+        self._start, self._tick_ms, self._sizes = start_ms, tick_ms, level_sizes
         # _res[i]: ticks per slot of level i; _res[i + 1]: ticks level i spans.
-        self._res = [1]
-        for size in level_sizes:
-            self._res.append(self._res[-1] * size)
-        self._slots: list[list[dict[K, None]]] = [[{} for _ in range(s)] for s in level_sizes]
-        self._counts = [0] * len(level_sizes)
-        #: per level above 0, per slot: [the smallest tick of its keys, how many have it],
-        #: kept as keys come and go (absent: not known, counted when next asked for), so
-        #: the next due time of a crowded slot is not a walk over its keys every time the
-        #: earliest of them is removed (100,000 due at one instant, claimed in batches)
-        self._slot_min: list[dict[int, list[int]]] = [{} for _ in level_sizes]
+        self._res = [math.prod(level_sizes[:level]) for level in range(len(level_sizes) + 1)]
+        #: tick -> its keys in insertion order, the firing order unless ``tick_ms`` > 1 or
+        #: the tick is in ``_unsorted`` (a key came back from the queue with an older seq)
+        self._buckets: dict[int, dict[K, None]] = {}
+        self._unsorted: set[int] = set()
+        #: per level, per slot: the ticks filed there (a level-0 slot has at most one);
+        #: ``_occupied[level]`` has bit ``i`` set while slot ``i`` is not empty
+        self._slots: list[list[set[int]]] = [[set() for _ in range(s)] for s in level_sizes]
+        self._occupied = [0] * len(level_sizes)
         self._overdue: dict[K, None] = {}
         self._where: dict[K, _Entry] = {}
         self._tick = 0  # every tick <= _tick has been processed
         self._now = start_ms
-        self._seq = itertools.count()
-        self._cache: int | None = None
+        self._seq = 0  # the last insertion number given out
+        self._cache: int | None = None  # next_due_ms() while _cache_ok
         self._cache_ok = True
+        self._event = _NEVER  # no slot fires or cascades (nor queue work) before this tick
 
     def __len__(self) -> int:
         return len(self._where)
@@ -88,51 +94,78 @@ class TimingWheel(Generic[K]):
 
     def add(self, key: K, due_ms: int) -> None:
         """Schedule (or reschedule) ``key``; ``ValueError`` beyond ``horizon_ms``."""
-        self._insert(key, due_ms, next(self._seq))
+        self._seq += 1
+        self._insert(key, due_ms, self._seq)
 
     def remove(self, key: K) -> bool:
         """Cancel ``key``; False if it was not scheduled."""
         entry = self._where.pop(key, None)
         if entry is None:
-            return False
-        _, _, level, slot, _ = entry
-        if level == _OVERDUE:
+            return self._unqueue(key)
+        tick = entry[2]
+        if tick == _OVERDUE:
             del self._overdue[key]
+            fire_ms = entry[0]
         else:
-            del self._slots[level][slot][key]
-            self._counts[level] -= 1
-            if level:
-                self._forget_tick(level, slot, entry[4])
-        if self._cache_ok and self._fire_ms(entry) == self._cache:
+            bucket = self._buckets[tick]
+            del bucket[key]
+            if bucket:  # the tick still fires: nothing else changes
+                return True
+            del self._buckets[tick]
+            self._unfile(tick)
+            fire_ms = self._start + tick * self._tick_ms
+        if self._cache_ok and fire_ms == self._cache:
             self._cache_ok = False
         return True
 
     def advance(self, now_ms: int) -> list[K]:
         """Move the clock to ``now_ms`` and return the keys that fire, in due order."""
-        now_ms = max(now_ms, self._now)
-        fired, overdue = list(self._overdue), len(self._overdue)
-        self._overdue = {}
+        now_ms = max(self._now, now_ms)
         target = (now_ms - self._start) // self._tick_ms
-        event = self._next_event(target)
-        while event is not None:
-            fired.extend(self._process(event))
-            event = self._next_event(target)
-        if overdue:  # with coarse ticks an overdue key may be due after a wheel key
-            fired.sort(key=self._where.__getitem__)
-        for key in fired:
-            del self._where[key]
-        self._tick = max(self._tick, target)
-        self._now = now_ms
-        self._cache_ok = False
-        return fired
+        if self._event > target and not self._overdue:  # nothing to do yet: most passes
+            self._now, self._tick = now_ms, target  # _tick <= target: time only goes forward
+            return []
+        return self._fire(now_ms)
 
     def next_due_ms(self) -> int | None:
         """When ``advance`` next fires: the smallest due time rounded up to its tick
         (an overdue key reports its own past ``due_ms``), or None if empty."""
         if not self._cache_ok:
-            self._cache = self._compute_next_due()
-            self._cache_ok = True
+            self._cache, self._cache_ok = self._compute_next_due(), True
         return self._cache
+
+    def _fire(self, now_ms: int) -> list[K]:
+        """``advance`` when a slot fires or cascades by ``now_ms`` or a key is overdue."""
+        now_ms = self._now = max(self._now, now_ms)
+        target = (now_ms - self._start) // self._tick_ms
+        event = max(self._event, self._tick + 1)  # a bound set while a tick was processed
+        fired: list[K] = []
+        overdue, buckets, slots, where = self._overdue, self._buckets, self._slots[0], self._where
+        if overdue:
+            fired, self._overdue = list(overdue), {}
+        while event <= target:
+            self._tick = event
+            if event % self._res[1] == 0:
+                self._cascade(event)
+            bucket = buckets.pop(event, None)
+            if bucket is not None:  # after the cascade, the only tick of its level-0 slot
+                if len(bucket) > 1 and (self._tick_ms > 1 or event in self._unsorted):
+                    bucket = dict.fromkeys(sorted(bucket, key=where.__getitem__))
+                if self._unsorted:
+                    self._unsorted.discard(event)
+                slots[event % len(slots)].clear()
+                self._occupied[0] &= ~(1 << event % len(slots))
+                fired += bucket
+            event = self._next_event()
+        if overdue:  # with coarse ticks an overdue key may be due after a wheel key
+            fired.sort(key=where.__getitem__)
+        for key in fired:
+            del where[key]
+        self._tick, self._event = max(self._tick, target), event
+        # an event that fires keys (not only cascades) is the next due time
+        self._cache_ok = event in buckets or event == _NEVER
+        self._cache = None if event == _NEVER else self._start + event * self._tick_ms
+        return fired
 
     def _insert(self, key: K, due_ms: int, seq: int) -> None:
         if due_ms > self.horizon_ms:
@@ -141,88 +174,86 @@ class TimingWheel(Generic[K]):
             self.remove(key)
         if due_ms <= self._now:
             self._overdue[key] = None
-            entry: _Entry = (due_ms, seq, _OVERDUE, 0, 0)
-            self._where[key] = entry
-        else:
-            tick = -((self._start - due_ms) // self._tick_ms)  # ceil division
-            entry = self._place(key, due_ms, seq, tick)
-        if self._cache_ok and (self._cache is None or self._fire_ms(entry) < self._cache):
-            self._cache = self._fire_ms(entry)
+            self._where[key] = (due_ms, seq, _OVERDUE)
+            self._sooner(due_ms)
+            return
+        tick = -((self._start - due_ms) // self._tick_ms)  # ceil division
+        bucket = self._buckets.get(tick)
+        if bucket is None:
+            bucket = self._buckets[tick] = {}
+            self._file((tick,))
+        elif seq < self._where[next(reversed(bucket))][1]:  # an older key (from the queue)
+            self._unsorted.add(tick)
+        bucket[key] = None
+        self._where[key] = (due_ms, seq, tick)
 
-    def _place(self, key: K, due_ms: int, seq: int, tick: int) -> _Entry:
-        delta, res, level = tick - self._tick, self._res, 0
-        while delta >= res[level + 1]:
-            level += 1
-        slot = (tick // res[level]) % self._sizes[level]
-        keys = self._slots[level][slot]
-        if level:
-            least = self._slot_min[level].get(slot)
-            if not keys:
-                self._slot_min[level][slot] = [tick, 1]
-            elif least is not None:
-                if tick < least[0]:
-                    least[0], least[1] = tick, 1
-                elif tick == least[0]:
-                    least[1] += 1
-        keys[key] = None
-        self._counts[level] += 1
-        entry = (due_ms, seq, level, slot, tick)
-        self._where[key] = entry
-        return entry
+    def _unqueue(self, key: K) -> bool:
+        """``remove`` of a key not in the wheel: a key of ``TriggerTimer``'s queue."""
+        return False
 
-    def _fire_ms(self, entry: _Entry) -> int:
-        due_ms, _, level, _, tick = entry
-        return due_ms if level == _OVERDUE else self._start + tick * self._tick_ms
+    def _file(self, ticks: Collection[int]) -> None:
+        """File ticks (given their first key, or cascading) by their distance from now."""
+        if not ticks:
+            return
+        res, sizes, slots, occupied, now = self._res, self._sizes, self._slots, self._occupied, self._tick
+        for tick in ticks:
+            delta, level = tick - now, 0
+            while delta >= res[level + 1]:
+                level += 1
+            slot = tick // res[level] % sizes[level]
+            slots[level][slot].add(tick)
+            occupied[level] |= 1 << slot
+        self._event = min(self._event, now + 1)  # a bound the next advance makes exact
+        self._sooner(self._start + min(ticks) * self._tick_ms)
+
+    def _sooner(self, fire_ms: int) -> None:
+        """Something new fires at ``fire_ms``: keep a known next due time right."""
+        if self._cache_ok and (self._cache is None or fire_ms < self._cache):
+            self._cache = fire_ms
+
+    def _unfile(self, tick: int) -> None:
+        """Take a tick that has no keys left out of its slot."""
+        self._unsorted.discard(tick)
+        for level, slots in enumerate(self._slots):
+            slot = tick // self._res[level] % self._sizes[level]
+            if tick in slots[slot]:
+                slots[slot].discard(tick)
+                if not slots[slot]:
+                    self._occupied[level] &= ~(1 << slot)
+                return
 
     def _first_block(self, level: int, limit: int) -> int | None:
         """First block with a non-empty slot at ``level`` that starts in (tick, limit]."""
-        if not self._counts[level]:
+        occupied = self._occupied[level]
+        if not occupied:
             return None
-        res, size, slots = self._res[level], self._sizes[level], self._slots[level]
+        res, size = self._res[level], self._sizes[level]
         first = self._tick // res + 1
-        for block in range(first, min(first + size, limit // res + 1)):
-            if slots[block % size]:
-                return block
-        return None
+        start = first % size
+        later = occupied >> start  # the slots from ``start`` on, then those before it
+        later = later or (occupied & ((1 << start) - 1)) << (size - start)
+        block = first + (later & -later).bit_length() - 1
+        return block if block <= limit // res else None
 
-    def _next_event(self, limit: int) -> int | None:
-        """Earliest tick <= ``limit`` at which a slot fires or cascades."""
-        event: int | None = None
+    def _next_event(self) -> int:
+        """Earliest tick at which a slot fires or cascades, else ``_NEVER``."""
+        event, limit = _NEVER, self._tick + self._res[-1]
         for level in range(len(self._sizes)):
             block = self._first_block(level, limit)
             if block is not None:
                 event = limit = block * self._res[level]
         return event
 
-    def _process(self, tick: int) -> list[K]:
-        """Jump to ``tick``: cascade the higher levels top-down, then fire level 0."""
-        self._tick = tick
+    def _cascade(self, tick: int) -> None:
+        """At a block boundary: refile the ticks of the higher slots starting here."""
         for level in range(len(self._sizes) - 1, 0, -1):
-            if tick % self._res[level] == 0:
-                self._cascade(level, (tick // self._res[level]) % self._sizes[level])
-        return self._fire_slot(tick % self._sizes[0])
-
-    def _cascade(self, level: int, slot: int) -> None:
-        keys = self._slots[level][slot]
-        if not keys:
-            return
-        self._slots[level][slot] = {}
-        self._slot_min[level].pop(slot, None)
-        self._counts[level] -= len(keys)
-        place, where = self._place, self._where
-        for key in keys:
-            due_ms, seq, _, _, tick = where[key]
-            place(key, due_ms, seq, tick)
-
-    def _fire_slot(self, slot: int) -> list[K]:
-        fired = list(self._slots[0][slot])
-        if not fired:
-            return fired
-        self._slots[0][slot] = {}
-        self._counts[0] -= len(fired)
-        if len(fired) > 1:
-            fired.sort(key=self._where.__getitem__)
-        return fired
+            res = self._res[level]
+            if tick % res == 0:
+                slots, slot = self._slots[level], tick // res % self._sizes[level]
+                if ticks := slots[slot]:
+                    slots[slot] = set()
+                    self._occupied[level] &= ~(1 << slot)
+                    self._file(ticks)
 
     def _compute_next_due(self) -> int | None:
         if self._overdue:
@@ -231,28 +262,10 @@ class TimingWheel(Generic[K]):
         for level in range(len(self._sizes)):
             limit = self._tick + self._res[-1] if best is None else best - 1
             block = self._first_block(level, limit)
-            if block is None:
-                continue
-            tick = block if level == 0 else self._least_tick(level, block % self._sizes[level])
-            best = tick if best is None else min(best, tick)
+            if block is not None:
+                tick = block if level == 0 else min(self._slots[level][block % self._sizes[level]])
+                best = tick if best is None else min(best, tick)
         return None if best is None else self._start + best * self._tick_ms
-
-    def _least_tick(self, level: int, slot: int) -> int:
-        """The smallest tick of the keys in a non-empty slot above level 0."""
-        least = self._slot_min[level].get(slot)
-        if least is None:
-            ticks = [self._where[key][4] for key in self._slots[level][slot]]
-            least = self._slot_min[level][slot] = [min(ticks), 0]
-            least[1] = ticks.count(least[0])
-        return least[0]
-
-    def _forget_tick(self, level: int, slot: int, tick: int) -> None:
-        """A key of ``tick`` left a slot above level 0: its smallest tick may have changed."""
-        least = self._slot_min[level].get(slot)
-        if least is not None and tick == least[0]:
-            least[1] -= 1
-            if not least[1]:  # the last key at the smallest tick: counted again when asked
-                del self._slot_min[level][slot]
 
     def _round_up(self, due_ms: int) -> int:
         """``due_ms`` rounded up to the end of its tick."""
@@ -263,140 +276,122 @@ class TimingWheel(Generic[K]):
         return due_ms - (self._res[-1] - 2) * self._tick_ms - 1
 
 
-class DelayQueue(Generic[K]):
-    """Min-heap of (due_ms, key) with lazy deletion, for keys beyond the wheel."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, K]] = []
-        self._live: dict[K, tuple[int, int]] = {}
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._live
-
-    def add(self, key: K, due_ms: int) -> None:
-        """Schedule (or reschedule) ``key``."""
-        self._push(key, due_ms, next(self._seq))
-
-    def remove(self, key: K) -> bool:
-        """Cancel ``key``; False if it was not queued.  The heap entry goes stale."""
-        if self._live.pop(key, None) is None:
-            return False
-        self._maybe_compact()
-        return True
-
-    def pop_due_before(self, limit_ms: int) -> list[tuple[K, int]]:
-        """Remove and return every ``(key, due_ms)`` with ``due_ms < limit_ms``, ascending."""
-        return [(key, due_ms) for due_ms, _, key in self._pop_entries(limit_ms)]
-
-    def peek_ms(self) -> int | None:
-        """The smallest pending ``due_ms``, or None if empty."""
-        self._drop_stale_top()
-        return self._heap[0][0] if self._heap else None
-
-    def _push(self, key: K, due_ms: int, seq: int) -> None:
-        self._live[key] = (due_ms, seq)
-        heapq.heappush(self._heap, (due_ms, seq, key))
-        self._maybe_compact()
-
-    def _pop_entries(self, limit_ms: int) -> Iterator[tuple[int, int, K]]:
-        self._drop_stale_top()
-        while self._heap and self._heap[0][0] < limit_ms:
-            due_ms, seq, key = heapq.heappop(self._heap)
-            del self._live[key]
-            yield due_ms, seq, key
-            self._drop_stale_top()
-
-    def _drop_stale_top(self) -> None:
-        heap = self._heap
-        while heap and self._live.get(heap[0][2]) != heap[0][:2]:
-            heapq.heappop(heap)
-
-    def _maybe_compact(self) -> None:
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[:2]]
-            heapq.heapify(self._heap)
+class TimingWheel(_Wheel[K]):
+    """Hierarchical timing wheel; see the module docstring for the contract."""
 
 
-class TriggerTimer(Generic[K]):
-    """A TimingWheel for the near future backed by a DelayQueue for the rest."""
+class TriggerTimer(_Wheel[K]):
+    """A TimingWheel for the near future backed by a DelayQueue for the rest (``add`` takes
+    any time); a queued key moves into the wheel once the horizon reaches it."""
 
     def __init__(
         self, start_ms: int, tick_ms: int = 1, level_sizes: tuple[int, ...] = DEFAULT_LEVEL_SIZES
     ) -> None:
-        self._wheel: TimingWheel[K] = TimingWheel(start_ms, tick_ms, level_sizes)
+        super().__init__(start_ms, tick_ms, level_sizes)
         self._delayed: DelayQueue[K] = DelayQueue()
-        self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._wheel) + len(self._delayed)
+        return len(self._where) + len(self._delayed)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._wheel or key in self._delayed
+        return key in self._where or key in self._delayed
 
     @property
     def wheel_depth(self) -> int:
-        return len(self._wheel)
+        return len(self._where)
 
     @property
     def delayed_depth(self) -> int:
         return len(self._delayed)
 
-    @property
-    def current_ms(self) -> int:
-        return self._wheel.current_ms
-
     def add(self, key: K, due_ms: int) -> None:
         """Schedule (or reschedule) ``key`` at any time, however far ahead."""
         self.remove(key)
-        seq = next(self._seq)
-        if due_ms <= self._wheel.horizon_ms:
-            self._wheel._insert(key, due_ms, seq)
+        self._seq += 1
+        if due_ms <= self.horizon_ms:
+            self._insert(key, due_ms, self._seq)
         else:
-            self._delayed._push(key, due_ms, seq)
+            self._delayed._push(key, due_ms, self._seq)
+            self._heed(due_ms)
 
     def add_earlier(self, key: K, due_ms: int) -> None:
         """Schedule ``key`` at ``due_ms`` unless it is already scheduled no later."""
-        held = self.due_ms(key)
-        if held is None or due_ms < held:
+        scheduled = self.due_ms(key)
+        if scheduled is None or due_ms < scheduled:
             self.add(key, due_ms)
+
+    def add_earlier_many(self, pairs: Iterable[tuple[K, int]]) -> None:
+        """``add_earlier`` for each ``(key, due_ms)`` in turn: the timing loop's path.  A key
+        not yet scheduled and due within the horizon (a preload's) takes no method call,
+        and rows in due order share the last one's bucket lookup."""
+        queued, seq, buckets, put = self._delayed._live, self._seq, self._buckets, self._where.setdefault
+        start, tick_ms, now, horizon = self._start, self._tick_ms, self._now, self.horizon_ms
+        last: int | None = None  # the due time of the last row taken
+        tick, bucket = 0, None
+        new: list[int] = []  # ticks given their first key, filed in one call
+        for key, due_ms in pairs:
+            if due_ms != last and now < due_ms <= horizon:
+                last, tick = due_ms, -((start - due_ms) // tick_ms)  # ceil division
+                bucket = buckets.get(tick)
+            entry = (due_ms, seq + 1, tick)
+            if due_ms != last or key in queued or put(key, entry) is not entry:
+                self._file(new)  # the general path, on a wheel in order
+                new, last, self._seq = [], None, seq
+                self.add_earlier(key, due_ms)
+                seq = self._seq
+                continue
+            seq += 1
+            if bucket is None:
+                bucket = buckets[tick] = {}
+                new.append(tick)
+            bucket[key] = None
+        self._file(new)
+        self._seq = seq
 
     def due_ms(self, key: K) -> int | None:
         """The time ``key`` is scheduled for, or None if it is not."""
-        entry = self._wheel._where.get(key)
+        entry = self._where.get(key)
         if entry is not None:
             return entry[0]
         queued = self._delayed._live.get(key)
         return None if queued is None else queued[0]
 
-    def remove(self, key: K) -> bool:
-        """Cancel ``key`` wherever it is; False if it was not scheduled."""
-        return self._wheel.remove(key) or self._delayed.remove(key)
+    def _unqueue(self, key: K) -> bool:
+        if not self._delayed.remove(key):
+            return False
+        self._cache_ok = False
+        return True
 
-    def advance(self, now_ms: int) -> list[K]:
-        """Move the clock to ``now_ms``; return the fired keys in due order."""
+    def _fire(self, now_ms: int) -> list[K]:
         fired: list[K] = []
         while True:
             self._promote()
             pending = self._delayed.peek_ms()
             if pending is None or pending > now_ms:
-                fired.extend(self._wheel.advance(now_ms))
-                return fired
+                break
             # Stop the wheel short of ``pending`` but close enough to admit it.
-            fired.extend(self._wheel.advance(min(now_ms, self._wheel._admit_time(pending))))
+            fired += super()._fire(min(now_ms, self._admit_time(pending)))
+        fired += super()._fire(now_ms)
+        pending = self._delayed.peek_ms()
+        if pending is not None:
+            self._heed(pending)
+            self._cache_ok = False
+        return fired
 
-    def next_due_ms(self) -> int | None:
-        """Earliest time at which ``advance`` fires something, or None if empty."""
-        wheel_due = self._wheel.next_due_ms()
-        delayed_due = self._delayed.peek_ms()
-        if delayed_due is None:
-            return wheel_due
-        delayed_due = self._wheel._round_up(delayed_due)
-        return delayed_due if wheel_due is None else min(wheel_due, delayed_due)
+    def _heed(self, due_ms: int) -> None:
+        """A key waits in the queue until ``due_ms``: ``advance`` takes its slow path from
+        the tick at which the horizon reaches ``due_ms`` (or earlier)."""
+        admit = -((self._start - due_ms) // self._tick_ms) - self._res[-1] + 1
+        self._event = min(self._event, admit)
+        self._sooner(self._round_up(due_ms))
+
+    def _compute_next_due(self) -> int | None:
+        due, pending = super()._compute_next_due(), self._delayed.peek_ms()
+        if pending is None:
+            return due
+        pending = self._round_up(pending)
+        return pending if due is None else min(due, pending)
 
     def _promote(self) -> None:
-        for due_ms, seq, key in self._delayed._pop_entries(self._wheel.horizon_ms + 1):
-            self._wheel._insert(key, due_ms, seq)
+        for due_ms, seq, key in self._delayed._pop_entries(self.horizon_ms + 1):
+            self._insert(key, due_ms, seq)

@@ -139,8 +139,7 @@ class TimingLoop:
         taken = 0
         while incoming and taken < ABSORB_CHUNK:
             pairs = incoming.popleft()
-            for task_id, due in pairs:
-                self.timer.add_earlier(task_id, due)
+            self.timer.add_earlier_many(pairs)
             taken += len(pairs)
 
     def _sleep(self, now: float) -> None:

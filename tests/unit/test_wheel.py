@@ -6,7 +6,8 @@ from collections.abc import Hashable
 
 import pytest
 
-from ax_kombu.core.wheel import DEFAULT_LEVEL_SIZES, DelayQueue, TimingWheel, TriggerTimer
+from ax_kombu.core.delay_queue import DelayQueue
+from ax_kombu.core.wheel import DEFAULT_LEVEL_SIZES, TimingWheel, TriggerTimer
 
 START = 1_000_000
 DAY_MS = 86_400_000
@@ -393,3 +394,55 @@ def test_a_crowded_higher_slot_keeps_its_next_due_time_as_keys_leave() -> None:
     assert wheel.next_due_ms() == START + 98
     assert wheel.advance(START + 200) == [7, *range(1_000, 1_010)]
     assert wheel.next_due_ms() is None
+
+
+@pytest.mark.parametrize("seed", [31, 32, 33])
+@pytest.mark.parametrize(("tick_ms", "sizes"), [(1, (8, 4)), (3, (4, 4)), (1, (256, 32))])
+def test_add_earlier_many_is_add_earlier_in_turn(
+    seed: int, tick_ms: int, sizes: tuple[int, ...]
+) -> None:
+    """The timing loop's batch add against the one-key add, on twin timers: batches in due
+    order or not, one due time for all or not, with repeated keys, keys scheduled in
+    either layer, overdue and far keys; cancels and advances in between."""
+    rng = random.Random(seed)
+    one: TriggerTimer[int] = TriggerTimer(START, tick_ms, sizes)
+    many: TriggerTimer[int] = TriggerTimer(START, tick_ms, sizes)
+    far = _span(sizes) * tick_ms * 3
+    now = START
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.4:
+            pairs = [(rng.randrange(50), now + rng.choice([rng.randint(-5, 30), rng.randint(1, far)]))
+                     for _ in range(rng.randint(0, 25))]
+            if pairs and rng.random() < 0.3:
+                pairs = [(key, pairs[0][1]) for key, _ in pairs]
+            if rng.random() < 0.5:
+                pairs.sort(key=lambda pair: pair[1])
+            for key, due in pairs:
+                one.add_earlier(key, due)
+            many.add_earlier_many(pairs)
+        elif op < 0.55:
+            key = rng.randrange(50)
+            assert one.remove(key) is many.remove(key)
+        else:
+            now += rng.choice([0, 1, rng.randint(1, 20), rng.randint(1, far)])
+            assert many.advance(now) == one.advance(now)
+        assert many.next_due_ms() == one.next_due_ms()
+        assert (many.wheel_depth, many.delayed_depth) == (one.wheel_depth, one.delayed_depth)
+        assert all(many.due_ms(key) == one.due_ms(key) for key in range(50))
+
+
+def test_a_burst_in_one_millisecond_fires_there_in_insertion_order() -> None:
+    """100,000 ids due at one instant, in batches as the preload hands them over, a tenth
+    cancelled: the rest fire at that millisecond, not before, in the order they came."""
+    timer: TriggerTimer[int] = TriggerTimer(START, level_sizes=(256, 32))
+    due = START + 5_000  # beyond level 0: the burst cascades once
+    ids = list(range(100_000))
+    for first in range(0, len(ids), 2_000):
+        timer.add_earlier_many([(task_id, due) for task_id in ids[first:first + 2_000]])
+    for task_id in ids[::10]:
+        assert timer.remove(task_id)
+    assert timer.next_due_ms() == due and len(timer) == 90_000
+    assert all(timer.advance(now) == [] for now in range(START, due))
+    assert timer.advance(due) == [task_id for task_id in ids if task_id % 10]
+    assert len(timer) == 0 and timer.next_due_ms() is None
