@@ -72,9 +72,11 @@ the first TERM/INT is a warm stop — stop claiming, publish what is claimed,
 leave the rest to the other nodes, exit 0. A second one (or a QUIT) is a cold
 stop: exit now; claimed-but-unpublished tasks come back through the ack
 timeout. The timing loop acts on the flag: :meth:`Scheduler.shutdown` stops
-the housekeeper and the claimer, waits for them, then (warm only) for the
-dispatcher's queue, and says goodbye (the node's row is marked stopped and the
-other schedulers woken: their next preload reads the share this node had). A stop turning cold ends every wait.
+the node's steps in the reverse of their start order (:meth:`Scheduler.steps`,
+one list): the housekeeper, claimer and retention loops, waited for together,
+then (warm only) the dispatcher's queue, the heart, and a goodbye (the node's
+row is marked stopped and the other schedulers woken: their next preload reads
+the share this node had). A stop turning cold ends every wait.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ from ax_kombu.config import Settings
 from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
+from ax_kombu.node.steps import Blueprint, Call, Step
 from ax_kombu.node.supervision import EXIT_CRASHED, CrashFlag, watch_threads
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher, OnPublished
@@ -111,12 +114,16 @@ log = logging.getLogger(__name__)
 MAX_START_BACKOFF_S = 10.0
 
 
+class _StoppedEarly(Exception):
+    """A stop came before the database answered: the node never registered."""
+
+
 class Scheduler:
     """One scheduler node. ``run()`` until :meth:`request_stop`.
 
-    ``run()`` registers the node, starts the dispatcher, claimer and
-    housekeeper, runs the timing loop on the calling thread, and on the way out
-    stops the others (:meth:`shutdown`).
+    ``run()`` starts the node's steps in order (:meth:`steps`: register, then the heart,
+    dispatcher, claimer, housekeeper and retention loops), runs the timing loop on the
+    calling thread, and on the way out stops the steps in reverse (:meth:`shutdown`).
 
     Args:
         settings: the node's settings.
@@ -161,6 +168,7 @@ class Scheduler:
                            self.store.clock.local_ms, self.lease, self._info)
         self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
         self._stop: str | None = None
+        self.blueprint = Blueprint("scheduler", self.steps())
 
     @property
     def timer(self) -> TriggerTimer[int]:
@@ -198,8 +206,6 @@ class Scheduler:
         undo = watch_threads(self._crashed)
         try:
             if not self.start():
-                self.store.close()
-                self._beat_engine.dispose()
                 return 0
             try:
                 self.timing.run()
@@ -218,34 +224,64 @@ class Scheduler:
         self.timing.run_once()
 
     def start(self) -> bool:
-        """Wait for the database (logging, backing off), register, start the loops.
+        """Start the steps in order (:meth:`steps`): wait for the database (logging, backing
+        off), register, start the loops. A step that fails stops those started and raises.
 
         Returns False if a stop was requested before the database answered.
         """
-        if not self._register():
+        try:
+            self.blueprint.start()
+        except _StoppedEarly:
             return False
-        self.dispatcher.probe()
-        for loop in (self.heart, self.dispatcher, self.claimer, self.housekeeper,
-                      self.retention):
-            loop.start()
         log.info("scheduler started", extra={"node": self.node_id})
         return True
 
-    def _register(self) -> bool:
+    def steps(self) -> list[Step]:
+        """The node's steps in start order; :meth:`shutdown` stops them in reverse.
+
+        Read from the bottom, that is the stop: the retention, housekeeper and claimer
+        loops are asked to end together (each step only sets a flag), then ``loops ended``
+        waits for all three, so the dispatcher's last batch is after the last claim and
+        nothing claimed is left unpublished; the dispatcher publishes what it has (a warm
+        stop only); the heart beats until then (the node is alive while it finishes); then
+        the node deregisters and the store closes. The timing loop is not a step: it runs
+        on the thread that calls :meth:`run`, between the start and the stop.
+        """
+        return [
+            Call("store", stop=self._close_store),
+            Call("registration", self._register, self._release),
+            Call("broker probe", self._probe),
+            Call("heart", self.heart.start, self._stop_heart),
+            Call("dispatcher", self.dispatcher.start, self._drain_dispatcher),
+            Call("loops ended", stop=self._join_loops),
+            Call("claimer", self.claimer.start, self.claimer.stop),
+            Call("housekeeper", self.housekeeper.start, self.housekeeper.stop),
+            Call("retention", self.retention.start, self.retention.stop),
+        ]
+
+    def _register(self) -> None:
         """Start the wheel on database time and register the node, retrying until the
-        database answers; False if a stop came first."""
+        database answers.
+
+        Raises:
+            _StoppedEarly: a stop came first.
+        """
         delay = 0.5
         while self._stop is None:
             try:
                 self.timing.start_at(self.store.now_ms())
                 self.heart.lifecycle.register()  # the node lifecycle: confirms the lease
-                break
+                return
             except SQLAlchemyError as exc:
                 log.warning("database unreachable; retrying",
                             extra={"error": str(getattr(exc, "orig", exc)), "retry_in_s": delay})
                 self.timing.idle(delay)
                 delay = min(delay * 2, MAX_START_BACKOFF_S)
-        return self._stop is None
+        raise _StoppedEarly
+
+    def _probe(self) -> None:
+        """Try the broker once (a failure is logged; the dispatcher keeps trying)."""
+        self.dispatcher.probe()
 
     def _fenced(self) -> None:
         """Declared dead: publish nothing more under this incarnation, drop the wheel."""
@@ -263,20 +299,28 @@ class Scheduler:
     # -- stopping ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Finish: publish what is claimed (unless cold), say goodbye."""
-        self.housekeeper.stop()
-        self.claimer.stop()
-        self.retention.stop()
+        """Finish: stop the started steps in reverse (:meth:`steps`): publish what is
+        claimed (unless cold), say goodbye."""
+        self.blueprint.stop()
+
+    def _join_loops(self) -> None:
+        """Wait for the claimer, housekeeper and retention loops (asked to end together)."""
         self._join(self.housekeeper)
         self._join(self.claimer)
         self._join(self.retention)
+
+    def _drain_dispatcher(self) -> None:
+        """A warm stop: the dispatcher publishes its inbox, then ends; a cold one leaves it."""
         if self._stop != "cold" and self.dispatcher.is_alive():
             self.dispatcher.inbox.put(None)
             self._join(self.dispatcher)
-        self.heart.stop()  # it beat until now: the node is alive while it finishes
+
+    def _stop_heart(self) -> None:
+        self.heart.stop()
         if self.heart.is_alive():
             self.heart.join(timeout=5.0)
-        self._release()
+
+    def _close_store(self) -> None:
         self.store.close()
         self._beat_engine.dispose()
 

@@ -4,6 +4,7 @@ loop's clock reading never waits on the database."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -163,3 +164,28 @@ def test_a_stage_thread_that_dies_stops_the_node_with_exit_code_70(
     thread.join(30)
     assert not thread.is_alive() and codes == [EXIT_CRASHED]
     assert scheduler.crash.thread == "ax-claimer" and scheduler.stopping == "cold"
+
+
+STEPS = ["store", "registration", "broker probe", "heart", "dispatcher", "loops ended",
+         "claimer", "housekeeper", "retention"]
+
+
+def test_the_node_starts_its_steps_in_the_listed_order_and_stops_them_in_reverse(
+        cfg: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """The order is one list: the claimer and the other loops stop (together, then waited
+    for) before the dispatcher publishes its last batch, and the heart beats until then."""
+    caplog.set_level(logging.DEBUG, logger="ax_kombu.node.steps")
+    scheduler = Scheduler(cfg, "sched-steps")
+    assert [step.name for step in scheduler.steps()] == STEPS
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    assert poll(lambda: scheduler.heart.is_alive() and scheduler.claimer.is_alive())
+    scheduler.request_stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+    def logged(message: str) -> list[str]:
+        return [r.__dict__["step"] for r in caplog.records if r.getMessage() == message]
+
+    assert logged("starting step") == STEPS
+    assert logged("stopping step") == STEPS[::-1]
