@@ -207,13 +207,14 @@ class Starter:
         """A run's outcome (an executor's thread): STARTED → ENDED, to the result writer;
         it is settled once the outcome is durable. A run that never started ends at once,
         recording nothing."""
+        if run.state is not State.STARTED:  # only this call moves a run out of STARTED
+            with self._stage.lock:  # its thread may be starting it right now
+                if run.state in WAITING:  # given up on before a thread took it
+                    run.move(State.ABANDONED)
         if run.state is State.STARTED:
             run.move(State.ENDED)
             self._results.put(run.task, outcome, on_durable=partial(self._durable, run))
             return
-        with self._stage.lock:
-            if run.state in WAITING:  # given up on before a thread took it
-                run.move(State.ABANDONED)
         if self._listing is not None and self._listing.any:
             self._listing.forget([run.task.task_id])  # listed or not: it never starts here
         if run.cancel is not None and run.cancel.reason == "timeout":

@@ -144,3 +144,26 @@ def test_a_message_is_acked_only_once_its_outcome_is_durable() -> None:
     durable[0]()  # the writer committed the batch
     intake.settle()
     assert message.acks == 1 and not intake.stage.runs
+
+
+def test_a_run_its_pool_gives_up_on_before_it_starts_ends_unstarted_and_is_settled() -> None:
+    """The pool abandons a run whose thread still waits for the lease (a stop that timed
+    out): the run ends ABANDONED, records nothing (its row is the recovery's), is settled
+    and acked, and its thread never calls the processor."""
+    calls, lease = Calls(), Lease(5.0)  # never confirmed: the thread waits for the lease
+    intake, lane = _intake(calls, lease)
+    batch = _batch(intake, lane, 46, incarnation=1)
+    run = batch.start[0]
+    message = RecordedMessage()
+    run.message = message
+    intake.planner.receipted(batch)
+    deadline = time.monotonic() + 5
+    while lane.pool.staged and time.monotonic() < deadline:  # a thread takes it, and waits
+        time.sleep(0.01)
+    assert lane.pool.abandon("worker shut down before the task finished") == 1
+    while intake.stage.runs and time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+    assert run.state is State.SETTLED and message.acks == 1
+    assert calls.runs == [] and calls.results == []
+    lane.pool.close()
