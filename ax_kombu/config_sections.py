@@ -153,10 +153,10 @@ class SchedulerSettings:
     #: claim and publish tasks up to this long before they are due (staging);
     #: the worker fences each (RUNNING) on receipt and starts it at its trigger time,
     #: never before, so the claim, the publish and the RUNNING commit (whose disk flush
-    #: can take 100 ms or more now and then) are not part of its lateness. Within this
+    #: is slow now and then) are not part of its lateness. Within this
     #: window ``ax cancel`` signals the task like a running one (``ctx.cancelled``).
     #: (A longer lead does not start a burst sooner: the worker's CPU bounds it, not the
-    #: pipeline ahead of the due time; docs/benchmarks.md.)
+    #: pipeline ahead of the due time: docs/benchmarks.md, "Issue 21, second session".)
     claim_lead_ms: int = 250
     #: a task DISPATCHING longer than this goes back to READY; the wait doubles
     #: with each re-dispatch of the same task.
@@ -256,7 +256,8 @@ class WorkerSettings:
     #: most state changes written by one statement.
     worker_batch_size: int = 500
     #: longest a finished run's result waits to be written with others: fewer, larger
-    #: result commits leave more of the CPU to the runs in a burst (docs/benchmarks.md); a
+    #: result commits leave more of the CPU to the runs in a burst (docs/benchmarks.md,
+    #: "Issue 21, third session"); a
     #: run's start is not delayed, only its result and its message's ack.
     worker_batch_ms: int = 20
     #: batches of received tasks being moved to RUNNING at once (one connection each).

@@ -1,9 +1,9 @@
 """Batched receipt from Redis: many messages per round trip, in Kombu's message format.
 
-Kombu's Redis consumer takes one ``BRPOP`` per message (2,000–4,000
-messages/s here), which caps a worker far below what the scheduler
-publishes. On Redis ≥ 6.2 the worker therefore *pulls*: a :class:`Puller`
-thread
+Kombu's Redis consumer takes one ``BRPOP`` per message, a round trip
+each, which caps a worker far below what the scheduler publishes
+(docs/benchmarks.md, "Figures moved out of the code"). On Redis ≥ 6.2 the
+worker therefore *pulls*: a :class:`Puller` thread
 
 * pops, in one round trip, up to each lane's room from each lane's list
   (``RPOP key count`` in a pipeline), from the right, where Kombu's own

@@ -39,11 +39,11 @@ Transport Options
 =================
 * ``polling_interval``: seconds an idle consumer sleeps between polls
   (default ``0.01``).  A message published to an idle queue is therefore
-  seen after at most about 10 ms (5 ms on average) plus one query of a
-  few tens of microseconds (measured: median 6 ms, 90th percentile 10 ms);
-  a busy consumer does not sleep at all.  An idle consumer costs about 100
-  indexed reads per second per queue (about 3% of one core), and never
-  takes the write lock.  Kombu's own default for virtual transports is 1
+  seen after at most about 10 ms (5 ms on average) plus one short indexed
+  query; a busy consumer does not sleep at all.  An idle consumer costs
+  about 100 indexed reads per second per queue, and never takes the write
+  lock (measured figures: docs/benchmarks.md, "Figures moved out of the
+  code").  Kombu's own default for virtual transports is 1
   second.
 * ``visibility_timeout``: seconds (default ``None``: off).  When set, a
   message taken by a consumer stays in the database, invisible, until it is
@@ -119,11 +119,9 @@ Caveats
 * ``queue_declare(passive=True)`` always succeeds: queues exist implicitly.
 * The visibility timeout uses the wall clock (``time.time()``), shared by
   all processes; stepping the clock forward can cause early redelivery.
-* Throughput is bounded by SQLite's single writer.  Measured with one
-  Kombu process on a 2-core VM: 10,000-12,000 messages/s published and
-  7,500-11,000 messages/s consumed and acked (7,000-8,500 with a
-  visibility timeout, whose ack is a second write).  More processes share,
-  rather than add to, that rate.
+* Throughput is bounded by SQLite's single writer (docs/benchmarks.md,
+  "Figures moved out of the code"); with a visibility timeout an ack is a
+  second write.  More processes share, rather than add to, that rate.
 
 Storage
 =======

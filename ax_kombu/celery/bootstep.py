@@ -224,14 +224,14 @@ class AxBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is un
 
     #: at start, move what the worker has made so far (Celery, the app, SQLAlchemy) out of
     #: the collector's generations (``gc.freeze``): a full collection over them stalled a
-    #: worker running 500 tasks/s for 50-80 ms (start − due p99 58-94 ms, 24-30 ms frozen);
-    #: and collect the oldest generation at every collection of the middle one (its third
-    #: threshold 1, was 10): Celery's ETA path leaves ~29 objects in reference cycles per
-    #: task (its Request, the kombu Message, the timer Entry, vine promises), which live
-    #: until the ETA and so reach the oldest generation; collected every tenth time, that
-    #: was 40,000-60,000 objects and a 27-34 ms pause every ~2.5 s at 500 tasks/s, the
-    #: tasks due meanwhile starting that late (p99 30.5 ms, median of 3 runs; 21.3 with
-    #: this, median of 4). A subclass sets it False to leave the collector alone.
+    #: busy worker, and the tasks due meanwhile started that late; and collect the oldest
+    #: generation at every collection of the middle one (its third threshold 1, was 10):
+    #: Celery's ETA path leaves objects in reference cycles for each task (its Request, the
+    #: kombu Message, the timer Entry, vine promises), which live until the ETA and so reach
+    #: the oldest generation; collected every tenth time, they piled up into one long pause
+    #: that the tasks due meanwhile waited out. Smaller, more frequent collections spread
+    #: that cost (docs/benchmarks.md, "Issue 22: Celery countdowns through ax"). A subclass
+    #: sets it False to leave the collector alone.
     freeze_gc = True
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:

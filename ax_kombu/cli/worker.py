@@ -6,8 +6,8 @@ cold (exit 1). See :mod:`ax_kombu.worker.node`.
 
 ``--processes`` is ``auto`` by default: one worker process per CPU core this
 process may run on (each has its own GIL; a burst of short tasks is bounded by
-one interpreter's CPU, docs/benchmarks.md, issue 21), and one on the embedded
-SQLite store, which takes one writer at a time. ``--processes N`` (N > 1),
+one interpreter's CPU: docs/benchmarks.md, "Issue 21, third session"), and one on the
+embedded SQLite store, which takes one writer at a time. ``--processes N`` (N > 1),
 or ``auto`` on more than one core, runs a supervisor instead, which starts N workers
 as ``python -m ax_kombu.cli.worker`` with the flags given here (less
 ``--processes``, ``--pidfile`` and the metrics flags, which the supervisor

@@ -11,7 +11,8 @@ import re
 
 #: a URL inside any text: scheme://… up to whitespace or a quote. The scheme is bounded
 #: (RFC 3986 sets no limit; real ones are short): unbounded, every letter of a long run
-#: without ``://`` started a scan to the run's end, quadratic (16 k letters took 0.18 s).
+#: without ``://`` started a scan to the run's end, quadratic in the run's length
+#: (docs/benchmarks.md, "Figures moved out of the code").
 #: A longer scheme is matched by its last 32 characters, which redacts the same.
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"<>]*")
 #: ``user:password@``, up to the first ``@`` after the colon; searched only up to the last

@@ -9,8 +9,9 @@ On PostgreSQL every connection ax opens turns the JIT compiler off (``SET jit = 
 PostgreSQL compiles a statement when the planner's *estimated* cost passes
 ``jit_above_cost``, and an estimate grows with the table even where the work does not:
 on a 10,000,000-row table the schedule delays ``ax status`` reads (a 100,000-row limit on
-an index scan that returns a few rows) spent 20 ms compiling to run for 1 ms
-(``python -m bench.bigtable``). ax's statements are all short index reads and writes,
+an index scan that returns a few rows) spent far longer compiling than running
+(``python -m bench.bigtable``; docs/benchmarks.md, "Issue 24: ten million rows"). ax's
+statements are all short index reads and writes,
 the kind PostgreSQL's documentation says JIT does not pay off for.
 """
 

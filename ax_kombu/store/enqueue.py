@@ -47,7 +47,8 @@ _LOCK_KEYS = text("SELECT count(pg_advisory_xact_lock(k)) FROM "
                   "(SELECT k FROM unnest(CAST(:keys AS BIGINT[])) AS k ORDER BY k) AS s")
 
 #: the unique index leads with task_type: without it in the condition PostgreSQL read the
-#: whole index for every batch (120 ms per 1,000 tasks at 1M rows, growing with the table)
+#: whole index for every batch, a cost growing with the table (docs/benchmarks.md, "Issue
+#: 24: ten million rows")
 _FIND_BIZ = (select(tasks.c.task_type, tasks.c.biz_key, tasks.c.task_id, tasks.c.status)
              .where(tasks.c.task_type.in_(bindparam("types", expanding=True)),
                     tasks.c.biz_key.in_(bindparam("keys", expanding=True))))
@@ -103,7 +104,7 @@ def probes(fingerprint: str, trigger_ms: int, window_ms: int) -> list[int]:
 
 
 #: advisory locks are taken on hash buckets, not on every key: a batch of 100,000 tasks
-#: then holds at most this many locks (PostgreSQL's lock table is small), and two
+#: then takes at most this many locks (PostgreSQL's lock table is small), and two
 #: producers of unrelated tasks rarely share one.
 LOCK_BUCKETS = 512
 _LOCK_BASE = 0x6178_0000_0000  # "ax": keeps our advisory lock ids apart from an app's

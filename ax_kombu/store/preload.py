@@ -33,8 +33,8 @@ only claimable rows come back, however many have run. Every later round reads
 ``ax_due`` (migration 0016): an entry per task made due at a time, written by the
 database's triggers and never updated. Its entries stay together (tens of pages for the
 10,000 tasks enqueued for one second), where the same tasks' rows in a large ``ax_task``
-are scattered over as many pages as tasks, each fetched: the busy preload cost 1.5–2.6×
-more at 10M rows than at 10k (docs/benchmarks.md, "Issue 24"). The invariant
+are scattered over as many pages as tasks, each fetched, so a busy preload read from
+``ax_task`` grows with the table (docs/benchmarks.md, "Issue 24: ten million rows"). The invariant
 (migration 0016): a claimable, unparked task has an entry at its current trigger time,
 armed no earlier than the transaction that made it so.
 
@@ -154,14 +154,14 @@ def changed_since(mark: Mark, dialect: str) -> str:
 
 
 # The band walks the (status, trigger_time) ranges of claimable rows, where each task the
-# claim moved on left a dead index entry (2,000 a second under a steady load) until
-# VACUUM. A plain index scan marks such entries dead as it passes them, so the next
-# preload skips them for free; a bitmap scan, which the planner picks on a young table's
-# small estimates, never does and visits them all again each time: 7–15 ms per preload
-# after 30 s at 2,000 tasks/s instead of about 1 ms. And on stale estimates the planner
-# may read a whole index of the claimable rows and sort it (``ax_task``'s ``armed`` index,
-# before migration 0018: 23 ms for 5,000 future rows, none in the band). So, for this
-# transaction only, neither:
+# claim moved on left a dead index entry (one per claimed task) until VACUUM. A plain
+# index scan marks such entries dead as it passes them, so the next preload skips them for
+# free; a bitmap scan, which the planner picks on a young table's small estimates, never
+# does and visits them all again each time, so each preload costs more the longer a load
+# runs (docs/benchmarks.md, "Scheduler alone after the thread split"). And on stale
+# estimates the planner may read a whole index of the claimable rows and sort it
+# (``ax_task``'s ``armed`` index, before migration 0018, even with no row in the band:
+# docs/benchmarks.md, "Issue 21, fifth session"). So, for this transaction only, neither:
 _INDEX_SCAN_ONLY = ("SELECT set_config('enable_bitmapscan', 'off', true), "
                     "set_config('enable_sort', 'off', true)")
 

@@ -213,7 +213,8 @@ due = Table(
 #: run cut short by a cancel, a lost or unacknowledged dispatch): who ran it, when, how it
 #: ended. The final attempt is the task row itself (status, owner_node, dispatched_at,
 #: started_at, finished_at, last_error), so a task that succeeds at once writes nothing
-#: here (a row for every attempt cost the 100k burst 14 %: docs/benchmarks.md);
+#: here (a row for every attempt is one more heap row and key per task on the hot path:
+#: docs/benchmarks.md, "Issue 14: what the attempt history costs the hot path");
 #: ``ax retry`` moves the final attempt here before it starts a new one.
 #: Indexes: the primary key; ``(task_type, finished_at)`` — run-time statistics per type
 #: (``ax plan --from-history``) and the time-ordered scans of retention.

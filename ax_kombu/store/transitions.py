@@ -48,9 +48,9 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
 # -- batched, attempt-fenced moves for workers -----------------------------------------------
 # Each takes many (task_id, attempt) pairs and is ONE statement: an UPDATE joined to the
 # batch, passed as ONE JSON parameter (an array of rows; PostgreSQL: jsonb_array_elements,
-# SQLite: json_each). One string costs the worker a tenth of the CPU of one array per
-# column (psycopg2 adapts every element of an array in turn, keeping the GIL; PostgreSQL's
-# time per row fell too: docs/benchmarks.md).
+# SQLite: json_each). One string costs the worker far less CPU than one array per column
+# (psycopg2 adapts every element of an array in turn, keeping the GIL; PostgreSQL's time
+# per row fell too: docs/benchmarks.md, "Issue 21, fourth session").
 # The status test is written COALESCE(t.status, '') = … so that no planner drives the join
 # by the (status, trigger_time) index — a walk over every DISPATCHING or RUNNING row,
 # possibly 100,000s — instead of one primary-key lookup per batch row.
