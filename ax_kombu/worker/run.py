@@ -37,9 +37,10 @@ The side exits, each a reason the run ends without an outcome of its own:
 * ``ABANDONED``: staged when its pool closed or gave it up: its row stays RUNNING for the
   recovery; settled.
 
-A message is acked at most once (:meth:`Run.move` to ``SETTLED``, or earlier for a run
-that must not keep its message: see ``message`` below); that is the ack side's record, not a
-second state.
+A run's message is acked at most once: when the run is SETTLED, or earlier for a run
+that must not keep its message (a task allowed longer than RabbitMQ keeps a message
+unacked, or a connection lost). The ack drops the run's ``message``
+(:mod:`ax_kombu.worker.acks`): the message's side, not a second state of the run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.worker.context import Cancellation
 from ax_kombu.worker.task import RunTask
 
 
@@ -123,7 +125,7 @@ class Run(Generic[L]):
     generation: int
     state: State = S.RECEIVED
     #: the run's cancellation signal, once it is in its pool
-    cancel: Any = None
+    cancel: Cancellation | None = None
     #: the worker incarnation its RUNNING move was fenced under
     incarnation: int = 0
 

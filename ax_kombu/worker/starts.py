@@ -135,6 +135,7 @@ class Starter:
         """An executor's thread takes a staged run: the checks of the module docstring,
         then its processor (raises :class:`Withdrawn` if it may not start)."""
         task, cancel = run.task, run.cancel
+        assert cancel is not None  # given at submit
         while (left_ms := task.trigger_time - self._clock()) > 0 and not cancel.wait(
                 left_ms / 1000.0):
             pass
