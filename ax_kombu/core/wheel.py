@@ -42,9 +42,6 @@ DEFAULT_LEVEL_SIZES: tuple[int, ...] = (512, 64, 64)
 _OVERDUE = -1  # tick marker for keys that fire on the next advance()
 _NEVER = 1 << 62  # the next event of a wheel with no ticks filed
 
-# Per-key record: (due_ms, seq, tick); ``seq`` is unique, so a comparison never reaches tick.
-_Entry = tuple[int, int, int]
-
 
 class _Wheel(Generic[K]):
     """The wheel's mechanics, shared by ``TimingWheel`` and ``TriggerTimer``."""
@@ -68,9 +65,8 @@ class _Wheel(Generic[K]):
         self._slots: list[list[set[int]]] = [[set() for _ in range(s)] for s in level_sizes]
         self._occupied = [0] * len(level_sizes)
         self._overdue: dict[K, None] = {}
-        self._where: dict[K, _Entry] = {}
-        self._tick = 0  # every tick <= _tick has been processed
-        self._now = start_ms
+        self._where: dict[K, tuple[int, int, int]] = {}  # (due_ms, seq, tick); seq is unique
+        self._tick, self._now = 0, start_ms  # every tick <= _tick has been processed
         self._seq = 0  # the last insertion number given out
         self._cache: int | None = None  # next_due_ms() while _cache_ok
         self._cache_ok = True
@@ -102,8 +98,7 @@ class _Wheel(Generic[K]):
         entry = self._where.pop(key, None)
         if entry is None:
             return self._unqueue(key)
-        tick = entry[2]
-        if tick == _OVERDUE:
+        if (tick := entry[2]) == _OVERDUE:
             del self._overdue[key]
             fire_ms = entry[0]
         else:
@@ -135,13 +130,15 @@ class _Wheel(Generic[K]):
         return self._cache
 
     def _fire(self, now_ms: int) -> list[K]:
-        """``advance`` when a slot fires or cascades by ``now_ms`` or a key is overdue."""
-        now_ms = self._now = max(self._now, now_ms)
-        target = (now_ms - self._start) // self._tick_ms
-        event = max(self._event, self._tick + 1)  # a bound set while a tick was processed
+        """``advance`` when a slot fires or cascades by ``now_ms`` (>= ``current_ms``) or a key
+        is overdue."""
+        self._now = now_ms
+        target, event = (now_ms - self._start) // self._tick_ms, self._event
+        if event <= self._tick:  # a bound set while a tick was processed
+            event = self._tick + 1
         fired: list[K] = []
-        overdue, buckets, slots, where = self._overdue, self._buckets, self._slots[0], self._where
-        if overdue:
+        overdue, buckets, slots, where, size = self._overdue, self._buckets, self._slots[0], self._where, self._sizes[0]
+        if overdue:  # due on this advance, whatever its time
             fired, self._overdue = list(overdue), {}
         while event <= target:
             self._tick = event
@@ -153,15 +150,15 @@ class _Wheel(Generic[K]):
                     bucket = dict.fromkeys(sorted(bucket, key=where.__getitem__))
                 if self._unsorted:
                     self._unsorted.discard(event)
-                slots[event % len(slots)].clear()
-                self._occupied[0] &= ~(1 << event % len(slots))
+                slots[event % size].clear()
+                self._occupied[0] &= ~(1 << event % size)
                 fired += bucket
             event = self._next_event()
         if overdue:  # with coarse ticks an overdue key may be due after a wheel key
             fired.sort(key=where.__getitem__)
         for key in fired:
             del where[key]
-        self._tick, self._event = max(self._tick, target), event
+        self._tick, self._event = target, event  # every event <= target is processed
         # an event that fires keys (not only cascades) is the next due time
         self._cache_ok = event in buckets or event == _NEVER
         self._cache = None if event == _NEVER else self._start + event * self._tick_ms
@@ -187,8 +184,7 @@ class _Wheel(Generic[K]):
         bucket[key] = None
         self._where[key] = (due_ms, seq, tick)
 
-    def _unqueue(self, key: K) -> bool:
-        """``remove`` of a key not in the wheel: a key of ``TriggerTimer``'s queue."""
+    def _unqueue(self, key: K) -> bool:  # remove() of a key not in the wheel
         return False
 
     def _file(self, ticks: Collection[int]) -> None:
@@ -237,8 +233,15 @@ class _Wheel(Generic[K]):
 
     def _next_event(self) -> int:
         """Earliest tick at which a slot fires or cascades, else ``_NEVER``."""
-        event, limit = _NEVER, self._tick + self._res[-1]
-        for level in range(len(self._sizes)):
+        now, occupied, size = self._tick, self._occupied[0], self._sizes[0]
+        event, limit = _NEVER, now + self._res[-1]
+        if occupied:  # as _first_block(0, limit), the common case inline
+            start = (now + 1) % size
+            later = occupied >> start or (occupied & ((1 << start) - 1)) << (size - start)
+            event = limit = now + (later & -later).bit_length()
+            if event < (now // size + 1) * size:  # before level 1's next block: no cascade
+                return event
+        for level in range(1, len(self._sizes)):
             block = self._first_block(level, limit)
             if block is not None:
                 event = limit = block * self._res[level]
@@ -258,14 +261,12 @@ class _Wheel(Generic[K]):
     def _compute_next_due(self) -> int | None:
         if self._overdue:
             return min(self._where[key][0] for key in self._overdue)
-        best: int | None = None
+        best = _NEVER
         for level in range(len(self._sizes)):
-            limit = self._tick + self._res[-1] if best is None else best - 1
-            block = self._first_block(level, limit)
+            block = self._first_block(level, min(best - 1, self._tick + self._res[-1]))
             if block is not None:
-                tick = block if level == 0 else min(self._slots[level][block % self._sizes[level]])
-                best = tick if best is None else min(best, tick)
-        return None if best is None else self._start + best * self._tick_ms
+                best = min(best, block if level == 0 else min(self._slots[level][block % self._sizes[level]]))
+        return None if best == _NEVER else self._start + best * self._tick_ms
 
     def _round_up(self, due_ms: int) -> int:
         """``due_ms`` rounded up to the end of its tick."""
@@ -363,15 +364,18 @@ class TriggerTimer(_Wheel[K]):
         return True
 
     def _fire(self, now_ms: int) -> list[K]:
+        if not self._delayed._live:
+            return _Wheel._fire(self, now_ms)
         fired: list[K] = []
         while True:
-            self._promote()
+            for due_ms, seq, key in self._delayed._pop_entries(self.horizon_ms + 1):
+                self._insert(key, due_ms, seq)  # the horizon reached it
             pending = self._delayed.peek_ms()
             if pending is None or pending > now_ms:
                 break
             # Stop the wheel short of ``pending`` but close enough to admit it.
-            fired += super()._fire(min(now_ms, self._admit_time(pending)))
-        fired += super()._fire(now_ms)
+            fired += _Wheel._fire(self, max(self._now, min(now_ms, self._admit_time(pending))))
+        fired += _Wheel._fire(self, max(self._now, now_ms))
         pending = self._delayed.peek_ms()
         if pending is not None:
             self._heed(pending)
@@ -391,7 +395,3 @@ class TriggerTimer(_Wheel[K]):
             return due
         pending = self._round_up(pending)
         return pending if due is None else min(due, pending)
-
-    def _promote(self) -> None:
-        for due_ms, seq, key in self._delayed._pop_entries(self.horizon_ms + 1):
-            self._insert(key, due_ms, seq)
