@@ -74,13 +74,6 @@ FIXED_LEADS: dict[str, int] = {r.name: r.lead_ms for r in RUNNERS.values()
 OFF_AX_QUEUES = tuple(r.name for r in RUNNERS.values() if not r.ax_queues)
 
 
-def is_route(processor_name: object) -> bool:
-    """True when ``processor_name`` has the form of a route to another system (``celery:…``,
-    ``celery+…``, in any case), which only that system's integration may write."""
-    return isinstance(processor_name, str) and processor_name[:7].lower() in ("celery:",
-                                                                              "celery+")
-
-
 def route_to(runner: str, queue: str) -> str:
     """The ``processor_name`` routing a task of ``runner`` to ``queue``.
 
