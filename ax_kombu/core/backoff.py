@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from ax_kombu.exceptions import MAX_DELAY_S, ValidationError
+from ax_kombu.core.errors import MAX_DELAY_S, ValidationError
 
 
 class Uniform(Protocol):

@@ -29,7 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 
-from ax_kombu.exceptions import ValidationError
+from ax_kombu.core.errors import ValidationError
 
 #: the misfire policies; the first is the default
 MISFIRE_POLICIES = ("fire_once", "skip", "fire_all")

@@ -13,8 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ax_kombu.core.errors import ValidationError
 from ax_kombu.core.values import check_utf8
-from ax_kombu.exceptions import ValidationError
 
 #: deepest nesting of lists/objects in a payload, and most values (containers and scalars) in
 #: it: within what a worker accepts in a message (ax_kombu.broker.rejects: 64 levels for the

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from ax_kombu.core.backoff import RetryPolicy, Uniform, backoff_ms
+from ax_kombu.core.errors import Discard, ProcessorRefused, Retry, Snooze
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import Discard, ProcessorRefused, Retry, Snooze
 
 #: longest error text stored (``last_error``, an attempt's ``error``), in characters
 MAX_ERROR = 2000

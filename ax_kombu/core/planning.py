@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ax_kombu.exceptions import ValidationError
+from ax_kombu.core.errors import ValidationError
 
 #: waiting tasks per thread in the queue in front of the pools (the article's rule)
 QUEUE_PER_THREAD = 200

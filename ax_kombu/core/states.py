@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
-from ax_kombu.exceptions import IllegalTransition
+from ax_kombu.core.errors import IllegalTransition
 
 
 class Status(StrEnum):

@@ -17,9 +17,9 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
+from ax_kombu.core.errors import ValidationError
 from ax_kombu.core.ids import EPOCH_MS
 from ax_kombu.core.states import Status
-from ax_kombu.exceptions import ValidationError
 
 #: Bounds of each enqueue field. Lengths match the columns in :mod:`ax_kombu.store.schema`.
 MAX_TASK_TYPE = 128
