@@ -73,16 +73,15 @@ class Pool:
         #: guards the accounting; the hot path takes it directly, waits use _cond
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        #: staged jobs by the time they may start (then submission order): a thread takes
-        #: the head once it is due, so a job waiting for its start time takes no thread
+        #: the staged jobs (accepted, waiting for a thread; see stage_max) by the time they
+        #: may start, then submission order: a thread takes the head once it is due, so a
+        #: job waiting for its start time takes no thread
         self._heap: list[tuple[float, int, Job]] = []
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
         #: threads waiting in _next for a job
         self._idle = 0
         self._running: set[Job] = set()
-        #: accepted, waiting for a thread (see stage_max)
-        self._staged: set[Job] = set()
         #: how many jobs may wait for a thread beyond the slots (the worker sets it)
         self.stage_max = 0
         self._stuck = 0
@@ -108,24 +107,24 @@ class Pool:
     @property
     def busy(self) -> int:
         """Jobs taken: running (including timed-out threads that keep a slot) and staged."""
-        return len(self._running) + len(self._staged)
+        return len(self._running) + len(self._heap)
 
     @property
     def free(self) -> int:
         """Threads no running or staged job has taken."""
-        return 0 if self._closed else max(0, self.size - len(self._running) - len(self._staged))
+        return 0 if self._closed else max(0, self.size - len(self._running) - len(self._heap))
 
     @property
     def room(self) -> int:
         """How many more jobs :meth:`try_submit` accepts now (free slots and stage room)."""
         if self._closed:
             return 0
-        return max(0, self.size + self.stage_max - len(self._running) - len(self._staged))
+        return max(0, self.size + self.stage_max - len(self._running) - len(self._heap))
 
     @property
     def staged(self) -> int:
         """Jobs accepted and waiting for a thread."""
-        return len(self._staged)
+        return len(self._heap)
 
     def running_for_s(self) -> float:
         """How long the shortest run in progress has been running (0: a thread is free or
@@ -149,7 +148,7 @@ class Pool:
     @property
     def active(self) -> int:
         """Running or staged jobs whose outcome has not been reported yet."""
-        return len(self._running) + len(self._staged) - self._stuck + self._reporting
+        return len(self._running) + len(self._heap) - self._stuck + self._reporting
 
     # -- submitting -----------------------------------------------------------------------
 
@@ -175,7 +174,7 @@ class Pool:
         job = Job(fn=fn, done=done, timeout=timeout_s, start_at=start_at, labels=labels or {},
                   cancel=cancel)
         with self._lock:
-            taken = len(self._running) + len(self._staged)
+            taken = len(self._running) + len(self._heap)
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
             self._stage(job)
@@ -201,7 +200,6 @@ class Pool:
 
     def _stage(self, job: Job) -> None:
         """Add ``job`` to the stage (the caller has the lock)."""
-        self._staged.add(job)
         heapq.heappush(self._heap, (job.start_at, next(self._seq), job))
 
     def release_cancelled(self) -> None:
@@ -216,14 +214,17 @@ class Pool:
             self._work.notify_all()
 
     def _next(self) -> Job | None:
-        """The next staged job once it may start (a pool thread); None once closed and empty."""
+        """Take the next staged job once it may start (a pool thread); None once closed and
+        empty. Popped and taken under one lock: a job is staged (in the heap) or running,
+        never between, so :meth:`abandon` finds every job."""
         with self._work:
             while True:
                 wait: float | None = None
                 if self._heap:
-                    wait = self._heap[0][0] - self._clock()
+                    now = self._clock()
+                    wait = self._heap[0][0] - now
                     if wait <= 0:
-                        return heapq.heappop(self._heap)[2]
+                        return self._take(heapq.heappop(self._heap)[2], now)
                 elif self._closed:
                     return None
                 self._idle += 1
@@ -232,29 +233,21 @@ class Pool:
                 finally:
                     self._idle -= 1
 
-    def _take(self, job: Job) -> bool:
-        """A thread takes a staged job: its clock and deadline start now. False if it was
-        reported already (abandoned while staged): the thread skips it."""
+    def _take(self, job: Job, now: float) -> Job:
+        """A thread takes a staged job: its clock and deadline start now (the caller has
+        the lock; a job's timeout function is called here, and must not block)."""
         timeout = job.timeout() if callable(job.timeout) else job.timeout
-        now = self._clock()
-        with self._lock:
-            self._staged.discard(job)
-            if job.reported:
-                return False
-            job.started = now
-            job.deadline = None if timeout is None else now + timeout
-            self._running.add(job)
-            if job.deadline is not None and (self._wake_at is None
-                                             or job.deadline < self._wake_at):
-                self._cond.notify_all()  # the watchdog must wake earlier than it planned
-        return True
+        job.started = now
+        job.deadline = None if timeout is None else now + timeout
+        self._running.add(job)
+        if job.deadline is not None and (self._wake_at is None or job.deadline < self._wake_at):
+            self._cond.notify_all()  # the watchdog must wake earlier than it planned
+        return job
 
     # -- running --------------------------------------------------------------------------
 
     def _serve(self) -> None:
         while (job := self._next()) is not None:
-            if not self._take(job):
-                continue
             try:
                 outcome = Outcome(True, value=job.fn(), duration_s=self._clock() - job.started)
             except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
@@ -321,10 +314,10 @@ class Pool:
                 self._stuck += 1
                 if job.overdue:
                     self._overdue -= 1
-            staged = list(self._staged)  # never started: a thread that takes one skips it
+            staged = [job for _, _, job in self._heap]  # never started: no thread takes one
             for job in staged:
                 job.reported = True
-            self._staged.clear()
+            self._heap.clear()
             jobs += staged
             if jobs and self._joiners:
                 self._cond.notify_all()  # no longer active: join() may return
