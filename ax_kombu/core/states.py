@@ -79,8 +79,3 @@ def check(sources: Iterable[Status], target: Status) -> tuple[Status, ...]:
         if target not in TRANSITIONS[source]:
             raise IllegalTransition(f"a task cannot go from {source} to {target}")
     return sources
-
-
-def sources_of(target: Status) -> tuple[Status, ...]:
-    """Every state from which ``target`` may be reached."""
-    return tuple(s for s in Status if target in TRANSITIONS[s])
