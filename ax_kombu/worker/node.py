@@ -105,12 +105,7 @@ class Worker:
                                       lambda: self.heartbeat.incarnation)
         # a beat proves the incarnation live for a while; starting a staged run needs it
         self.lease = Lease(settings.lease_s)
-        self.intake = Intake(self.lanes, receipts=self.receipts, results=self.results,
-                             resolver=self.resolver, stats=self.stats, wakeup=wakeup,
-                             flags=self.flags, clock=self.store.clock.earliest_ms,
-                             lease=self.lease, batch_size=settings.worker_batch_size,
-                             now_ms=self.store.clock.local_ms,  # the result writer's too
-                             listing=self.listing)
+        self.intake = self._intake(wakeup)
         self.shutdown = Shutdown(settings, self.store, self.intake, self.stats, wakeup,
                                  self.flags)
         self.consumer = Consumer(settings, self.lanes, intake=self.intake,
@@ -123,6 +118,14 @@ class Worker:
             engine=self.store.engine, clock=self.store.clock, lanes=self.lanes,
             stage=self.intake.stage, starter=self.intake.starter, shutdown=self.shutdown)
         self.blueprint = Blueprint("worker", self.steps())
+
+    def _intake(self, wakeup: Wakeup) -> Intake:
+        return Intake(self.lanes, receipts=self.receipts, results=self.results,
+                      resolver=self.resolver, stats=self.stats, wakeup=wakeup,
+                      flags=self.flags, clock=self.store.clock.earliest_ms, lease=self.lease,
+                      batch_size=self.settings.worker_batch_size,
+                      now_ms=self.store.clock.local_ms,  # the result writer's clock too
+                      listing=self.listing)
 
     @staticmethod
     def _lanes(settings: Settings, queues: Sequence[str], node_id: str,
