@@ -181,7 +181,8 @@ class SchedulerSettings:
     #: most tasks the retention moves per transaction.
     retention_batch: int = 1000
     #: the retention's pause after each batch, so that the live load's latency stays
-    #: close to what it is without an archive running (docs/benchmarks.md); lower it if
+    #: close to what it is without an archive running (docs/benchmarks.md, "Issue 14: ``ax
+    #: archive`` under a steady 1,000 tasks/s"); lower it if
     #: the retention cannot keep up.
     retention_pause_ms: int = 500
     #: the ``ax_node`` rows of nodes stopped (or declared dead) longer ago than

@@ -33,7 +33,8 @@ CELERY_AX = "celery_ax"
 #: how far ahead of its trigger time a task for the bootstep's Celery workers is claimed and
 #: published, whatever ``claim_lead_ms``: a stock Celery worker's one consuming thread can
 #: trail by hundreds of ms on a busy host, and a message that arrives after its ``eta``
-#: starts late, while keeping one in its timer costs little (docs/benchmarks.md)
+#: starts late, while keeping one in its timer costs little (docs/benchmarks.md, "Issue 16: a
+#: Celery app's ETA through Celery vs through ax")
 CELERY_AX_LEAD_MS = 1000
 
 #: ``processor_name`` of a task routed to a Celery queue: this prefix, then the queue

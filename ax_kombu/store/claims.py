@@ -75,7 +75,8 @@ _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time,
 # so it moves for exactly one of them. Both lock in the same order (primary-key order of
 # ANY(:ids)), so two claims do not deadlock; if different plans ever did, PostgreSQL aborts
 # one, and its ids go back to be claimed again. This was FOR UPDATE SKIP LOCKED + UPDATE:
-# locking first wrote every row twice (lock, then update; docs/benchmarks.md).
+# locking first wrote every row twice (lock, then update; docs/benchmarks.md, "End to end
+# (issue 4), third session").
 #
 # A row is due by :now plus its runner's fixed lead, or by :due_before (see the module
 # docstring).

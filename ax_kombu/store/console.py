@@ -1,8 +1,8 @@
 """The operator console's reads (:mod:`ax_kombu.web`) that the admin CLI does not make.
 
 Each is one statement served by an index; none reads the whole table, so a page costs
-the same with 10 thousand tasks as with 1 million (``bench/web_pages.py``,
-docs/benchmarks.md):
+the same with 10 thousand tasks as with 1 million (``bench/web_pages.py``;
+docs/benchmarks.md, "Issue 23: ``ax web`` pages with 1,000,000 tasks"):
 
 * :func:`search_tasks` — a keyset page, newest first by ``task_id``. Task ids are
   snowflakes (:mod:`ax_kombu.core.ids`): ordered by creation time, so "newest first"
