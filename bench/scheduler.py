@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import text
 
 from ax_kombu.api import Client
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.config import Settings, from_env
 from ax_kombu.scheduler.node import Scheduler
 
@@ -55,7 +55,7 @@ class Recorder:
         self.last_ms = 0
         self.lock = threading.Lock()
 
-    def __call__(self, messages: list[TaskMessage], at_ms: int) -> None:
+    def __call__(self, messages: list[ClaimedTask], at_ms: int) -> None:
         with self.lock:
             self.lateness.extend(at_ms - m.trigger_time for m in messages if m.attempt == 1)
             self.repeats += sum(m.attempt != 1 for m in messages)

@@ -49,7 +49,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.core.runners import CELERY, CELERY_AX, route_to, runner_of_route
 
 #: the namespace of :func:`celery_task_id` (a fixed, random UUID: never change it)
@@ -59,7 +59,7 @@ _REPR_MAX = 1024
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
-class CeleryBound(TaskMessage):
+class CeleryBound(ClaimedTask):
     """A claimed attempt whose stored runner is ``'celery'``: sent as a Celery message, its
     hand-off recorded by the scheduler (:mod:`ax_kombu.celery.handoff`)."""
 
@@ -114,7 +114,7 @@ class CeleryMessage(NamedTuple):
     properties: dict[str, Any]
 
 
-def celery_message(m: TaskMessage, now_ms: float | None = None) -> CeleryMessage:
+def celery_message(m: ClaimedTask, now_ms: float | None = None) -> CeleryMessage:
     """The Celery protocol-2 message for one attempt of a Celery-bound task; its ``eta`` is
     the trigger time when the task is fenced (:class:`CeleryFenced`) and not due yet at
     ``now_ms`` (default: this host's clock), else None (see the module docstring).
@@ -146,7 +146,7 @@ def celery_message(m: TaskMessage, now_ms: float | None = None) -> CeleryMessage
     return CeleryMessage(queue, body, headers, {"correlation_id": task_id, "reply_to": ""})
 
 
-def eta_of(m: TaskMessage, now_ms: float) -> str | None:
+def eta_of(m: ClaimedTask, now_ms: float) -> str | None:
     """Celery's ``eta`` header for ``m``: its trigger time (ISO 8601, UTC) when it is staged
     (fenced by the bootstep, and due after ``now_ms``), else None."""
     if not (isinstance(m, CeleryBound) and m.fenced) or m.trigger_time <= now_ms:

@@ -15,13 +15,19 @@ No payload, processor or callback URL crosses the broker: the worker's RUNNING
 move returns them from the row, and that is what runs. Version 1 (every field
 of the row's task, payload included) is still accepted, so messages published
 by an older scheduler run after an upgrade (upgrade workers first).
+
+Two records, one per side: the scheduler publishes a :class:`ClaimedTask` (the
+claimed row by name, who dispatched it, where to), and a worker parses a body
+into a :class:`TaskMessage` (the fields a version-1 message carries; a
+version-2 one fills only its own). Both write the same version-2 body.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from json.encoder import encode_basestring as _encode_string
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ax_kombu.broker.rejects import Rejected
 from ax_kombu.config import PRIORITIES
@@ -39,9 +45,92 @@ def _js(value: str | None) -> str:
     return "null" if value is None else _encode_string(value)
 
 
+class Sendable(Protocol):
+    """What the publisher sends (:mod:`ax_kombu.broker.publisher`): a :class:`ClaimedTask`,
+    or a :class:`TaskMessage` built by hand. Its id and attempt make the delivery tag, its
+    route (else its priority's queue) the queue, and :meth:`to_json` the body."""
+
+    @property
+    def task_id(self) -> int: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def trace_id(self) -> str: ...
+    @property
+    def priority(self) -> str: ...
+    @property
+    def route(self) -> str | None: ...
+
+    def to_json(self) -> str: ...
+
+
+class _Sent(Protocol):
+    """The fields a version-2 message carries (:data:`SLIM_FIELDS`)."""
+
+    @property
+    def task_id(self) -> int: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def trace_id(self) -> str: ...
+    @property
+    def trigger_time(self) -> int: ...
+    @property
+    def priority(self) -> str: ...
+    @property
+    def dispatched_at(self) -> int: ...
+    @property
+    def node(self) -> str: ...
+
+
+def _json(m: _Sent) -> str:
+    """The JSON body of ``m`` (version 2: no payload; see the module docstring), built
+    directly: the scheduler builds tens of thousands a second."""
+    return (f'{{"v":{MESSAGE_VERSION},"task_id":{m.task_id:d},"attempt":{m.attempt:d},'
+            f'"trigger_time":{m.trigger_time:d},"priority":{_js(m.priority)},'
+            f'"trace_id":{_js(m.trace_id)},"dispatched_at":{m.dispatched_at:d},'
+            f'"node":{_js(m.node)}}}')
+
+
+@dataclass(kw_only=True, slots=True)
+class ClaimedTask:
+    """One claimed attempt as the scheduler's dispatcher publishes it: the claim's RETURNING
+    row read by name (:func:`ax_kombu.scheduler.dispatcher.to_message`), who dispatched it
+    and when, and where to. Only the fields of a version-2 message are sent
+    (:meth:`to_json`); the rest serve a Celery-bound task's message
+    (:mod:`ax_kombu.broker.celery_wire`, whose subclasses mark its runner) and the
+    publish hooks."""
+
+    task_id: int
+    attempt: int
+    task_type: str
+    #: the stored JSON text
+    payload: RawJson
+    trace_id: str
+    trigger_time: int
+    timeout_ms: int
+    priority: str
+    retry_count: int
+    max_retry: int
+    processor: str | None
+    callback_url: str | None
+    #: when it was published (the scheduler's database clock, epoch ms)
+    dispatched_at: int
+    #: the scheduler node that claimed and published it
+    node: str
+    #: the queue to publish to when not the priority's (a worker's own queue)
+    route: str | None = None
+
+    def to_json(self) -> str:
+        """The JSON body (version 2: no payload; see the module docstring)."""
+        return _json(self)
+
+
 class TaskMessage(NamedTuple):
-    """What a worker receives for one attempt of one task (a NamedTuple: the scheduler
-    builds tens of thousands a second, and a tuple is several times cheaper to make)."""
+    """A message as a worker parses it (:meth:`from_body`): the fields a version-1 message
+    carries, of which a version-2 message sends :data:`SLIM_FIELDS` (the others are then
+    placeholders: the row's values are what runs). A NamedTuple: a worker parses tens of
+    thousands a second."""
 
     task_id: int
     attempt: int
@@ -57,34 +146,45 @@ class TaskMessage(NamedTuple):
     callback_url: str | None
     dispatched_at: int
     node: str
-    # Not on the wire, and never set by the scheduler: a worker's run reads its task from
-    # the row its start returned (ax_kombu.worker.task.RunTask); a test may hand a message
-    # where a run's task is read.
-    #: the recurring job this task is an occurrence of (None: a one-off task)
-    job: str | None = None
-    #: that occurrence's time, epoch ms
-    scheduled_at: int | None = None
-    #: claimed by the gated claim (its end wakes the next of its key or type)
-    gated: bool = False
-    order_key: str | None = None
-    shard_index: int | None = None
-    shard_total: int | None = None
-    #: the queue to publish to when not the priority's (a worker's own queue)
-    route: str | None = None
-    #: when the worker's start of this attempt was written (DB clock)
-    started_at: int | None = None
 
-    def body(self) -> dict[str, Any]:
-        """The body as a dict (what a consumer receives after JSON decoding)."""
-        body: dict[str, Any] = json.loads(self.to_json())
-        return body
+    # Not on the wire: a run reads these from the row its start returned
+    # (ax_kombu.worker.task.RunTask); a message names no occurrence, gate or shard.
+    @property
+    def job(self) -> str | None:
+        return None
+
+    @property
+    def scheduled_at(self) -> int | None:
+        return None
+
+    @property
+    def gated(self) -> bool:
+        return False
+
+    @property
+    def order_key(self) -> str | None:
+        return None
+
+    @property
+    def shard_index(self) -> int | None:
+        return None
+
+    @property
+    def shard_total(self) -> int | None:
+        return None
+
+    @property
+    def started_at(self) -> int | None:
+        return None
+
+    @property
+    def route(self) -> str | None:
+        """None: a message built by hand is published to its priority's queue."""
+        return None
 
     def to_json(self) -> str:
-        """The JSON body (version 2: no payload; see the module docstring), built directly."""
-        return (f'{{"v":{MESSAGE_VERSION},"task_id":{self.task_id:d},"attempt":{self.attempt:d},'
-                f'"trigger_time":{self.trigger_time:d},"priority":{_js(self.priority)},'
-                f'"trace_id":{_js(self.trace_id)},"dispatched_at":{self.dispatched_at:d},'
-                f'"node":{_js(self.node)}}}')
+        """The JSON body (version 2: no payload; see the module docstring)."""
+        return _json(self)
 
     @property
     def slim(self) -> bool:
@@ -120,16 +220,19 @@ class TaskMessage(NamedTuple):
         version = body.get("v") if type(body) is dict else None
         if version == MESSAGE_VERSION:
             try:
-                message = cls(body["task_id"], body["attempt"], "", NOT_SENT, body["trace_id"],
-                              body["trigger_time"], 1, body["priority"], 0, 0, None, None,
-                              body["dispatched_at"], body["node"])
+                message = cls(task_id=body["task_id"], attempt=body["attempt"], task_type="",
+                              payload=NOT_SENT, trace_id=body["trace_id"],
+                              trigger_time=body["trigger_time"], timeout_ms=1,
+                              priority=body["priority"], retry_count=0, max_retry=0,
+                              processor=None, callback_url=None,
+                              dispatched_at=body["dispatched_at"], node=body["node"])
             except KeyError as exc:
                 raise Rejected("missing_field", f"no field {exc}") from None
             return message._checked(SLIM_FIELDS)
         if version != FULL_VERSION:
             raise Rejected("not_task", "not an ax task message (no \"v\": 1 or 2 object)")
         try:
-            message = cls(*[body[k] for k in WIRE_FIELDS])
+            message = cls(**{k: body[k] for k in WIRE_FIELDS})
         except KeyError as exc:
             raise Rejected("missing_field", f"no field {exc}") from None
         return message._checked(WIRE_FIELDS)
@@ -172,7 +275,7 @@ class _NotSent:
 
 NOT_SENT: Any = _NotSent()
 #: the fields a version-1 message carries (the others come from the task row)
-WIRE_FIELDS = TaskMessage._fields[:14]
+WIRE_FIELDS = TaskMessage._fields
 #: the fields a version-2 message carries
 SLIM_FIELDS = ("task_id", "attempt", "trace_id", "trigger_time", "priority", "dispatched_at",
                "node")
@@ -188,7 +291,7 @@ _STR_FIELDS = (("task_type", 128), ("trace_id", 64), ("priority", 16), ("process
 _OPTIONAL = frozenset({"processor", "callback_url"})
 
 
-def redis_envelope(m: TaskMessage, queue: str) -> str:
+def redis_envelope(m: Sendable, queue: str) -> str:
     """The message as Kombu's Redis transport stores it (what ``Producer.publish`` would put)."""
     return (f'{{"body":{_encode_string(m.to_json())},"content-encoding":"utf-8",'
             f'"content-type":"application/json","headers":{{"trace_id":{_js(m.trace_id)}}},'

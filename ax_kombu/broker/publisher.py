@@ -43,7 +43,7 @@ from ax_kombu.broker.celery_wire import (
     celery_redis_envelope,
 )
 from ax_kombu.broker.connection import connection, declare_queues, ensure_connected
-from ax_kombu.broker.messages import TaskMessage, redis_envelope
+from ax_kombu.broker.messages import Sendable, redis_envelope
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,12 @@ class Sent(NamedTuple):
     tasks go back to READY), and those refused unsent, each with the reason it could not be
     built (their tasks end FAILED)."""
 
-    failed: list[TaskMessage]
-    refused: list[tuple[TaskMessage, str]]
+    failed: list[Sendable]
+    refused: list[tuple[Sendable, str]]
 
 
 #: one message ready to send: the ax message, and its Celery form when it is Celery-bound
-_Built = tuple[TaskMessage, CeleryMessage | None]
+_Built = tuple[Sendable, CeleryMessage | None]
 
 
 class Publisher:
@@ -137,13 +137,13 @@ class Publisher:
         self._conn = self._producer = self._confirms = self._redis = None
         self._celery_queues = set()
 
-    def publish(self, messages: Sequence[TaskMessage]) -> list[TaskMessage]:
+    def publish(self, messages: Sequence[Sendable]) -> list[Sendable]:
         """Publish ``messages`` at once; returns those that did not certainly reach the
         broker, refused ones (:meth:`send`) included."""
         sent = self.send(messages)
         return sent.failed + [m for m, _ in sent.refused]
 
-    def send(self, messages: Sequence[TaskMessage]) -> Sent:
+    def send(self, messages: Sequence[Sendable]) -> Sent:
         """Build every message, then publish those built at once (see the module docstring).
 
         Never raises for a broker problem, nor for a message that cannot be built: the
@@ -166,7 +166,7 @@ class Publisher:
             self.close()
             return Sent([m for m, _ in built], refused)
 
-    def _send(self, message: TaskMessage, wire: CeleryMessage | None) -> None:
+    def _send(self, message: Sendable, wire: CeleryMessage | None) -> None:
         assert self._producer is not None
         if wire is not None:
             self._send_celery(wire)
@@ -245,7 +245,7 @@ class Publisher:
             pipe.lpush(channel._q_for_pri(queue, 0), *values)
         pipe.execute()
 
-    def _confirmed(self, built: Sequence[_Built]) -> list[TaskMessage]:
+    def _confirmed(self, built: Sequence[_Built]) -> list[Sendable]:
         """Publish with confirms; after a nack the connection is dropped (made again on the
         next call), so the next batch goes out on a new channel: on RabbitMQ 3.10 a channel
         that published to a quorum queue while it had no leader (its node just died)
@@ -257,7 +257,7 @@ class Publisher:
             self.close()
         return failed
 
-    def _publish_confirmed(self, built: Sequence[_Built]) -> list[TaskMessage]:
+    def _publish_confirmed(self, built: Sequence[_Built]) -> list[Sendable]:
         confirms, conn = self._confirms, self._conn
         assert confirms is not None and conn is not None
         tags = []
@@ -275,11 +275,11 @@ class Publisher:
         return failed
 
 
-def _build(messages: Sequence[TaskMessage]) -> tuple[list[_Built], list[tuple[TaskMessage, str]]]:
+def _build(messages: Sequence[Sendable]) -> tuple[list[_Built], list[tuple[Sendable, str]]]:
     """Each message with its Celery form (None for an ax message), and those that could not
     be built, each with the reason."""
     built: list[_Built] = []
-    refused: list[tuple[TaskMessage, str]] = []
+    refused: list[tuple[Sendable, str]] = []
     for m in messages:
         if not isinstance(m, CeleryBound):
             built.append((m, None))

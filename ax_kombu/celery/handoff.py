@@ -36,7 +36,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.celery_wire import CeleryBound, celery_queue, celery_task_id
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.store import Store, gates
 from ax_kombu.store.transitions import _execute_batch, _storable
 
@@ -58,7 +58,7 @@ class Handed(NamedTuple):
     result: str
 
 
-def handed(messages: Sequence[TaskMessage]) -> list[Handed]:
+def handed(messages: Sequence[ClaimedTask]) -> list[Handed]:
     """The hand-off of each message in ``messages`` built for stock Celery workers (its
     stored runner made it a :class:`~ax_kombu.broker.celery_wire.CeleryBound` that the
     bootstep does not fence)."""
@@ -96,7 +96,7 @@ class CeleryHandOff:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def __call__(self, messages: list[TaskMessage], at_ms: int) -> None:
+    def __call__(self, messages: list[ClaimedTask], at_ms: int) -> None:
         hand_offs = handed(messages)
         if hand_offs:
             self.record(hand_offs, at_ms)

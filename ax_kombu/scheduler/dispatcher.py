@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.broker.celery_wire import CELERY_MESSAGES
-from ax_kombu.broker.messages import RawJson, TaskMessage
+from ax_kombu.broker.messages import ClaimedTask, RawJson, Sendable
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, worker_queue
 from ax_kombu.core.lease import Lease
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 #: ``on_published(messages, at_ms)``: told of every batch that reached the broker (on the
 #: dispatcher's thread), e.g. :class:`ax_kombu.celery.handoff.CeleryHandOff`
-OnPublished = Callable[[list[TaskMessage], int], None]
+OnPublished = Callable[[list[ClaimedTask], int], None]
 
 #: how long the dispatcher waits for the lease at a time before looking again
 LEASE_WAIT_S = 0.1
@@ -64,11 +64,11 @@ class Claimed(NamedTuple):
     rows: Sequence[Any]
 
 
-def to_message(row: Any, node: str, now_ms: int) -> TaskMessage:
-    """The message for one claimed row (read by column name: see claims.claim). The message
-    class is the one its stored runner's table gives
+def to_message(row: Any, node: str, now_ms: int) -> ClaimedTask:
+    """What is published for one claimed row (read by column name: see claims.claim), built
+    by keywords. Its class is the one its stored runner's table gives
     (:data:`~ax_kombu.broker.celery_wire.CELERY_MESSAGES`; ax's own otherwise)."""
-    kind = CELERY_MESSAGES.get(row.runner, TaskMessage)
+    kind = CELERY_MESSAGES.get(row.runner, ClaimedTask)
     return kind(task_id=row.task_id, attempt=row.attempt, task_type=row.task_type,
                 payload=RawJson(row.payload), trace_id=row.trace_id,
                 trigger_time=row.trigger_time, timeout_ms=row.timeout_ms,
@@ -188,7 +188,7 @@ class Dispatcher(threading.Thread):
             metrics.dispatch_total.labels("failed").inc(len(failed))
             self._give_back(failed)
 
-    def _fail_refused(self, refused: list[tuple[TaskMessage, str]], now_ms: int) -> None:
+    def _fail_refused(self, refused: Sequence[tuple[Sendable, str]], now_ms: int) -> None:
         """Messages that cannot be built: their tasks end FAILED with the reason. A database
         error leaves them DISPATCHING: the ack timeout sends them again (and they fail then)."""
         metrics.dispatch_total.labels("refused").inc(len(refused))
@@ -200,7 +200,7 @@ class Dispatcher(threading.Thread):
             log.exception("could not fail tasks whose message cannot be built; the ack "
                           "timeout will", extra={"count": len(failures)})
 
-    def _give_back(self, failed: Sequence[TaskMessage]) -> None:
+    def _give_back(self, failed: Sequence[Sendable]) -> None:
         """Unpublished tasks DISPATCHING → READY, each only at the attempt its message
         carried: a publish that fails after a pause (a confirm timed out while the node
         was stopped) must not move a row another node has claimed again meanwhile."""

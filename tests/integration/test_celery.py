@@ -4,6 +4,7 @@ recorded after the publish, and the recovery of an unconfirmed one."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from sqlalchemy import text
 
 from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import celery_task_id, processor_for
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
 from ax_kombu.exceptions import ValidationError
@@ -125,7 +126,7 @@ def test_install_routes_delayed_calls_to_ax_and_the_rest_to_celery(client: Clien
 # -- dispatch --------------------------------------------------------------------------------
 
 
-def claimed_messages(client: Client, node: str = "sched-test") -> list[TaskMessage]:
+def claimed_messages(client: Client, node: str = "sched-test") -> list[ClaimedTask]:
     """Claim every task now, as a scheduler would; their messages."""
     with client.store.engine.begin() as conn:
         now = client.store.now_ms() + 3_600_000
@@ -208,7 +209,8 @@ def test_hand_off_ends_celery_tasks_only_at_their_attempt(client: Client) -> Non
            for i in range(3)]
     plain = client.enqueue("plain.task", {"x": 1})
     messages = claimed_messages(client)
-    stale = [m._replace(attempt=m.attempt + 1) for m in messages if m.task_id == ids[2]]
+    stale = [dataclasses.replace(m, attempt=m.attempt + 1) for m in messages
+             if m.task_id == ids[2]]
     seen: list[int] = []
     hooks = [CeleryHandOff(client.store), lambda ms, at: seen.append(len(ms))]
     at = client.store.now_ms()

@@ -132,10 +132,12 @@ def test_the_publisher_refuses_an_unbuildable_message_alone() -> None:
     settings = from_env({}, broker_url="memory://", database_url="sqlite://")
     good = TaskMessage(1, 1, "t", RawJson("{}"), "tr", 0, 1000, "default", 0, 0, "t", None, 0,
                        "s")
-    bad = CeleryBound(2, 1, "app.x", RawJson('"not an object"'), "tr", 0, 1000, "default", 0,
-                      0, processor_for("q"), None, 0, "s")
-    ok = CeleryBound(3, 1, "app.x", RawJson('{"args": [1]}'), "tr", 0, 1000, "default", 0, 0,
-                     processor_for("q"), None, 0, "s")
+    bad, ok = (CeleryBound(task_id=task_id, attempt=1, task_type="app.x",
+                           payload=RawJson(payload), trace_id="tr", trigger_time=0,
+                           timeout_ms=1000, priority="default", retry_count=0, max_retry=0,
+                           processor=processor_for("q"), callback_url=None, dispatched_at=0,
+                           node="s")
+               for task_id, payload in ((2, '"not an object"'), (3, '{"args": [1]}')))
     publisher = Publisher(settings)
     try:
         sent = publisher.send([good, bad, ok])

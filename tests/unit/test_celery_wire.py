@@ -18,6 +18,7 @@ import pytest
 
 from ax_kombu.api import Client
 from ax_kombu.broker.celery_wire import (
+    CeleryBound,
     CeleryFenced,
     celery_message,
     celery_redis_envelope,
@@ -25,7 +26,7 @@ from ax_kombu.broker.celery_wire import (
     is_celery,
     processor_for,
 )
-from ax_kombu.broker.messages import RawJson, TaskMessage
+from ax_kombu.broker.messages import ClaimedTask, RawJson
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.runners import CELERY_AX_LEAD_MS
 from ax_kombu.exceptions import ValidationError
@@ -42,10 +43,13 @@ from ax_kombu.celery.producer import call_payload, when
 TRIGGER = 1_800_000_000_000
 
 
-def _message(payload: dict[str, Any], dispatched_at: int = TRIGGER + 3) -> TaskMessage:
-    return TaskMessage(42, 3, "app.tasks.send", RawJson(json.dumps(payload)), "tr-1", TRIGGER,
-                       60_000, "default", 0, 3, processor_for("mail"), None, dispatched_at,
-                       "sched-1")
+def _message(payload: dict[str, Any], dispatched_at: int = TRIGGER + 3,
+             kind: type[CeleryBound] = CeleryBound) -> CeleryBound:
+    return kind(task_id=42, attempt=3, task_type="app.tasks.send",
+                payload=RawJson(json.dumps(payload)), trace_id="tr-1", trigger_time=TRIGGER,
+                timeout_ms=60_000, priority="default", retry_count=0, max_retry=3,
+                processor=processor_for("mail"), callback_url=None,
+                dispatched_at=dispatched_at, node="sched-1")
 
 
 def _app() -> Any:
@@ -88,7 +92,7 @@ def test_a_fenced_message_staged_ahead_carries_its_trigger_time_as_celerys_eta()
     from celery.worker.request import Request
     from kombu.transport.base import Message
 
-    m = CeleryFenced._make(_message({"args": [1], "kwargs": {}}, TRIGGER - 900))
+    m = _message({"args": [1], "kwargs": {}}, TRIGGER - 900, CeleryFenced)
     c = celery_message(m, now_ms=TRIGGER - 900)
     assert datetime.fromisoformat(c.headers["eta"]) == datetime.fromtimestamp(TRIGGER / 1000,
                                                                                UTC)
@@ -269,10 +273,10 @@ def test_a_celery_bound_task_is_never_published_before_due_an_ax_task_still_is_s
              for i in range(n)]
     plain = [int(i) for i in client.enqueue_many(
         [{"task_type": "plain", "payload": {"i": i}, "delay": 0.5 + i / 50} for i in range(n)])]
-    published: list[tuple[TaskMessage, int]] = []
+    published: list[tuple[ClaimedTask, int]] = []
     lock = threading.Lock()
 
-    def seen(messages: list[TaskMessage], _at_ms: int) -> None:
+    def seen(messages: list[ClaimedTask], _at_ms: int) -> None:
         db_now = client.store.now_ms()  # the database clock once the publish is over
         with lock:
             published.extend((m, db_now) for m in messages)

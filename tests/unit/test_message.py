@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import namedtuple
 from typing import Any
@@ -10,24 +11,27 @@ from ax_kombu.broker.celery_wire import CeleryBound, CeleryFenced
 from ax_kombu.broker.messages import (
     NOT_SENT,
     SLIM_FIELDS,
+    WIRE_FIELDS,
+    ClaimedTask,
     RawJson,
     TaskMessage,
     redis_envelope,
 )
 from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.store.claims import _CLAIM_COLUMNS
+from tests.wire import version_1_json
 
 #: a claimed row as the claim returns it: its columns by name
 ClaimedRow = namedtuple("ClaimedRow", [c.strip() for c in _CLAIM_COLUMNS.split(",")])  # type: ignore[misc]
 
 
 def _row(*values: Any, target_node: str | None = None, runner: str = "ax") -> Any:
-    return ClaimedRow(*values, target_node=target_node, runner=runner)
+    return ClaimedRow._make((*values, target_node, runner))
 
 
 def test_claim_columns_are_what_the_message_needs() -> None:
     columns = [c.strip() for c in _CLAIM_COLUMNS.split(",")]
-    fields = list(TaskMessage._fields[:12])
+    fields = [field.name for field in dataclasses.fields(ClaimedTask)][:12]
     renamed = {"processor_name": "processor"}
     assert [renamed.get(c, c) for c in columns[:12]] == fields
     assert columns[12:] == ["target_node", "runner"]  # routing only, not in the message
@@ -39,14 +43,15 @@ def test_to_message_and_json_round_trip() -> None:
     message = to_message(_row(*values, runner="callback"), "node-1", 123)
     assert message.route is None
     assert to_message(_row(*values, target_node="w7"), "node-1", 123).route == "ax.worker.w7"
-    assert type(to_message(_row(*values, runner="callback"), "node-1", 123)) is TaskMessage
+    assert type(to_message(_row(*values, runner="callback"), "node-1", 123)) is ClaimedTask
     assert type(to_message(_row(*values, runner="celery"), "node-1", 123)) is CeleryBound
     fenced = to_message(_row(*values, target_node="w7", runner="celery_ax"), "node-1", 123)
     assert type(fenced) is CeleryFenced and fenced.fenced and fenced.route == "ax.worker.w7"
     assert isinstance(message.payload, RawJson)
-    full = json.loads(message.full_json())  # version 1, as an older scheduler sent it
+    sent = TaskMessage(**{name: getattr(message, name) for name in WIRE_FIELDS})
+    full = json.loads(version_1_json(sent))  # version 1, as an older scheduler sent it
     assert full["payload"] == {"a": [1, "x"]} and full["callback_url"] == "http://127.0.0.1/x"
-    assert TaskMessage.from_body(full) == message._replace(payload={"a": [1, "x"]})
+    assert TaskMessage.from_body(full) == sent._replace(payload={"a": [1, "x"]})
     assert not TaskMessage.from_body(full).slim
     body = json.loads(message.to_json())  # version 2: only what the row cannot say
     assert body == {"v": 2, "task_id": 5, "attempt": 2, "trigger_time": 100, "priority": "high",

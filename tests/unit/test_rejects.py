@@ -10,6 +10,7 @@ import pytest
 from ax_kombu.broker import rejects
 from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.broker.rejects import Rejected
+from tests.wire import version_1, version_1_json
 
 GOOD = TaskMessage(task_id=5, attempt=2, task_type="t", payload={"a": [1, "x"]}, trace_id="tr",
                    trigger_time=100, timeout_ms=500, priority="high", retry_count=1,
@@ -18,7 +19,7 @@ GOOD = TaskMessage(task_id=5, attempt=2, task_type="t", payload={"a": [1, "x"]},
 
 
 def body(**changes: Any) -> dict[str, Any]:
-    value: dict[str, Any] = json.loads(GOOD.full_json())  # version 1: every field
+    value = version_1(GOOD)  # version 1: every field
     value.update(changes)
     return value
 
@@ -89,8 +90,8 @@ def decode(raw: bytes | str, content_type: str | None = "application/json",
 
 
 def test_decode_body_takes_plain_json_only() -> None:
-    assert decode(GOOD.full_json()) == body()
-    assert decode(GOOD.full_json().encode(), encoding=None) == body()
+    assert decode(version_1_json(GOOD)) == body()
+    assert decode(version_1_json(GOOD).encode(), encoding=None) == body()
     assert decode(GOOD.to_json()) == slim()
     assert reason(lambda: decode(b"\x80\x03}q", "application/x-python-serialize",
                                  "binary")) == "content_type"

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from ax_kombu.api import Client
-from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.scheduler.node import Scheduler
@@ -42,10 +42,10 @@ class Published:
     """What the scheduler's dispatcher reports as published."""
 
     def __init__(self) -> None:
-        self.messages: list[tuple[TaskMessage, int]] = []
+        self.messages: list[tuple[ClaimedTask, int]] = []
         self._lock = threading.Lock()
 
-    def __call__(self, messages: list[TaskMessage], at_ms: int) -> None:
+    def __call__(self, messages: list[ClaimedTask], at_ms: int) -> None:
         with self._lock:
             self.messages.extend((m, at_ms) for m in messages)
 
