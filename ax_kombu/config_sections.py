@@ -34,7 +34,7 @@ class CommonSettings:
     #: its task DISPATCHING, and the ack timeout dispatches it again.
     redis_ack_emulation: bool = False
     #: RabbitMQ only: publish ax's messages persistent (delivery mode 2), so that they
-    #: survive a broker restart. Off by default, for the reason above: the database holds
+    #: survive a broker restart. Off by default, for the reason above: the database keeps
     #: every task, and a message the broker loses leaves its task DISPATCHING until the
     #: ack timeout dispatches it again (the queue is then empty, so it is known lost);
     #: persistence costs the broker a disk write per message. Celery-bound messages are

@@ -93,7 +93,7 @@ class Moving:
         now = self.store.now_ms()
         selection = cancel_selection(now, task_type, status, biz_keys, since)
         total = 0
-        while True:  # short transactions: a cancel of 100,000 never holds them all at once
+        while True:  # short transactions: a cancel of 100,000 never locks them all at once
             with self.store.engine.begin() as conn:
                 done = moves.cancel_some(conn, selection, now, batch)
             total += done

@@ -100,7 +100,7 @@ class Backoff:
 
 class RetryPolicy(NamedTuple):
     """What a failure means for one processor (``@ax.processor(…, retry_on=…, backoff=…)``;
-    applied by :func:`ax_kombu.worker.outcomes.decide`)."""
+    applied by :func:`ax_kombu.core.outcomes.decide`)."""
 
     #: only these exceptions are retried (None: any); ``ax.Retry``, ``ax.Snooze`` and
     #: ``ax.Discard`` keep their meaning whatever this holds

@@ -83,7 +83,7 @@ class ReservedIds:
     """Snowflake ids under a node id reserved in the store, renewed as needed.
 
     The reservation is renewed when less than a third of it is left, before any id
-    is issued, so ids are only ever issued under a reservation that still holds for
+    is issued, so ids are only ever issued under a reservation that is still valid for
     at least ``reservation_ms / 3`` on the database clock.
     """
 

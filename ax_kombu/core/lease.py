@@ -1,11 +1,11 @@
 """A node's lease on its incarnation: how long it may still act on shared state.
 
-Both daemons hold one. A heartbeat is a compare-and-set on the node's live
+Every daemon keeps one (through :class:`ax_kombu.node.lifecycle.NodeLifecycle`). A heartbeat is a compare-and-set on the node's live
 incarnation, and no peer declares a node dead before its last heartbeat is
 ``silence`` old on the database clock, so a beat that succeeded proves the
 incarnation live for that long after it was sent. A worker starts a staged run,
 and a scheduler publishes a claim, only while its lease covers the incarnation
-that fenced the work (:mod:`ax_kombu.worker.intake`, :mod:`ax_kombu.scheduler.dispatcher`).
+that fenced the work (:mod:`ax_kombu.worker.starts`, :mod:`ax_kombu.scheduler.dispatcher`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Lease:
 
     def covers(self, incarnation: int) -> bool | None:
         """May a run fenced under ``incarnation`` start now? True: yes. False: never — a
-        later incarnation holds the lease (the run was fenced before this worker was
+        later incarnation has the lease (the run was fenced before this worker was
         declared dead; another node may run its task now). None: not yet (the lease has
         run out, or its incarnation's first beat is not confirmed yet)."""
         if not self.valid():

@@ -121,7 +121,7 @@ pool_busy = Gauge("ax_pool_busy",
                   ["queue"], multiprocess_mode="livesum")
 pool_prefetched = Gauge(
     "ax_pool_prefetched",
-    "Messages this worker holds for a queue, received from the broker and not acked yet "
+    "Messages this worker has received from the broker for a queue and not acked yet "
     "(running, or waiting in the lane's backlog for a slot).", ["queue"],
     multiprocess_mode="livesum")
 queue_waiting_without_consumer = Gauge(

@@ -180,7 +180,7 @@ class Housekeeper(Loop):
 
     def _fenced(self) -> None:
         """The node was declared dead (on the heartbeat's thread, before it registers
-        anew): drop what it holds, wait for the drop, read it all again at the next
+        anew): drop what it has loaded, wait for the drop, read it all again at the next
         preload."""
         self._on_fenced()
         deadline = time.monotonic() + DROP_WAIT_S
@@ -254,7 +254,7 @@ class Housekeeper(Loop):
 
     def _preload_due(self, now: int) -> bool:
         """The preload is due, and the last one's ids are in the wheel (``max_loaded``
-        holds), and no drop of the wheel is pending."""
+        allows), and no drop of the wheel is pending."""
         if self._timing.incoming.items or self._timing.dropping:
             return False
         if self._failures.get("preload"):

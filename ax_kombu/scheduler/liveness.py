@@ -5,7 +5,7 @@ Contracts:
 * **Fenced heartbeat.** Each beat is a compare-and-set on this process's live
   incarnation (:class:`ax_kombu.store.nodes.Heartbeat`). When a beat finds the
   incarnation declared dead, the node stops acting under it at once: it drops
-  every task it holds in memory (``on_fenced``; its next preload reads its whole
+  every task it has loaded (``on_fenced``; its next preload reads its whole
   share again), then registers a new incarnation, which puts back what the old one
   claimed and never published. If
   another live process has taken the name meanwhile, registering raises
@@ -56,7 +56,7 @@ class Liveness:
         store: the task store.
         heartbeat: this node's registration (registered before the first beat).
         info: what the heartbeat publishes about the node.
-        on_fenced: drops everything the node holds in memory.
+        on_fenced: drops every task the node has loaded.
         wake: asks for a preload (recovery freed tasks).
     """
 

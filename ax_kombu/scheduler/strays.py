@@ -7,7 +7,7 @@ heartbeat_interval_s``, 15 s by default): until then nobody else reads its share
 tasks are not left to wait for that window. A scheduler looks, on the housekeeper's
 thread, for the claimable tasks of the *other* shares that are overdue
 (:func:`ax_kombu.store.preload.overdue_elsewhere`) and hands them to its timing loop;
-the claim, a compare-and-set, decides who sends each, so a task two schedulers hold is
+the claim, a compare-and-set, decides who sends each, so a task two schedulers have loaded is
 still dispatched once per attempt.
 
 * **Watched** every ``preload_interval_ms``: the tasks due within the last two silence

@@ -9,9 +9,9 @@ Contracts:
 * Other threads hand it ``(task_id, due_ms)`` pairs with
   :meth:`TimingLoop.hand`; the loop adds them ``ABSORB_CHUNK`` at a time
   between two firings, so a large preload never holds firing up for long.
-  An id it already holds keeps the earlier of its two times: a time handed
+  An id it has already loaded keeps the earlier of its two times: a time handed
   over may be out of date (an ``ax_due`` entry whose task has moved on,
-  :mod:`ax_kombu.store.recovery`), and firing early only costs a claim that
+  :mod:`ax_kombu.store.preload`), and firing early only costs a claim that
   refuses it and hands the id back at its real time
   (:meth:`ax_kombu.scheduler.claimer.Claimer._keep_unclaimed`), where firing
   late would make the task late.
@@ -19,7 +19,7 @@ Contracts:
   claimer's mailbox (:mod:`ax_kombu.scheduler.claimer`), so that the claim,
   the publish and the worker's RUNNING commit are over by the due time (the
   task is published ahead: the worker keeps it in a stage until its trigger time, see
-  :mod:`ax_kombu.worker.intake`). Firing is a slot lookup, never a scan.
+  :mod:`ax_kombu.worker.starts`). Firing is a slot lookup, never a scan.
 * The loop reads the database clock locally
   (:meth:`ax_kombu.store.clock.DbClock.local_ms`) and never touches the
   database or the broker, so a slow preload, claim or clock re-measurement

@@ -7,7 +7,7 @@ Each move is one compare-and-set on the row, and its rowcount decides:
   trigger_time = …`` (the values read just before). A scheduler claims with its own
   compare-and-set on the status and the trigger time (:mod:`ax_kombu.store.claims`), so the
   two exclude each other on the row: either the move commits first, and the claim no
-  longer finds the task due at the old time (a wheel still holding the old time claims
+  longer finds the task due at the old time (a wheel that still has the old time loaded claims
   nothing), or the claim does, and the move finds the task DISPATCHING and reports it.
   **No window exists in which both times run.** A task claimed or staged for its start
   (DISPATCHING, or RUNNING and staged on a worker until its trigger time) is not moved: the

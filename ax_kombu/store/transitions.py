@@ -121,7 +121,7 @@ class Started(NamedTuple):
 #: in :class:`Started`'s order; unqualified: SQLite's RETURNING names the updated table only
 _STARTED_COLUMNS = ", ".join(Started._fields)
 
-# a task staged ahead of its trigger time (see worker.intake) starts at that time, not now
+# a task staged ahead of its trigger time (see worker.starts) starts at that time, not now
 _STARTED_AT = "CASE WHEN t.trigger_time > :now THEN t.trigger_time ELSE :now END"
 _START = """
     UPDATE ax_task AS t SET status = 'RUNNING', started_at = """ + _STARTED_AT + """,
