@@ -102,8 +102,6 @@ _ALLOWED: tuple[frozenset[State], ...] = tuple(MOVES[state] for state in State)
 
 #: a run in one of these is in its pool and has not started (the stage)
 WAITING = frozenset({S.STAGED, S.LISTED})
-#: a run in one of these ended without starting (nothing recorded for it)
-UNSTARTED_ENDS = frozenset({S.WITHDRAWN, S.CANCELLED, S.ABANDONED})
 
 
 class IllegalMove(Exception):
@@ -143,11 +141,6 @@ class Run(Generic[L]):
         if to not in _ALLOWED[self.state]:
             raise IllegalMove(f"run of task {self.task.task_id}: {self.state.name} → {to.name}")
         self.state = to
-
-    @property
-    def waiting(self) -> bool:
-        """In its pool and not started (staged or listed)."""
-        return self.state in WAITING
 
     @property
     def acked(self) -> bool:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable
 
 from ax_kombu.worker.lanes import Lane
-from ax_kombu.worker.run import Run, State
+from ax_kombu.worker.run import WAITING, Run, State
 
 
 class Stage:
@@ -46,7 +46,7 @@ class Stage:
 
     def waiting(self) -> list[Run[Lane]]:
         """The runs staged or listed now (the caller has :attr:`lock`)."""
-        return [run for run in list(self.runs) if run.state in _WAITING]
+        return [run for run in list(self.runs) if run.state in WAITING]
 
     def withdraw(self) -> list[Run[Lane]]:
         """STAGED or LISTED → WITHDRAWN for every run not started yet: none of them will call
@@ -63,5 +63,4 @@ class Stage:
         return [run.task.task_id for run in list(self.runs) if run.state in _BEGUN]
 
 
-_WAITING = frozenset({State.STAGED, State.LISTED})
 _BEGUN = frozenset({State.STARTED, State.ENDED, State.DURABLE})
