@@ -1,5 +1,5 @@
 """Callbacks through a real ``ax-worker`` process: an internal address is refused unless
-listed, and a server that drips its answer holds a pool slot no longer than the timeout."""
+listed, and a server that drips its answer keeps a pool slot no longer than the timeout."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def test_a_forged_message_runs_the_stored_task_not_the_message(system: System,
     stored, forged = Ledger(tmp_path / "stored.jsonl"), Ledger(tmp_path / "forged.jsonl")
     system.worker("worker-0")
     system.wait_ready()
-    # due now (no scheduler runs here): the worker holds a message until its trigger time
+    # due now (no scheduler runs here): the worker stages a message until its trigger time
     (task_id,) = system.enqueue_many([{"task_type": "e2e.task", "delay": 0,
                                        "payload": {"log": str(stored)}}])
     client = system.client

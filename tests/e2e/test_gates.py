@@ -159,7 +159,7 @@ class GateSystem(System):
         return [e for e in read_ledger(self.ledger) if e.task_type == task_type]
 
     def wait_runs(self, task_type: str, check: Any, timeout: float, what: str) -> list[Entry]:
-        """Poll the ledger until ``check(runs of task_type)`` holds; returns those runs."""
+        """Poll the ledger until ``check(runs of task_type)`` is true; returns those runs."""
         found: list[list[Entry]] = []
 
         def done() -> bool:
@@ -329,7 +329,10 @@ def test_a_limit_caps_running_tasks_across_the_cluster(cluster: GateSystem) -> N
 
 # -- job strategies ------------------------------------------------------------------------------
 
-SLOW_S = 2.5
+#: a strategy job's run: twice its period, so occurrences fall due while one runs
+SLOW_S = 2.0
+#: how long the serial job is watched (ms of occurrences): its fourth run starts about then
+SERIAL_WATCH_MS = 7_000
 
 
 @pytest.mark.e2e
@@ -340,9 +343,9 @@ def test_a_serial_job_runs_one_occurrence_at_a_time_and_drops_none(cluster: Gate
     job = cluster.client.schedule("e2e.serial", "e2e.serial", {"sleep": SLOW_S}, every=1,
                                   strategy="serial")
     plan = cluster.job_row("e2e.serial")  # unschedule() deletes it
-    watch_until = job.created_at + 10_000
+    watch_until = job.created_at + SERIAL_WATCH_MS
     cluster.wait_runs("e2e.serial", lambda r: len(r) >= 3, 25, "three serial runs")
-    while cluster.client.store.now_ms() < watch_until:  # ~10 s of occurrences: wall time
+    while cluster.client.store.now_ms() < watch_until:  # occurrences are wall time
         time.sleep(0.05)
     seen_at = cluster.client.store.now_ms()
     rows = cluster.job_rows("e2e.serial")  # before unschedule() removes the waiting ones
@@ -426,7 +429,9 @@ def test_a_discard_job_cancels_occurrences_due_while_one_runs(cluster: GateSyste
     assert len(runs) >= 2 and len(dropped) >= 3, context
 
 
-COVER_WAIT_S = 5.0
+#: how long a cover run waits on ctx.cancelled: a superseded one returns after about 1 s,
+#: the last one (after unschedule) waits it out
+COVER_WAIT_S = 3.0
 
 
 @pytest.mark.e2e

@@ -19,7 +19,7 @@ happened:
   the finished tasks, ``ax_execute_timeout_total == 3``,
   ``ax_node_up{kind="worker"} == 1``, and ``ax_pool_size`` / ``ax_pool_busy`` /
   ``ax_pool_prefetched`` present for each lane (size as ``-c`` says, nothing
-  busy or held at the end);
+  busy or staged at the end);
 * producer (this process, whose :class:`~ax_kombu.api.Client` enqueued):
   ``ax_dedup_total`` by kind grew by the duplicates, read from
   ``prometheus_client.REGISTRY`` (no endpoint serves it).
@@ -101,7 +101,7 @@ def try_scrape(port: int) -> Samples | None:
 
 def settled(system: System, port: int, check: Callable[[Samples], bool], what: str,
             timeout: float = 10.0) -> Samples:
-    """Scrape ``port`` until ``check`` holds for the samples; the last scrape otherwise
+    """Scrape ``port`` until ``check`` is true of the samples; the last scrape otherwise
     fails the test with it in the message."""
     last: list[Samples | None] = [None]
 

@@ -6,7 +6,7 @@ that ledger (what really ran, how often, how late) and on the ``ax_task`` rows:
 * a 1-second job, as ``every=1`` and as cron ``* * * * * *``, six of each for 10 s: exactly
   one run per occurrence, none missed, start − scheduled_at p99 ≤ 50 ms (the product target);
 * the same across the SIGKILL of a scheduler is tests/e2e/test_recurring_kill.py's (the
-  scheduler holding the upcoming occurrences is killed);
+  scheduler that has loaded the upcoming occurrences is killed);
 * the embedded default (SQLite store + ``ax+sqlite://``, no settings at all): a
   1-second job for 8 s, exactly one run per occurrence;
 * misfires: both schedulers down ≥ 5 s, then back; ``fire_once`` runs one catch-up,

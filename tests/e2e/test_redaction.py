@@ -2,7 +2,7 @@
 PostgreSQL URL with a password and a Redis URL with a password (Redis ≥ 6 accepts any
 password for its ``default`` user when none is set), running tasks whose callback URLs and
 errors carry ``?token=…``. Every line each daemon logs, the output of ``ax status`` (text
-and JSON) and every task's ``last_error`` must hold no secret — and show the redacted
+and JSON) and every task's ``last_error`` must contain no secret — and show the redacted
 ``***`` forms instead, so the test would notice if the URLs were not there at all.
 """
 

@@ -7,7 +7,11 @@ same smaller flow on the embedded default (SQLite store + ax's SQLite broker):
 * many tasks through 2 schedulers and 2 workers: each runs once, never early;
 * retries: SUCCESS after two failures, spaced as the backoff settings say;
 * timeouts: recorded as such, FAILED without retries left, the slot accounted for;
-* pool isolation: a saturated slow pool does not delay high-priority tasks;
+* pool isolation: a saturated slow pool does not delay high-priority tasks
+  (these three on Redis alone: tests/integration/test_worker.py has each on both brokers,
+  the worker in-process: ``test_failing_twice_then_succeeding_retries_with_backoff``,
+  ``test_a_timeout_is_signalled_and_recorded_only_when_the_thread_returns``,
+  ``test_a_saturated_slow_pool_does_not_delay_high_priority_tasks``);
 * SIGTERM of a worker: warm shutdown, exit 0, nothing lost or run twice (on Redis alone: a
   broker changes nothing in how a worker's stop is handled);
 * on the embedded default, ``kill -9`` of a worker mid-task (the SQLite broker's own path):
@@ -37,8 +41,8 @@ PRIORITIES = ("high", "default", "slow")
 
 @pytest.fixture
 def redis_system(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterator[System]:
-    """On Redis alone, for a fault whose handling no broker changes (one tier each: the
-    fault suite, tests/faults, kills and stops workers too)."""
+    """On Redis alone: for a worker's stop, which no broker changes, and for behaviour the
+    integration tier tests on both brokers (tests/integration/test_worker.py)."""
     ax = System(pg_url, redis_broker, tmp_path)
     yield ax
     ax.close()
@@ -132,8 +136,9 @@ def check_backoff(runs: list[Run]) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_failing_twice_then_succeeding_retries_with_backoff(system: System,
+def test_failing_twice_then_succeeding_retries_with_backoff(redis_system: System,
                                                             tmp_path: Path) -> None:
+    system = redis_system
     log = Ledger(tmp_path / "runs.jsonl")
     system.env = BACKOFF
     system.scheduler("sched-0")
@@ -161,7 +166,8 @@ def test_failing_twice_then_succeeding_retries_with_backoff(system: System,
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_a_task_over_its_timeout_is_signalled_and_never_runs_twice_at_once(
-        system: System, tmp_path: Path) -> None:
+        redis_system: System, tmp_path: Path) -> None:
+    system = redis_system
     log = Ledger(tmp_path / "runs.jsonl")
     system.env = BACKOFF
     system.scheduler("sched-0")
@@ -198,8 +204,9 @@ def test_a_task_over_its_timeout_is_signalled_and_never_runs_twice_at_once(
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_saturated_slow_pool_does_not_delay_high_priority_tasks(system: System,
+def test_a_saturated_slow_pool_does_not_delay_high_priority_tasks(redis_system: System,
                                                                   tmp_path: Path) -> None:
+    system = redis_system
     log = Ledger(tmp_path / "runs.jsonl")
     system.scheduler("sched-0")
     for i in range(2):
@@ -281,7 +288,7 @@ def kill_mid_task(system: System, victim: str, log: Ledger, tasks: list[dict[str
         assert attempts == sorted(set(attempts)), (task_id, runs[task_id])  # a new attempt
     # RUNNING on the victim: started there (the ledger says so), or only staged (fenced
     # ahead of a free thread): both recovered elsewhere at a new attempt; a run that started
-    # counts a retry, one the worker had written down as held (ax_kombu.worker.holds) none
+    # counts a retry, one the worker had listed (ax_kombu.worker.listing) none
     started = {t for t, r in runs.items() if any(run.pid == daemon.proc.pid for run in r)}
     for task_id in running_at_kill:
         row = rows[task_id]
@@ -289,7 +296,7 @@ def kill_mid_task(system: System, victim: str, log: Ledger, tasks: list[dict[str
     # nothing else was taken for lost (the survivor kept its tasks): each task's retries are
     # its planned failures, plus one if it started on the victim (none more if the run it
     # lost was itself to fail as planned: the recovery stands in for that failure); a staged
-    # one not written down as held counts one too (the safe side), a held one none
+    # one not listed counts one too (the safe side), a listed one none
     lost_runs = running_at_kill & started
 
     def extra(t: int) -> tuple[int, ...]:
@@ -313,7 +320,7 @@ def test_sigterm_stops_a_worker_warm_and_loses_nothing(redis_system: System,
     system = redis_system
     log = Ledger(tmp_path / "runs.jsonl")
     system.scheduler("sched-0")
-    # the victim also holds received-but-unstarted work (prefetch 2 × pool) to give back
+    # the victim also has received-but-unstarted work (prefetch 2 × pool) to give back
     victim = system.worker("worker-0", concurrency="high=2,default=4,slow=2",
                            args=["--prefetch-multiplier", "2"])
     system.worker("worker-1", concurrency="high=2,default=4,slow=2")
@@ -337,7 +344,7 @@ def test_sigterm_stops_a_worker_warm_and_loses_nothing(redis_system: System,
     rows, runs = system.tasks(), log.by_task()
     assert {r.status for r in rows.values()} == {"SUCCESS"}, system.statuses()
     # what had started when the signal came was finished by the victim before it exited; a
-    # task it held staged (RUNNING before its trigger time, not started) was handed back and
+    # task it had staged (RUNNING before its trigger time, not started) was handed back and
     # ran elsewhere, once (checked below)
     started_at_term = [t for t in running_at_term if t in started]
     assert started_at_term, (running_at_term, started)

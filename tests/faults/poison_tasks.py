@@ -7,7 +7,7 @@ anything else* (task id, attempt, kind, pid), then ends as its payload's ``kind`
 * ``nul_error``: raises ``ValueError("bad\\x00byte")``;
 * ``huge_error``: raises a ``RuntimeError`` whose text is 2,000,000 letters;
 * ``nul_value``: returns ``"bad\\x00byte"``;
-* ``surrogate_value``: returns a str holding a lone surrogate (as ``os.fsdecode`` gives
+* ``surrogate_value``: returns a str with a lone surrogate (as ``os.fsdecode`` gives
   for a file name that is not UTF-8);
 * anything else: returns the payload's ``i``.
 

@@ -43,7 +43,7 @@ def wait_port(port: int, timeout: float, host: str = "127.0.0.1",
 
 class PrivateRedis:
     """A redis-server of the test's own on a free loopback port, without persistence
-    (a restart loses whatever it held); listening on the addresses of :attr:`bind`."""
+    (a restart loses whatever it kept); listening on the addresses of :attr:`bind`."""
 
     def __init__(self, tmp: Path) -> None:
         binary = shutil.which("redis-server")

@@ -17,7 +17,7 @@ from .cluster import Cluster
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.integration]
 
-#: ordinary tasks due with the bad one (one claim batch holds them all)
+#: ordinary tasks due with the bad one (one claim batch takes them all)
 ORDINARY = 20
 
 

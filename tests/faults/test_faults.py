@@ -249,7 +249,7 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 @pytest.mark.timeout(150)
 def test_redis_restart(pg_url: str, private_redis: PrivateRedis, tmp_path: Path) -> None:
     """A private redis-server (no persistence) stopped for 3 s and started again: the
-    messages it held are gone; the ack timeout must dispatch those tasks again."""
+    messages it kept are gone; the ack timeout must dispatch those tasks again."""
     broker = {"broker_url": private_redis.url, "broker_key_prefix": "axfault:"}
     broker_outage(Cluster(pg_url, broker, tmp_path),
                   "Redis restart (private, 3 s down, data lost)",

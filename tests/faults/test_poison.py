@@ -3,7 +3,7 @@ take as it is must not stall its worker. Real ``ax-scheduler`` and ``ax-worker``
 on PostgreSQL + Redis; the processor (:mod:`tests.faults.poison_tasks`) writes a ledger.
 
 Before the fix, the NUL in an error's text made PostgreSQL (psycopg2) refuse the result
-batch and the writer retried it for ever, and a 2 MB error held the writer for an hour
+batch and the writer retried it for ever, and a 2 MB error kept the writer busy for an hour
 (redacting URLs in it); every later outcome waited behind them in memory and its task
 stayed RUNNING on a worker that still heartbeats, so nothing recovered it.
 

@@ -88,7 +88,7 @@ class Verdict:
 
     def problems(self, *, allow_twice_on_killed_pid: bool = False,
                  max_late_after_ms: int | None = None) -> list[str]:
-        """The issue's invariants this fault broke (empty: all held); lateness after the
+        """The issue's invariants this fault broke (empty: none broken); lateness after the
         fault is judged only when ``max_late_after_ms`` is given."""
         found = []
         if self.ledger_corrupt:

@@ -41,7 +41,7 @@ WINDOW_S = ACK_TIMEOUT_MS * ACK_TIMEOUTS / 1000
 SLOW_TASKS = 50
 #: tasks on the consumed queues while the slow queue waits
 BUSY_TASKS = 100
-#: most messages the broker may hold per task of a queue without consumer
+#: most messages the broker may keep per task of a queue without consumer
 MAX_MESSAGES_PER_TASK = 2
 #: how early a start may look because two clocks (worker, database) were read (ms)
 CLOCK_TOLERANCE_MS = 5
@@ -111,7 +111,7 @@ def test_a_queue_without_consumer_keeps_its_messages_and_each_task_runs_once(
     assert len(waiting) == SLOW_TASKS and not [v for v in waiting.values()
                                                if v.status == "SUCCESS"]
     assert most <= MAX_MESSAGES_PER_TASK * SLOW_TASKS, (
-        f"the broker held {most} messages for {SLOW_TASKS} tasks")
+        f"the broker kept {most} messages for {SLOW_TASKS} tasks")
     assert {i: procs_worker.calls.get(i) for i in slow + busy} == dict.fromkeys(slow + busy, 1)
     early = {i: v.trigger_time - procs_worker.started_ms[i]
              for i, v in rows(client, slow + busy).items()

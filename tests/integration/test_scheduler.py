@@ -65,11 +65,11 @@ def test_a_short_delay_fires_through_the_wake_up_not_the_next_preload(cfg: Setti
 
 
 def test_cancelled_task_is_never_published(cfg: Settings, client: Client) -> None:
-    lead_s = cfg.claim_lead_ms / 1000  # due later than the claim lead: still held in memory
+    lead_s = cfg.claim_lead_ms / 1000  # due later than the claim lead: still loaded in memory
     keep = client.enqueue("t", {"keep": True}, delay=lead_s + 1.5)
     drop = client.enqueue("t", {"keep": False}, delay=lead_s + 1.0)
     with collecting(cfg) as got, scheduler_running(cfg):
-        assert got.wait_for(lambda: client.get(drop).status is Status.DELAYED)  # held in memory
+        assert got.wait_for(lambda: client.get(drop).status is Status.DELAYED)  # loaded in memory
         client.cancel(drop)
         assert got.wait_for(lambda: keep in got.ids())
     assert got.ids() == [keep]
