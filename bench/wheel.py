@@ -166,10 +166,11 @@ def report(title: str, runs: dict[str, list[tuple[float, float, float]]]) -> Non
     print(f"{title} ({len(runs['heap'])} rounds), median ms: add / pop / cancel / total")
     for name, figures in medians.items():
         print(f"  {name:>5}: " + " / ".join(f"{s * 1000:8.1f}" for s in figures))
-    ratios = [h / w for h, w in zip(medians["heap"], medians["wheel"])]
-    print("  heap ÷ wheel: " + " / ".join(f"{r:.2f}" for r in ratios))
-    totals = [sum(h) / sum(w) for h, w in zip(runs["heap"], runs["wheel"])]
-    print(f"  total heap ÷ wheel per round: {min(totals):.2f} to {max(totals):.2f}")
+    pairs = list(zip(runs["heap"], runs["wheel"]))  # the rounds' own ratios, then their median
+    ratios = [[h[i] / w[i] for h, w in pairs] for i in range(3)] + [[sum(h) / sum(w) for h, w in pairs]]
+    print("  heap ÷ wheel, median of the rounds: "
+          + " / ".join(f"{statistics.median(r):.2f}" for r in ratios)
+          + f" (total {min(ratios[3]):.2f} to {max(ratios[3]):.2f})")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ Contract:
 * Pure and passive: no I/O, threads or wall clock.  Time is an ``int`` of milliseconds
   passed in by the caller; an ``advance`` to an earlier time counts as "no time passed".
 * Time is cut into ticks of ``tick_ms`` counted from ``start_ms``.  A key fires at the end
-  of the tick holding its ``due_ms``: never early, at most ``tick_ms - 1`` ms late (exactly
-  on time with 1 ms ticks), and a key on a level boundary fires exactly at its tick.
+  of the tick that contains its ``due_ms``: never early, at most ``tick_ms - 1`` ms late
+  (exactly on time with 1 ms ticks), and a key on a level boundary fires exactly at its tick.
 * ``TimingWheel.add``/``remove`` are O(1) (a constant number of levels).  ``advance``
   costs O(fired keys + cascaded ticks) plus a few integer operations per level for each
   tick that fires or cascades; empty stretches are jumped over, never walked tick by tick,

@@ -272,8 +272,8 @@ def test_trigger_timer_removes_and_reschedules_across_layers() -> None:
 
 
 def test_add_earlier_keeps_the_earlier_time_in_either_layer() -> None:
-    """The timing loop's add: a later time handed for a key held (an out-of-date ``ax_due``
-    entry) never delays it; an earlier one moves it, across layers too."""
+    """The timing loop's add: a later time handed over for a key already loaded (an
+    out-of-date ``ax_due`` entry) never delays it; an earlier one moves it, across layers too."""
     timer: TriggerTimer[str] = TriggerTimer(0, level_sizes=(8, 8))
     timer.add_earlier("a", 40)
     timer.add_earlier("a", 900)  # later: kept at 40
