@@ -50,7 +50,7 @@ from typing import Any, ClassVar, NamedTuple
 import orjson
 
 from ax_kombu.broker.messages import ClaimedTask
-from ax_kombu.core.runners import CELERY, CELERY_AX, route_to, runner_of_route
+from ax_kombu.core.runners import CELERY, CELERY_AX, route_to
 
 #: the namespace of :func:`celery_task_id` (a fixed, random UUID: never change it)
 TASK_ID_NAMESPACE = uuid.UUID("5f0c2b8e-3a51-4c1e-9a57-1d2f6c3b7e90")
@@ -87,12 +87,6 @@ def processor_for(queue: str, fenced: bool = False) -> str:
     """The ``processor_name`` that marks a task as Celery-bound, for ``queue``; ``fenced``:
     its workers run the bootstep."""
     return route_to(CELERY_AX if fenced else CELERY, queue)
-
-
-def is_celery(processor: str | None) -> bool:
-    """True when ``processor`` (a row's ``processor_name``) is one :mod:`ax_kombu.celery`
-    wrote for a Celery-bound task (the row's ``runner`` decides; this reads the name)."""
-    return runner_of_route(processor) in (CELERY, CELERY_AX)
 
 
 def celery_queue(processor: str) -> str:

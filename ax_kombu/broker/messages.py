@@ -24,7 +24,6 @@ version-2 one fills only its own). Both write the same version-2 body.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from json.encoder import encode_basestring as _encode_string
 from typing import Any, NamedTuple, Protocol
@@ -38,7 +37,7 @@ FULL_VERSION = 1
 
 
 class RawJson(str):
-    """A payload that is already JSON text (as stored in the task row): sent as is."""
+    """A payload that is still the JSON text the task row stores (unparsed)."""
 
 
 def _js(value: str | None) -> str:
@@ -190,19 +189,6 @@ class TaskMessage(NamedTuple):
     def slim(self) -> bool:
         """Received as a version-2 message: only :data:`SLIM_FIELDS` came from the wire."""
         return self.payload is NOT_SENT
-
-    def full_json(self) -> str:
-        """The version-1 body, every field with the payload (spliced in if RawJson): what
-        an older scheduler published, and what a test forging one sends."""
-        payload = self.payload if isinstance(self.payload, RawJson) else json.dumps(
-            self.payload, separators=(",", ":"), ensure_ascii=False)
-        return (f'{{"v":{FULL_VERSION},"task_id":{self.task_id:d},"attempt":{self.attempt:d},'
-                f'"task_type":{_js(self.task_type)},"payload":{payload},'
-                f'"trace_id":{_js(self.trace_id)},"trigger_time":{self.trigger_time:d},'
-                f'"timeout_ms":{self.timeout_ms:d},"priority":{_js(self.priority)},'
-                f'"retry_count":{self.retry_count:d},"max_retry":{self.max_retry:d},'
-                f'"processor":{_js(self.processor)},"callback_url":{_js(self.callback_url)},'
-                f'"dispatched_at":{self.dispatched_at:d},"node":{_js(self.node)}}}')
 
     @classmethod
     def from_body(cls, body: Any) -> TaskMessage:

@@ -19,6 +19,7 @@ from ax_kombu.core.states import Status
 from ax_kombu.store import claims, transitions
 
 from ..ledger import Ledger
+from ..wire import version_1_json
 from .system import System
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(90)]
@@ -50,7 +51,7 @@ def test_a_forged_message_runs_the_stored_task_not_the_message(system: System,
     with connection(system.settings) as conn:
         declare_queues(conn, system.settings)
         queue = task_queues(system.settings)["default"]
-        Producer(conn.default_channel).publish(forgery.full_json(), exchange="",
+        Producer(conn.default_channel).publish(version_1_json(forgery), exchange="",
                                                routing_key=queue.name,
                                                content_type="application/json",
                                                content_encoding="utf-8")

@@ -13,6 +13,7 @@ from ax_kombu.broker.connection import connection, declare_queues
 from ax_kombu.broker.messages import TaskMessage, redis_envelope
 from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, from_env
+from tests.wire import version_1_json
 
 from .harness import eventually
 
@@ -160,7 +161,7 @@ def test_payloads_decode_exactly_as_json_does(
     publish([message(1)._replace(payload=payload)])
     full = message(2)._replace(payload=payload)
     envelope = json.loads(redis_envelope(full, settings.queue_default))
-    envelope["body"] = full.full_json()
+    envelope["body"] = version_1_json(full)
     channel = conn.default_channel
     with channel.conn_or_acquire() as client:
         client.lpush(channel._q_for_pri(settings.queue_default, 0), json.dumps(envelope))

@@ -23,12 +23,11 @@ from ax_kombu.broker.celery_wire import (
     celery_message,
     celery_redis_envelope,
     celery_task_id,
-    is_celery,
     processor_for,
 )
 from ax_kombu.broker.messages import ClaimedTask, RawJson
 from ax_kombu.config import Settings, from_env
-from ax_kombu.core.runners import CELERY_AX_LEAD_MS
+from ax_kombu.core.runners import CELERY, CELERY_AX, CELERY_AX_LEAD_MS, runner_of_route
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store import preload
@@ -57,7 +56,10 @@ def _app() -> Any:
 
 
 def test_marker_and_ids() -> None:
-    assert is_celery("celery:mail") and not is_celery("mail") and not is_celery(None)
+    # the marker names the runner a recurring job's occurrence is made with
+    assert runner_of_route(processor_for("mail")) == CELERY
+    assert runner_of_route(processor_for("mail", fenced=True)) == CELERY_AX
+    assert runner_of_route("mail") is None and runner_of_route(None) is None
     assert celery_task_id(42, 3) == celery_task_id(42, 3) != celery_task_id(42, 4)
     assert celery_task_id(42, 3) != celery_task_id(43, 3)
 
