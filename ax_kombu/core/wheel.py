@@ -10,7 +10,8 @@ Contract:
 * ``TimingWheel.add``/``remove`` are O(1) (a constant number of levels).  ``advance``
   costs O(fired keys + cascaded ticks) plus a few integer operations per level for each
   tick that fires or cascades; empty stretches are jumped over, never walked tick by tick,
-  and an ``advance`` before the next such tick returns at once.
+  and an ``advance`` before the next such tick returns at once.  ``next_due_ms`` is kept up
+  to date by most changes; else it costs those operations and a minimum over one slot's ticks.
 * ``advance(now_ms)`` returns each key due at or before ``now_ms`` exactly once, in
   ascending ``due_ms`` order, ties in insertion order.
 * A key added with ``due_ms <= current_ms`` is never lost: it fires on the next
