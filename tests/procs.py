@@ -1,8 +1,21 @@
-"""Functions run in separate processes by the concurrency tests (spawn start method)."""
+"""Functions run in separate processes by the concurrency tests, and the context that
+starts those processes."""
 
 from __future__ import annotations
 
+import multiprocessing
+from multiprocessing.context import BaseContext
 from typing import Any
+
+
+def context() -> BaseContext:
+    """Processes forked from a server that imported ax once (``forkserver``): each child is a
+    process of its own that shares nothing with the test's (no inherited connection, thread
+    or lock), without importing ax again (a spawned interpreter takes about a second each)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.procs", "ax_kombu.api", "ax_kombu.store.claims",
+                                "ax_kombu.store.engine"])
+    return ctx
 
 
 def enqueue_same(url: str, barrier: Any, out: Any) -> None:

@@ -288,7 +288,7 @@ def test_one_second_jobs_run_once_per_occurrence_on_time(cluster: RecurringSyste
         f"\nslowest: {slowest}")
 
 
-def holder(cluster: RecurringSystem, schedulers: list[Daemon]) -> tuple[Daemon, int] | None:
+def loader(cluster: RecurringSystem, schedulers: list[Daemon]) -> tuple[Daemon, int] | None:
     """The scheduler whose share (:class:`ax_kombu.store.preload.Share`) has the most
     undispatched occurrences, if any has one."""
     live = [d.name for d in schedulers]

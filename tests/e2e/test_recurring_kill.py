@@ -1,7 +1,7 @@
 """Recurring occurrences across the death of a scheduler (issue 22, item 4), in real
 processes: two ``ax-scheduler`` and one ``ax-worker`` on PostgreSQL + Redis, four jobs
 firing every second (cron ``* * * * * *`` with ``misfire`` ``fire_all``, ``fire_once``
-and the default, and ``every=1``); the scheduler holding their upcoming occurrences is
+and the default, and ``every=1``); the scheduler that has loaded their upcoming occurrences is
 SIGKILLed. The processor (:mod:`tests.e2e.recurring_tasks`) writes one ledger line per
 run; from that ledger:
 
@@ -16,10 +16,10 @@ run; from that ledger:
   misfire policy drops it, and the job's later occurrences run on time;
 * a SIGKILL while the survivor's housekeeping fails (``ax_job`` locked by the test, the
   schedulers on ``lock_timeout=200ms``: every recurring-job pass fails): the occurrences
-  the killed node wrote and held still run, each once. Before, the failing step ended
+  the killed node wrote and had loaded still run, each once. Before, the failing step ended
   every housekeeping pass of the survivor before its preload, its beat and its judging,
   and reset its trust in its own beats, so it never declared the dead node dead nor
-  released what that node held: they never ran, however long one waited. Once
+  released what that node had loaded: they never ran, however long one waited. Once
   the lock goes, the occurrences nobody could write meanwhile go by each job's misfire
   policy, and no occurrence is left undispatched behind.
 """
@@ -46,7 +46,7 @@ from .test_recurring import (
     Tick,
     _drop_jobs,
     brief,
-    holder,
+    loader,
     now_ms,
 )
 
@@ -85,7 +85,7 @@ def cluster(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterat
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_sigkill_of_the_holding_scheduler_loses_and_repeats_no_occurrence(
+def test_sigkill_of_the_loaded_scheduler_loses_and_repeats_no_occurrence(
         cluster: RecurringSystem) -> None:
     cluster.env = {**cluster.env, **KILL_HEARTBEAT}
     schedulers = cluster.start(schedulers=2)
@@ -93,8 +93,8 @@ def test_sigkill_of_the_holding_scheduler_loses_and_repeats_no_occurrence(
         cluster.client.schedule(name, "e2e.tick", **args)
     cluster.wait_ticks(lambda ticks: all(len(ticks.get(n, [])) >= 2 for n in JOBS), 20,
                        "every job ran twice")
-    victim, held = cluster.wait_for(lambda: holder(cluster, schedulers), 10,
-                                    "a scheduler holds upcoming occurrences")
+    victim, loaded = cluster.wait_for(lambda: loader(cluster, schedulers), 10,
+                                      "a scheduler has loaded upcoming occurrences")
     cluster.kill(victim)
     kill_at = now_ms()
     assert victim.proc.returncode == -signal.SIGKILL
@@ -107,7 +107,8 @@ def test_sigkill_of_the_holding_scheduler_loses_and_repeats_no_occurrence(
                    for n in JOBS)
 
     cluster.wait_ticks(all_ran, AFTER_KILL_MS / 1000 + BOUND_S,
-                       f"every occurrence after the SIGKILL of {victim.name} (holding {held}) ran")
+                       f"every occurrence after the SIGKILL of {victim.name} "
+                       f"({loaded} loaded) ran")
     cluster.stop()
     survivor = next(d for d in schedulers if d is not victim)
     check_once(cluster, expected, survivor, kill_at)
@@ -130,7 +131,7 @@ def check_once(cluster: RecurringSystem, expected: dict[str, list[int]], survivo
             f"occurrence {stray}\nruns: {brief(runs)}\n{cluster.tails()}")
     late = max(t.started_at - t.scheduled_at for runs in ledger.values() for t in runs
                if t.scheduled_at >= kill_at - 1000)
-    print(f"\nSIGKILL of the holding scheduler: {sum(map(len, expected.values()))} "
+    print(f"\nSIGKILL of the loaded scheduler: {sum(map(len, expected.values()))} "
           f"occurrences each ran once; latest start {late} ms after its occurrence")
 
 
@@ -152,7 +153,7 @@ def _with_lock_timeout(url: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}options=-c%20lock_timeout%3D200"
 
 
-def _held_by(cluster: RecurringSystem, node: str, live: list[str]) -> dict[str, set[int]]:
+def _loaded_by(cluster: RecurringSystem, node: str, live: list[str]) -> dict[str, set[int]]:
     """The occurrences in ``node``'s share among the schedulers ``live``, not yet claimed,
     by job."""
     out: dict[str, set[int]] = {}
@@ -165,7 +166,7 @@ def _held_by(cluster: RecurringSystem, node: str, live: list[str]) -> dict[str, 
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_what_a_killed_scheduler_held_runs_while_the_survivors_housekeeping_fails(
+def test_what_a_killed_scheduler_loaded_runs_while_the_survivors_housekeeping_fails(
         cluster: RecurringSystem) -> None:
     cluster.env = {**cluster.env, "database_url": _with_lock_timeout(cluster.database_url)}
     schedulers = cluster.start(schedulers=2)
@@ -178,19 +179,19 @@ def test_what_a_killed_scheduler_held_runs_while_the_survivors_housekeeping_fail
         tx = locker.begin()
         # the job rows are left alone by a pass that waits for its lock: take it first
         locker.execute(text("LOCK TABLE ax_job IN ACCESS EXCLUSIVE MODE"))
-        victim, _count = cluster.wait_for(lambda: holder(cluster, schedulers), 10,
-                                          "a scheduler holds upcoming occurrences")
+        victim, _count = cluster.wait_for(lambda: loader(cluster, schedulers), 10,
+                                          "a scheduler has loaded upcoming occurrences")
         cluster.kill(victim)
         kill_at = now_ms()
-        held = _held_by(cluster, victim.name, [d.name for d in schedulers])
-        assert held, "the killed scheduler held nothing"
+        loaded = _loaded_by(cluster, victim.name, [d.name for d in schedulers])
+        assert loaded, "the killed scheduler had loaded nothing"
 
-        def held_ran(ticks: dict[str, list[Tick]]) -> bool:
+        def loaded_ran(ticks: dict[str, list[Tick]]) -> bool:
             return all(times <= {t.scheduled_at for t in ticks.get(job, [])}
-                       for job, times in held.items())
+                       for job, times in loaded.items())
 
-        cluster.wait_ticks(held_ran, BOUND_S, f"the occurrences {victim.name} held ran "
-                           f"while the job table was locked: {held}")
+        cluster.wait_ticks(loaded_ran, BOUND_S, f"the occurrences {victim.name} had loaded ran "
+                           f"while the job table was locked: {loaded}")
         ran_at = now_ms()
         tx.rollback()
     finally:
@@ -202,9 +203,9 @@ def test_what_a_killed_scheduler_held_runs_while_the_survivors_housekeeping_fail
                        BOUND_S, "every job fired on time again after the lock")
     cluster.stop()
     ledger = cluster.ticks()
-    for job, times in held.items():
+    for job, times in loaded.items():
         runs = Counter(t.scheduled_at for t in ledger.get(job, []) if t.scheduled_at in times)
-        assert all(runs[t] == 1 for t in times), f"{job}: held {sorted(times)}, ran {runs}"
+        assert all(runs[t] == 1 for t in times), f"{job}: loaded {sorted(times)}, ran {runs}"
     twice = {job: [t for t, n in Counter(x.scheduled_at for x in ticks).items() if n > 1]
              for job, ticks in ledger.items()}
     assert not any(twice.values()), f"ran twice: {twice}\n{cluster.tails()}"
@@ -212,6 +213,6 @@ def test_what_a_killed_scheduler_held_runs_while_the_survivors_housekeeping_fail
                          "AND status IN ('CREATED', 'DELAYED', 'READY', 'DISPATCHING') "
                          "AND scheduled_at < :t", t=released_at)
     assert not left, f"occurrences left undispatched behind: {left}\n{cluster.tails()}"
-    print(f"\nSIGKILL of {victim.name} holding {sum(map(len, held.values()))} occurrences "
+    print(f"\nSIGKILL of {victim.name} with {sum(map(len, loaded.values()))} occurrences loaded "
           f"while ax_job was locked: all ran once, the last {(ran_at - kill_at) / 1000:.1f} s "
           f"after the kill")

@@ -129,7 +129,7 @@ def recovered_elsewhere(cluster: Cluster, name: str, pids: set[int]) -> None:
     (started, never ended, by the ledger) counts one retry and leaves "worker lost" as its
     last error; a retry is counted only for a task the recovery took from the dead node
     (a LOST attempt in its history), never more than one. Whether a staged run counts one
-    depends on whether its worker had listed it (tests/faults/test_held_runs.py judges
+    depends on whether its worker had listed it (tests/faults/test_listed_runs.py judges
     that exactly); the table is read after the kill, so a RUNNING move the dead process
     sent just before it may commit after that read."""
     rows = cluster.task_rows()

@@ -4,8 +4,8 @@ those given.
 :func:`run_ax` runs the command's click entry point in this process (click's runner): the
 same code from argument parsing to exit code, one-line errors on stderr and all, without
 starting an interpreter per call (over a second each on this machine, for about 150 calls).
-What needs a process of its own (a signal, a run killed midway, an answer on stdin) starts
-the installed script, :func:`ax_command`; so do the end-to-end tests and CI's install check."""
+What needs a process of its own (a signal, a run killed midway) starts the installed
+script, :func:`ax_command`; so do the end-to-end tests and CI's install check."""
 
 from __future__ import annotations
 
@@ -30,17 +30,18 @@ def ax_command() -> list[str]:
     return [sys.executable, "-c", "from ax_kombu.cli import main; main()"]
 
 
-def run_ax(*args: str, env: dict[str, str] | None = None,
-           cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_ax(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+           answer: str | None = None) -> subprocess.CompletedProcess[str]:
     """``ax ARGS`` to its end in this process, output captured, ``env`` the only AX_* set,
-    in directory ``cwd`` if given. An exception the command lets out is exit code 1 with
-    its traceback on stderr, as the script's interpreter would show it."""
+    in directory ``cwd`` if given, ``answer`` on its standard input. An exception the
+    command lets out is exit code 1 with its traceback on stderr, as the script's
+    interpreter would show it."""
     from ax_kombu.cli import main
 
     unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("AX_")}
     with _directory(cwd):
-        result = CliRunner().invoke(main, list(args), env={**unset, **(env or {})},
-                                    prog_name="ax")
+        result = CliRunner().invoke(main, list(args), input=answer,
+                                    env={**unset, **(env or {})}, prog_name="ax")
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(result.exception))

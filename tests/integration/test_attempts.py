@@ -5,9 +5,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from sqlalchemy import update
@@ -18,6 +15,7 @@ from ax_kombu.exceptions import WaitTimeout
 from ax_kombu.store import recovery, transitions
 from ax_kombu.store.schema import tasks
 
+from .ax_cli import run_ax
 from .harness import eventually
 from .test_worker import Dispatch, running
 
@@ -105,15 +103,16 @@ def test_inspect_shows_the_attempts(settings: Settings, dispatch: Dispatch) -> N
     with running(settings):
         dispatch.dispatch([task_id])
         dispatch.client.wait(task_id, timeout=20)
-    command = [str(Path(sys.executable).parent / "ax"), "--db", settings.database_url,
-               "inspect", str(task_id)]
-    shown = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True,
-                                      check=True, timeout=60).stdout)
+    command = ["--db", settings.database_url, "inspect", str(task_id)]
+    done = run_ax(*command, "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
     assert shown["result"] == 7
     assert [(a["attempt"], a["outcome"]) for a in shown["attempts"]] == [(1, "SUCCESS")]
     assert shown["attempts"][0]["finished_at"].endswith("+00:00")
-    text = subprocess.run(command, capture_output=True, text=True, check=True,
-                          timeout=60).stdout
+    done = run_ax(*command)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
     assert "attempts: 1" in text and "#1   SUCCESS" in text
 
 

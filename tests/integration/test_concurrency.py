@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +20,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def race(target: Callable[..., None], n: int, *args: Any) -> list[Any]:
-    """Run ``target`` in ``n`` spawned processes released together; collect what each puts."""
-    ctx = mp.get_context("spawn")
+    """Run ``target`` in ``n`` processes of their own released together; collect what each
+    puts."""
+    ctx = procs.context()
     barrier, out = ctx.Barrier(n), ctx.Queue()
     workers = [ctx.Process(target=target, args=(*args, barrier, out) if not _indexed(target)
                            else (*args, barrier, out, i)) for i in range(n)]

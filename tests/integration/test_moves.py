@@ -6,7 +6,6 @@ Races with a real scheduler and worker are in tests/e2e/test_moves_e2e.py."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,6 +17,8 @@ from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, TooLateToMove, ValidationError
+
+from ..procs import context as procs_context
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -188,7 +189,7 @@ def test_unique_while_pending_holds_under_eight_producer_processes(pg_url: str) 
     """8 processes enqueue one key while this one keeps finishing whatever holds it: never
     two unfinished tasks of the key at once, and every task made was counted by its maker."""
     client = Client(from_env({}, database_url=pg_url))
-    ctx = multiprocessing.get_context("spawn")
+    ctx = procs_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_produce, args=(pg_url, 40, out)) for _ in range(8)]
     try:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -17,7 +16,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.store.schema import tasks
 
-from .ax_cli import Ax, ax_command
+from .ax_cli import Ax, run_ax
 from .test_admin_cli import HOUR, add_attempt, make, row
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -42,9 +41,7 @@ def ax(pg_url: str) -> Ax:
 
 def answered(ax: Ax, answer: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``ax ARGS`` with ``answer`` on its standard input (a confirmation's reply)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("AX_")}
-    return subprocess.run([*ax_command(), *args], input=answer, capture_output=True,
-                          text=True, timeout=60, check=False, env={**clean, **ax.env})
+    return run_ax(*args, env=ax.env, answer=answer)
 
 
 def printed_time(line: str) -> int:
