@@ -89,7 +89,7 @@ class Claimer(Loop):
         settings: ``claim_batch``, ``claim_lead_ms`` and ``republish_delay_ms`` are read.
         store: the task store.
         node_id: the node the claims are made for.
-        fired: the hand-off the timing loop fires ids into; read by this stage alone.
+        fired: the mailbox the timing loop fires ids into; read by this stage alone.
         timing: where ids that must fire again are handed back.
         dispatcher: where claimed rows go; also says whether the broker answers.
         lease: each batch goes to the dispatcher with the incarnation its lease had

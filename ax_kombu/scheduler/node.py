@@ -54,7 +54,7 @@ Guarantees:
   incarnation takes over what the old one claimed: :mod:`ax_kombu.store.nodes`),
   else via the ack timeout.
 * **Fenced**: a node told by its heartbeat that it was declared dead drops
-  what it holds and registers anew; it publishes a claimed batch only while
+  what it has loaded and registers anew; it publishes a claimed batch only while
   its lease (its last landed beat, :class:`~ax_kombu.core.lease.Lease`)
   covers the incarnation that claimed it, so a node paused past its silence
   window publishes none of the claims it lost meanwhile

@@ -82,7 +82,7 @@ def test_message_matches_celerys_own() -> None:
 
 def test_a_message_for_stock_workers_never_has_an_eta() -> None:
     """The scheduler hands a task for stock Celery workers over only when due (the staging
-    tests below), so its message is never one a Celery worker must hold."""
+    tests below), so its message is never one a Celery worker must keep until its time."""
     for at in (TRIGGER - 200, TRIGGER, TRIGGER + 50):
         m = _message({"args": [], "kwargs": {}}, at)
         assert celery_message(m, now_ms=at).headers["eta"] is None

@@ -80,7 +80,7 @@ def test_a_lapsed_lease_holds_the_batch_until_the_next_beat_decides(parts: Any) 
     clock.now += 5.0  # paused past the lease
     timer = threading.Timer(0.2, lambda: lease.confirm(clock.now, 9))
     timer.start()
-    run(dispatcher, Claimed(7, ["held"]))
+    run(dispatcher, Claimed(7, ["paused"]))
     timer.join()
     assert published == [] and dispatcher.dropped == 1
 

@@ -1,5 +1,5 @@
 """The scheduler's threads on the embedded default (SQLite store, ax's SQLite transport):
-every task published once, never early; a warm stop hands back what it holds; the timing
+every task published once, never early; a warm stop leaves what it loaded to the others; the timing
 loop's clock reading never waits on the database."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_tasks_are_claimed_and_published_up_to_the_lead_ahead_never_more(
 
 def test_the_tasks_a_scheduler_reads_are_not_written_and_a_warm_stop_deregisters(
         cfg: Settings, client: Client) -> None:
-    """The preload is a read: tasks in the wheel stay DELAYED and unheld in the store, so a
+    """The preload is a read: tasks in the wheel stay DELAYED, with no owner node, so a
     stop has nothing to hand back; it marks the node stopped, and the others' next preload
     covers its share."""
     ids = client.enqueue_many([{"task_type": "t", "payload": {"i": i}, "delay": 90}
