@@ -87,8 +87,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from ax_kombu.config import Settings
 from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.lease import Lease
@@ -101,21 +99,14 @@ from ax_kombu.scheduler.heart import Heart
 from ax_kombu.scheduler.housekeeper import Housekeeper
 from ax_kombu.scheduler.loop import Mailbox
 from ax_kombu.scheduler.recurrence import Materialiser
+from ax_kombu.scheduler.registration import Registration, StoppedEarly
 from ax_kombu.scheduler.retention import Retention
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreReserver
-from ax_kombu.store.tasks import wake_schedulers
 
 log = logging.getLogger(__name__)
-
-#: longest wait between two tries to reach the database at start
-MAX_START_BACKOFF_S = 10.0
-
-
-class _StoppedEarly(Exception):
-    """A stop came before the database answered: the node never registered."""
 
 
 class Scheduler:
@@ -168,6 +159,10 @@ class Scheduler:
                            self.store.clock.local_ms, self.lease, self._info)
         self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
         self._stop: str | None = None
+        self.registration = Registration(
+            store=self.store, timing=self.timing, lifecycle=self.heart.lifecycle,
+            heartbeat=self.heartbeat, ids=self.ids, node_id=self.node_id,
+            stopping=lambda: self._stop is not None)
         self.blueprint = Blueprint("scheduler", self.steps())
 
     @property
@@ -231,7 +226,7 @@ class Scheduler:
         """
         try:
             self.blueprint.start()
-        except _StoppedEarly:
+        except StoppedEarly:
             return False
         log.info("scheduler started", extra={"node": self.node_id})
         return True
@@ -249,7 +244,7 @@ class Scheduler:
         """
         return [
             Call("store", stop=self._close_store),
-            Call("registration", self._register, self._release),
+            self.registration,
             Call("broker probe", self._probe),
             Call("heart", self.heart.start, self._stop_heart),
             Call("dispatcher", self.dispatcher.start, self._drain_dispatcher),
@@ -258,26 +253,6 @@ class Scheduler:
             Call("housekeeper", self.housekeeper.start, self.housekeeper.stop),
             Call("retention", self.retention.start, self.retention.stop),
         ]
-
-    def _register(self) -> None:
-        """Start the wheel on database time and register the node, retrying until the
-        database answers.
-
-        Raises:
-            _StoppedEarly: a stop came first.
-        """
-        delay = 0.5
-        while self._stop is None:
-            try:
-                self.timing.start_at(self.store.now_ms())
-                self.heart.lifecycle.register()  # the node lifecycle: confirms the lease
-                return
-            except SQLAlchemyError as exc:
-                log.warning("database unreachable; retrying",
-                            extra={"error": str(getattr(exc, "orig", exc)), "retry_in_s": delay})
-                self.timing.idle(delay)
-                delay = min(delay * 2, MAX_START_BACKOFF_S)
-        raise _StoppedEarly
 
     def _probe(self) -> None:
         """Try the broker once (a failure is logged; the dispatcher keeps trying)."""
@@ -323,18 +298,6 @@ class Scheduler:
     def _close_store(self) -> None:
         self.store.close()
         self._beat_engine.dispose()
-
-    def _release(self) -> None:
-        """Deregister, and wake the other schedulers: this node's share is theirs now."""
-        try:
-            with self.store.engine.begin() as conn:
-                self.heartbeat.stop(conn)
-                wake_schedulers(conn, int(self.store.clock.local_ms()))
-            self.ids.release()
-            log.info("scheduler stopped", extra={"node": self.node_id})
-        except SQLAlchemyError:
-            log.warning("could not deregister; the other schedulers take this node's share "
-                        "once its heartbeat is silent", exc_info=True)
 
     def _join(self, thread: threading.Thread) -> None:
         """Wait for ``thread`` unless (or until) the stop turns cold."""
