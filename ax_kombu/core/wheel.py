@@ -40,7 +40,7 @@ K = TypeVar("K", bound=Hashable)
 #: 512 x 64 x 64 = 2,097,152 ticks: about 34.9 minutes with 1 ms ticks.
 DEFAULT_LEVEL_SIZES: tuple[int, ...] = (512, 64, 64)
 
-_OVERDUE = -1  # tick marker for keys that fire on the next advance()
+_OVERDUE = -1  # the bucket of keys that fire on the next advance(), whatever its time
 _NEVER = 1 << 62  # the next event of a wheel with no ticks filed
 
 
@@ -66,7 +66,12 @@ class _Wheel(Generic[K]):
         self._slots: list[list[set[int]]] = [[set() for _ in range(s)] for s in level_sizes]
         self._occupied = [0] * len(level_sizes)
         self._overdue: dict[K, None] = {}
-        self._where: dict[K, tuple[int, int, int]] = {}  # (due_ms, seq, tick); seq is unique
+        self._buckets[_OVERDUE] = self._overdue
+        #: key -> (due_ms, seq, tick or ``_OVERDUE``); seq is unique.  Entries hold only ints,
+        #: which the garbage collector does not track.  A bucket its keys have left stays
+        #: filed, empty, until its tick comes or ``next_due_ms`` meets it.
+        self._where: dict[K, tuple[int, int, int]] = {}
+        self._queued: Collection[K] = ()  # keys waiting beyond the horizon (TriggerTimer)
         self._tick, self._now = 0, start_ms  # every tick <= _tick has been processed
         self._seq = 0  # the last insertion number given out
         self._cache: int | None = None  # next_due_ms() while _cache_ok
@@ -99,19 +104,12 @@ class _Wheel(Generic[K]):
         entry = self._where.pop(key, None)
         if entry is None:
             return self._unqueue(key)
-        if (tick := entry[2]) == _OVERDUE:
-            del self._overdue[key]
-            fire_ms = entry[0]
-        else:
-            bucket = self._buckets[tick]
-            del bucket[key]
-            if bucket:  # the tick still fires: nothing else changes
-                return True
-            del self._buckets[tick]
-            self._unfile(tick)
-            fire_ms = self._start + tick * self._tick_ms
-        if self._cache_ok and fire_ms == self._cache:
-            self._cache_ok = False
+        bucket = self._buckets[tick := entry[2]]
+        del bucket[key]
+        if tick == _OVERDUE:  # the next due time may have been its own
+            self._cache_ok = self._cache_ok and entry[0] != self._cache
+        elif not bucket and self._cache_ok:  # its tick may have been the next due time
+            self._cache_ok = self._start + tick * self._tick_ms != self._cache
         return True
 
     def advance(self, now_ms: int) -> list[K]:
@@ -121,7 +119,7 @@ class _Wheel(Generic[K]):
         if self._event > target and not self._overdue:  # nothing to do yet: most passes
             self._now, self._tick = now_ms, target  # _tick <= target: time only goes forward
             return []
-        return self._fire(now_ms)
+        return self._fire(now_ms) if self._queued else self._turn(now_ms)
 
     def next_due_ms(self) -> int | None:
         """When ``advance`` next fires: the smallest due time rounded up to its tick
@@ -131,16 +129,20 @@ class _Wheel(Generic[K]):
         return self._cache
 
     def _fire(self, now_ms: int) -> list[K]:
+        """``advance`` when keys wait beyond the horizon (``TriggerTimer``)."""
+        return self._turn(now_ms)
+
+    def _turn(self, now_ms: int) -> list[K]:
         """``advance`` when a slot fires or cascades by ``now_ms`` (>= ``current_ms``) or a key
         is overdue."""
         self._now = now_ms
         target, event = (now_ms - self._start) // self._tick_ms, self._event
         if event <= self._tick:  # a bound set while a tick was processed
             event = self._tick + 1
-        fired: list[K] = []
         overdue, buckets, slots, where, size = self._overdue, self._buckets, self._slots[0], self._where, self._sizes[0]
-        if overdue:  # due on this advance, whatever its time
-            fired, self._overdue = list(overdue), {}
+        fired: list[K] = list(overdue)  # due on this advance, whatever its time
+        if late := bool(fired):
+            overdue.clear()
         while event <= target:
             self._tick = event
             if event % self._res[1] == 0:
@@ -155,13 +157,13 @@ class _Wheel(Generic[K]):
                 self._occupied[0] &= ~(1 << event % size)
                 fired += bucket
             event = self._next_event()
-        if overdue:  # with coarse ticks an overdue key may be due after a wheel key
+        if late:  # with coarse ticks an overdue key may be due after a wheel key
             fired.sort(key=where.__getitem__)
         for key in fired:
             del where[key]
         self._tick, self._event = target, event  # every event <= target is processed
         # an event that fires keys (not only cascades) is the next due time
-        self._cache_ok = event in buckets or event == _NEVER
+        self._cache_ok = event == _NEVER or bool(buckets.get(event))
         self._cache = None if event == _NEVER else self._start + event * self._tick_ms
         return fired
 
@@ -180,6 +182,8 @@ class _Wheel(Generic[K]):
         if bucket is None:
             bucket = self._buckets[tick] = {}
             self._file((tick,))
+        elif not bucket:  # left filed by removes: due again
+            self._sooner(self._start + tick * self._tick_ms)
         elif seq < self._where[next(reversed(bucket))][1]:  # an older key (from the queue)
             self._unsorted.add(tick)
         bucket[key] = None
@@ -262,12 +266,18 @@ class _Wheel(Generic[K]):
     def _compute_next_due(self) -> int | None:
         if self._overdue:
             return min(self._where[key][0] for key in self._overdue)
-        best = _NEVER
-        for level in range(len(self._sizes)):
-            block = self._first_block(level, min(best - 1, self._tick + self._res[-1]))
-            if block is not None:
-                best = min(best, block if level == 0 else min(self._slots[level][block % self._sizes[level]]))
-        return None if best == _NEVER else self._start + best * self._tick_ms
+        while True:
+            best = _NEVER
+            for level in range(len(self._sizes)):
+                block = self._first_block(level, min(best - 1, self._tick + self._res[-1]))
+                if block is not None:
+                    best = min(best, block if level == 0 else min(self._slots[level][block % self._sizes[level]]))
+            if best == _NEVER:
+                return None
+            if self._buckets[best]:
+                return self._start + best * self._tick_ms
+            del self._buckets[best]  # its keys were removed: it fires nothing
+            self._unfile(best)
 
     def _round_up(self, due_ms: int) -> int:
         """``due_ms`` rounded up to the end of its tick."""
@@ -291,6 +301,7 @@ class TriggerTimer(_Wheel[K]):
     ) -> None:
         super().__init__(start_ms, tick_ms, level_sizes)
         self._delayed: DelayQueue[K] = DelayQueue()
+        self._queued = self._delayed._live
 
     def __len__(self) -> int:
         return len(self._where) + len(self._delayed)
@@ -329,23 +340,29 @@ class TriggerTimer(_Wheel[K]):
         queued, seq, buckets, put = self._delayed._live, self._seq, self._buckets, self._where.setdefault
         start, tick_ms, now, horizon = self._start, self._tick_ms, self._now, self.horizon_ms
         last: int | None = None  # the due time of the last row taken
-        tick, bucket = 0, None
+        tick, bucket = 0, {}
         new: list[int] = []  # ticks given their first key, filed in one call
         for key, due_ms in pairs:
             if due_ms != last and now < due_ms <= horizon:
                 last, tick = due_ms, -((start - due_ms) // tick_ms)  # ceil division
-                bucket = buckets.get(tick)
+                if (found := buckets.get(tick)) is None:
+                    found = buckets[tick] = {}
+                    new.append(tick)
+                elif not found:  # left filed by removes: due again
+                    self._sooner(start + tick * tick_ms)
+                bucket = found
             entry = (due_ms, seq + 1, tick)
             if due_ms != last or key in queued or put(key, entry) is not entry:
+                if not bucket:  # found empty or made for this row, and no key went in
+                    self._cache_ok = False
+                    if new and not buckets[new[-1]]:
+                        del buckets[new.pop()]
                 self._file(new)  # the general path, on a wheel in order
                 new, last, self._seq = [], None, seq
                 self.add_earlier(key, due_ms)
                 seq = self._seq
                 continue
             seq += 1
-            if bucket is None:
-                bucket = buckets[tick] = {}
-                new.append(tick)
             bucket[key] = None
         self._file(new)
         self._seq = seq
@@ -365,8 +382,6 @@ class TriggerTimer(_Wheel[K]):
         return True
 
     def _fire(self, now_ms: int) -> list[K]:
-        if not self._delayed._live:
-            return _Wheel._fire(self, now_ms)
         fired: list[K] = []
         while True:
             for due_ms, seq, key in self._delayed._pop_entries(self.horizon_ms + 1):
@@ -375,8 +390,8 @@ class TriggerTimer(_Wheel[K]):
             if pending is None or pending > now_ms:
                 break
             # Stop the wheel short of ``pending`` but close enough to admit it.
-            fired += _Wheel._fire(self, max(self._now, min(now_ms, self._admit_time(pending))))
-        fired += _Wheel._fire(self, max(self._now, now_ms))
+            fired += self._turn(max(self._now, min(now_ms, self._admit_time(pending))))
+        fired += self._turn(max(self._now, now_ms))
         pending = self._delayed.peek_ms()
         if pending is not None:
             self._heed(pending)
