@@ -61,9 +61,10 @@ class _Wheel(Generic[K]):
         #: the tick is in ``_unsorted`` (a key came back from the queue with an older seq)
         self._buckets: dict[int, dict[K, None]] = {}
         self._unsorted: set[int] = set()
-        #: per level, per slot: the ticks filed there (a level-0 slot has at most one);
-        #: ``_occupied[level]`` has bit ``i`` set while slot ``i`` is not empty
-        self._slots: list[list[set[int]]] = [[set() for _ in range(s)] for s in level_sizes]
+        #: per level above 0, per slot: the ticks filed there.  ``_occupied[level]`` has bit
+        #: ``i`` set while slot ``i`` is not empty.  Level 0 is its bits alone: its ticks lie
+        #: in (tick, tick + its size), one per slot, so bit ``i`` stands for the one ``≡ i``.
+        self._slots: list[list[set[int]]] = [[]] + [[set() for _ in range(s)] for s in level_sizes[1:]]
         self._occupied = [0] * len(level_sizes)
         self._overdue: dict[K, None] = {}
         self._buckets[_OVERDUE] = self._overdue
@@ -139,7 +140,7 @@ class _Wheel(Generic[K]):
         target, event = (now_ms - self._start) // self._tick_ms, self._event
         if event <= self._tick:  # a bound set while a tick was processed
             event = self._tick + 1
-        overdue, buckets, slots, where, size = self._overdue, self._buckets, self._slots[0], self._where, self._sizes[0]
+        overdue, buckets, where, size = self._overdue, self._buckets, self._where, self._sizes[0]
         fired: list[K] = list(overdue)  # due on this advance, whatever its time
         if late := bool(fired):
             overdue.clear()
@@ -153,7 +154,6 @@ class _Wheel(Generic[K]):
                     bucket = dict.fromkeys(sorted(bucket, key=where.__getitem__))
                 if self._unsorted:
                     self._unsorted.discard(event)
-                slots[event % size].clear()
                 self._occupied[0] &= ~(1 << event % size)
                 fired += bucket
             event = self._next_event()
@@ -197,14 +197,21 @@ class _Wheel(Generic[K]):
         if not ticks:
             return
         res, sizes, slots, occupied, now = self._res, self._sizes, self._slots, self._occupied, self._tick
+        size, event = sizes[0], min(self._event, min(ticks))  # a level-0 tick fires then
         for tick in ticks:
-            delta, level = tick - now, 0
-            while delta >= res[level + 1]:
+            delta = tick - now
+            if delta < size:  # level 0: its bit
+                occupied[0] |= 1 << tick % size
+                continue
+            level = 2
+            while delta >= res[level]:
                 level += 1
-            slot = tick // res[level] % sizes[level]
-            slots[level][slot].add(tick)
-            occupied[level] |= 1 << slot
-        self._event = min(self._event, now + 1)  # a bound the next advance makes exact
+            slot = tick // res[level - 1] % sizes[level - 1]
+            slots[level - 1][slot].add(tick)
+            occupied[level - 1] |= 1 << slot
+            if (cascade := tick - tick % res[level - 1]) < event:  # the slot's block starts then
+                event = cascade
+        self._event = event
         self._sooner(self._start + min(ticks) * self._tick_ms)
 
     def _sooner(self, fire_ms: int) -> None:
@@ -215,8 +222,12 @@ class _Wheel(Generic[K]):
     def _unfile(self, tick: int) -> None:
         """Take a tick that has no keys left out of its slot."""
         self._unsorted.discard(tick)
-        for level, slots in enumerate(self._slots):
-            slot = tick // self._res[level] % self._sizes[level]
+        size = self._sizes[0]
+        if tick - self._tick < size and self._occupied[0] >> tick % size & 1:
+            self._occupied[0] &= ~(1 << tick % size)
+            return
+        for level in range(1, len(self._sizes)):
+            slots, slot = self._slots[level], tick // self._res[level] % self._sizes[level]
             if tick in slots[slot]:
                 slots[slot].discard(tick)
                 if not slots[slot]:
