@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,8 @@ from sqlalchemy import Engine, create_engine, text
 from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.store.engine import make_engine
+
+from ..waiting import wait_until
 
 #: the repository root: the workers import ``tests.e2e.e2e_tasks`` from it
 REPO = Path(__file__).resolve().parents[2]
@@ -166,15 +167,11 @@ class System:
     def wait_for(self, check: Callable[[], Any], timeout: float, what: str,
                  detail: Callable[[], Any] | None = None) -> Any:
         """Poll ``check`` until it returns something true; fail with the logs otherwise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = check()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not reached within {timeout:g}s"
-                                     f"{'; ' + str(detail()) if detail else ''}\n{self.tails()}")
-            time.sleep(0.05)
+        value = wait_until(check, timeout)
+        if not value:
+            raise AssertionError(f"{what}: not reached within {timeout:g}s"
+                                 f"{'; ' + str(detail()) if detail else ''}\n{self.tails()}")
+        return value
 
     def wait_final(self, count: int, timeout: float) -> None:
         """Until ``count`` tasks are SUCCESS, FAILED or CANCELLED."""

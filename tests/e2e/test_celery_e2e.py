@@ -59,6 +59,7 @@ from typing import Any
 
 import pytest
 
+from ..waiting import wait_until
 from .system import CLOCK_TOLERANCE_MS, REPO, System, pct
 
 celery = pytest.importorskip("celery")
@@ -129,18 +130,18 @@ class CeleryWorker:
                  "--without-gossip", "--without-mingle", "--without-heartbeat"],
                 cwd=tmp, env=environ, stdout=out, stderr=subprocess.STDOUT)
 
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
     def tail(self, lines: int = 30) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(self.output().splitlines()[-lines:])
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until the worker logs "ready." (at WARNING too: see :mod:`tests.e2e.celery_app`)."""
-        deadline = time.monotonic() + timeout
-        while "ready." not in (self.log.read_text(errors="replace") if self.log.exists()
-                               else ""):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"celery worker not ready:\n{self.tail()}")
-            time.sleep(0.1)
+        wait_until(lambda: "ready." in self.output() or self.proc.poll() is not None,
+                   timeout, 0.1)
+        if self.proc.poll() is not None or "ready." not in self.output():
+            raise AssertionError(f"celery worker not ready:\n{self.tail()}")
 
     def stop(self) -> None:
         """Cold shutdown (SIGQUIT), SIGKILL after 3 s: the test is over, nothing is left to
@@ -196,11 +197,11 @@ def test_countdown_calls_run_once_each_on_time_in_an_unmodified_celery_worker(
                 0.0, started + LEAD_S + SPREAD_S * i / N - time.monotonic())), range(N)))
         produced_s = time.monotonic() - started
         deadline = started + max(LEAD_S, produced_s) + SPREAD_S + 60
-        while count_runs(log) < N:
-            if time.monotonic() > deadline or worker.proc.poll() is not None:
-                raise AssertionError(f"{count_runs(log)}/{N} ran\n{worker.tail()}\n"
-                                     f"{system.tails()}")
-            time.sleep(0.2)
+        wait_until(lambda: count_runs(log) >= N or worker.proc.poll() is not None,
+                   deadline - time.monotonic(), 0.2)
+        if count_runs(log) < N:
+            raise AssertionError(f"{count_runs(log)}/{N} ran\n{worker.tail()}\n"
+                                 f"{system.tails()}")
         system.wait_for(lambda: system.query(
             "SELECT count(*) FROM ax_task WHERE job IS NULL AND status = 'SUCCESS'")[0][0] == N,
             30, f"{N} ax tasks SUCCESS", detail=system.statuses)

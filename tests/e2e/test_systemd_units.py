@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -30,6 +29,7 @@ from ax_kombu.config import from_env
 from ax_kombu.store import Store
 from ax_kombu.store.schema import nodes
 
+from ..waiting import wait_until
 from .system import REPO, stop_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
@@ -147,13 +147,14 @@ def test_each_unit_starts_its_daemon_and_stops_it_warm(tmp_path: Path) -> None:
         ready = {"ax-scheduler@.service": lambda: _registered(tmp_path, "s1"),
                  "ax-worker@.service": lambda: _registered(tmp_path, "w1"),
                  "ax-web.service": lambda: _answers(int(values["AX_WEB_PORT"]))}
-        deadline = time.monotonic() + 45
         waiting = set(ready)
-        while waiting and time.monotonic() < deadline:
-            waiting = {n for n in waiting if not ready[n]()}
+
+        def all_ready() -> bool:
+            waiting.difference_update({n for n in waiting if ready[n]()})
             dead = {n: p.returncode for n, p in started.items() if p.poll() is not None}
             assert not dead, (dead, {n: (tmp_path / f"{n}.log").read_text()[-2000:] for n in dead})
-            time.sleep(0.2)
+            return not waiting
+        wait_until(all_ready, 45, 0.2)
         assert not waiting, {n: (tmp_path / f"{n}.log").read_text()[-2000:] for n in waiting}
         for name, proc in started.items():  # the unit's KillSignal, then its exit
             proc.send_signal(signal.SIGTERM)

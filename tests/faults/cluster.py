@@ -167,4 +167,3 @@ class Cluster(System):
     def status_of(self, ids: Iterable[int]) -> Counter[str]:
         rows = self.task_rows()
         return Counter(rows[i].status if i in rows else "MISSING" for i in ids)
-
