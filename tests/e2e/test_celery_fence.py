@@ -11,12 +11,12 @@ task rows:
 * **``revoke(terminate=True)``** of a running task (the child is killed by the signal):
   the row is final (CANCELLED) and the task never runs again. Before: RUNNING for good.
 * **A stale incarnation starts nothing**: the worker's node is declared dead (its row
-  stopped) while its process lives, and held so (the node row locked) that it cannot
+  stopped) while its process lives, and kept so (the node row locked) that it cannot
   register again; a task published to it meanwhile is not moved RUNNING and its body does
   not run; once the worker has registered a new incarnation, the task runs once, under it.
   Before: the body ran at once, under the dead incarnation.
 * **Staged and on time** (item 9): tasks for the bootstep's workers are published up to
-  1 s ahead with Celery's ``eta``, held by the worker's timer and fenced when
+  1 s ahead with Celery's ``eta``, kept by the worker's timer and fenced when
   due: each runs once, none before its trigger time, each message carried the ``eta``
   (the lateness figures come from ``bench/celery_countdown.py``, not from this test).
 """
@@ -157,13 +157,13 @@ def test_a_stale_incarnation_cannot_move_a_row_running(
         hold = system.reader.connect()
         tx = hold.begin()
         hold.execute(text("SELECT 1 FROM ax_node WHERE node_id = :n FOR UPDATE"),
-                     {"n": rig.node})  # it cannot register again while this is held
+                     {"n": rig.node})  # it cannot register again while this lock is kept
         try:
             task_id = rig.enqueue(1, max_retry=0, first_sleep=0.0)
             system.wait_for(lambda: rig.row(task_id).status != "DELAYED", 10,
                             "the task published", detail=lambda: rig.row(task_id).status)
-            held_until = time.monotonic() + 3.0  # the worker has had it for ~3 s
-            while time.monotonic() < held_until:
+            kept_until = time.monotonic() + 3.0  # the worker has had it for ~3 s
+            while time.monotonic() < kept_until:
                 assert rig.runs_of(task_id) == [], "started under a dead incarnation"
                 assert rig.row(task_id).status not in ("RUNNING", "SUCCESS"), rig.row(task_id)
                 time.sleep(0.1)
@@ -201,7 +201,7 @@ def test_staged_celery_tasks_run_once_each_never_before_due(
     late = [r["start"] - tasks[r["ax"]].trigger_time for r in done]
     assert min(late) >= -CLOCK_TOLERANCE_MS, sorted(late)[:10]  # never before due
     staged = [r for r in done if tasks[r["ax"]].dispatched_at < tasks[r["ax"]].trigger_time]
-    assert staged and all(r["eta"] for r in staged)  # held by Celery's own eta
+    assert staged and all(r["eta"] for r in staged)  # kept by Celery's own eta timer
     assert all(tasks[i].attempt == 1 and tasks[i].started_at >= tasks[i].trigger_time
                for i in ids)
     print(f"\n{n} staged Celery tasks ({len(staged)} published ahead): start - due p50 "

@@ -104,7 +104,7 @@ BASE_MS, JITTER = 400, 0.5
 BACKOFF = {"retry_backoff_base_ms": BASE_MS, "retry_backoff_max_ms": 10_000,
            "retry_backoff_jitter": JITTER}
 #: how late a retry may start after its new trigger time: the worker's retry write wakes the
-#: schedulers (NOTIFY; SQLite polls every 50 ms), so it is adopted at once, not at the next
+#: schedulers (NOTIFY; SQLite polls every 50 ms), so it is loaded at once, not at the next
 #: periodic preload (1 s later)
 RETRY_PICKUP_MS = 250
 #: from a run's start to its result being timed (the run itself raises at once)

@@ -7,7 +7,7 @@ attempt that incarnation was given, at the moment it is taken:
 * a **scheduler** publishes a claimed batch only while its lease covers the incarnation
   that claimed it (:mod:`ax_kombu.scheduler.dispatcher`): a zombie drops what it claimed
   before it was declared dead; a claim is one compare-and-set (a new attempt each), and
-  a worker starts a message only at the row's current attempt; what the zombie held in
+  a worker starts a message only at the row's current attempt; what the zombie had loaded in
   its wheel was released when it was declared dead, and a peer claims it;
 * a **worker** starts a staged run only while its lease covers the incarnation that fenced
   it (:class:`ax_kombu.core.lease.Lease`), and an outcome is written only where the
@@ -17,7 +17,7 @@ attempt that incarnation was given, at the moment it is taken:
 15 s of silence before a node is dead). Here every daemon runs the suite's short settings
 (:data:`tests.faults.cluster.SHORT`: 1 s × 3 = 3 s, recovery every second, ack timeout
 3 s): the scheduler is stopped 8 s, the worker until the cluster has declared it dead and
-another worker runs what it held (about 4 s). Either way the stop outlasts the silence
+another worker runs what it had staged or running (about 4 s). Either way the stop outlasts the silence
 window and the recovery that acts on it, which is all the 25 s stop did (a longer stop
 changes nothing more: the lease and the beats run on the monotonic clock, which counts
 the stop), and each test stays under about 40 s.
@@ -57,7 +57,7 @@ LEAD_ENV = {"claim_lead_ms": 1000}
 RATE = 100
 
 
-def held_by(cluster: Cluster, name: str, live: list[str]) -> dict[str, dict[int, int]]:
+def taken_by(cluster: Cluster, name: str, live: list[str]) -> dict[str, dict[int, int]]:
     """What scheduler ``name`` has in the table, by status: task id -> attempt. DISPATCHING:
     what it claimed; DELAYED/READY: the claimable tasks of its share among the schedulers
     ``live`` (:class:`ax_kombu.store.preload.Share`), which its wheel holds once read."""
@@ -166,7 +166,7 @@ def broker_proxy(redis_broker: dict[str, str]) -> Iterator[HoldingProxy]:
 
 
 @pytest.mark.timeout(120)
-def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
+def test_sigstop_a_scheduler_with_loaded_and_claimed_tasks(cluster: Cluster,
                                                              broker_proxy: HoldingProxy) -> None:
     """s0 reaches Redis through a proxy. Under a steady load (tasks due 1–4 s ahead), once
     s0 holds tasks in its wheel (DELAYED/READY in its share), the proxy holds s0's bytes
@@ -178,9 +178,9 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
     until its first beat finds it fenced.
 
     Judged from the ledger: every task once, none twice for one attempt, none early, none
-    lost; every task s0 held runs once. And from the workers' logs: s0 publishes none of
+    lost; every task s0 had loaded or claimed runs once. And from the workers' logs: s0 publishes none of
     the claims it lost after SIGCONT. The batch whose publish was under way when the
-    proxy held it (its oldest claim) is the exception: its first message was on the wire
+    proxy kept it (its oldest claim) is the exception: its first message was on the wire
     before the stop (a fence cannot call back what was sent; the publish is checked once
     per batch, as it starts), and what of it arrives is refused (a stale attempt).
 
@@ -203,7 +203,7 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
     load = Producer(cluster, rate=RATE, duration=5, lead=(1.0, 4.0)).start()
     try:
         t0 = time.monotonic()
-        wait_until(lambda: time.monotonic() - t0 > 1.5 and len(held_by(cluster, "s0", PAIR).get(
+        wait_until(lambda: time.monotonic() - t0 > 1.5 and len(taken_by(cluster, "s0", PAIR).get(
             "DELAYED", {})) >= 20, 10, 0.05)
         broker_proxy.passing.clear()  # s0's publish hangs; its claims pile up unpublished
         time.sleep(0.5)
@@ -211,11 +211,11 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
         stop_at = now_ms()
         try:
             time.sleep(0.2)  # a claim sent just before the stop is committed by now
-            held = held_by(cluster, "s0", PAIR)  # exact: s0 is frozen
-            wheel = {**held.get("DELAYED", {}), **held.get("READY", {})}
-            claimed = held.get("DISPATCHING", {})
+            taken = taken_by(cluster, "s0", PAIR)  # exact: s0 is frozen
+            wheel = {**taken.get("DELAYED", {}), **taken.get("READY", {})}
+            claimed = taken.get("DISPATCHING", {})
             in_flight = _in_flight(cluster, "s0", claimed)
-            assert wheel and claimed, (f"s0 held {len(wheel)} tasks in its wheel and "
+            assert wheel and claimed, (f"s0 had {len(wheel)} tasks in its wheel and "
                                        f"{len(claimed)} claimed when stopped\n{cluster.tails()}")
             taken = wait_until(lambda: cluster.node("s0").stopped_at is not None
                          and not _waiting(cluster, [*wheel, *claimed]), 15, 0.1)
@@ -245,13 +245,13 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
     refused_after = refused_messages(cluster, ["w0", "w1"]) - refused_before
     zombie = {(t, a) for t, a in refused_after if claimed.get(t) == a and t not in in_flight}
     on_the_wire = {(t, a) for t, a in refused_after if claimed.get(t) == a and t in in_flight}
-    held_runs = [r for r in runs if r.task_id in wheel or r.task_id in claimed]
-    verdict.extra["held by s0 when stopped: in its wheel / claimed, unpublished (of them in "
+    taken_runs = [r for r in runs if r.task_id in wheel or r.task_id in claimed]
+    verdict.extra["s0's when stopped: in its wheel / claimed, unpublished (of them in "
                   "the publish under way)"] = f"{len(wheel)} / {len(claimed)} ({len(in_flight)})"
     verdict.extra["declared dead and taken over / SIGCONT / registered anew"] = (
         f"{taken_at - stop_at} / {resumed_at - stop_at} / {back_at - stop_at} ms after the stop")
-    verdict.extra["held tasks: runs / distinct tasks run"] = (
-        f"{len(held_runs)} / {len({r.task_id for r in held_runs})}")
+    verdict.extra["s0's tasks: runs / distinct tasks run"] = (
+        f"{len(taken_runs)} / {len({r.task_id for r in taken_runs})}")
     verdict.extra["s0's claims: run at the attempt s0 claimed / at a later one"] = (
         f"{sum(1 for r in runs if claimed.get(r.task_id) == r.attempt)} / "
         f"{sum(1 for r in runs if r.task_id in claimed and r.attempt > claimed[r.task_id])}")
@@ -263,7 +263,7 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
         f"{sum(logged(victim.log, 'not published', 'count'))}")
     problems = [(f"s0 published {len(zombie)} claims after it had lost them: "
                  f"{sorted(zombie)[:5]}")] if zombie else []
-    verdict.extra["publish fence"] = problems or "held"
+    verdict.extra["publish fence"] = problems or "kept"
     conclude(cluster, verdict)
     assert not problems, problems
 
@@ -275,7 +275,7 @@ def test_sigstop_a_scheduler_holding_wheel_and_claimed_tasks(cluster: Cluster,
 SLEEPERS = 3
 SLEEP_S = 4.0
 #: tasks due together 1.5-1.6 s after they are enqueued: published and fenced ~1 s ahead,
-#: held by the victim (staged) when it is stopped
+#: staged by the victim when it is stopped
 STAGED = 60
 
 
@@ -285,9 +285,9 @@ def open_runs(runs: list[Run], pid: int) -> dict[int, int]:
 
 
 @pytest.mark.timeout(120)
-def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> None:
+def test_sigstop_a_worker_with_staged_and_running_tasks(cluster: Cluster) -> None:
     """w0 (the only worker) holds SLEEPERS running tasks (each sleeps SLEEP_S) and STAGED
-    staged ones (fenced RUNNING, held until their trigger time) when it is SIGSTOPped. w1
+    staged ones (fenced RUNNING, waiting for their trigger time) when it is SIGSTOPped. w1
     starts; the cluster declares w0 dead, gives every one of those tasks another attempt,
     and w1 runs them. w0 is SIGCONTed once w1 is running the sleepers' new attempts.
 
@@ -298,7 +298,7 @@ def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> 
     tells the two apart. The row's end is w1's. Then w0 registers anew and takes work.
 
     Without the fences this fails: without the lease check at start (``Lease.covers``)
-    w0 starts the staged runs it held at their old attempt after w1 ran them (the
+    w0 starts the staged runs it had at their old attempt after w1 ran them (the
     issue's measurement: two of them); without the attempt in the outcome's
     compare-and-set (``finish_many``), w0's outcome ends the row while w1's run of the
     new attempt goes on, and w1's own outcome is then refused (the row's end is w0's).
@@ -332,7 +332,7 @@ def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> 
         staged = {t: a for t, (a, _) in fenced_after(cluster, "w0", stop_at).items()}
         running = open_runs(cluster.ledger.runs(), victim.proc.pid)
         assert staged and len(running) == SLEEPERS and set(running) == set(sleepers.ids), (
-            f"w0 held {len(staged)} staged and {sorted(running)} running (of sleepers "
+            f"w0 had {len(staged)} staged and {sorted(running)} running (of sleepers "
             f"{sleepers.ids}) when stopped: the scenario did not happen\n{cluster.tails()}")
         cluster.worker("w1")
 
@@ -361,10 +361,10 @@ def test_sigstop_a_worker_holding_staged_and_running_tasks(cluster: Cluster) -> 
                     fault_end=back_at)
     problems = _worker_fences(cluster, verdict, victim.log, victim.proc.pid, staged, running,
                               {p.task_id for p in after.planned})
-    verdict.extra["held by w0 when stopped: staged / running"] = f"{len(staged)} / {len(running)}"
+    verdict.extra["w0's when stopped: staged / running"] = f"{len(staged)} / {len(running)}"
     verdict.extra["w1 running the sleepers / SIGCONT / w0 registered anew"] = (
         f"{taken_at - stop_at} / {resumed_at - stop_at} / {back_at - stop_at} ms after the stop")
-    verdict.extra["zombie fences"] = problems or "held"
+    verdict.extra["zombie fences"] = problems or "kept"
     conclude(cluster, verdict)
     assert not problems, problems
 
@@ -381,7 +381,7 @@ def _worker_fences(cluster: Cluster, verdict: Verdict, log: Path, pid: int, stag
     started_staged = sorted((r.task_id, r.attempt) for r in runs
                             if staged.get(r.task_id) == r.attempt)
     if started_staged:
-        problems.append(f"{len(started_staged)} staged runs w0 held started at that attempt "
+        problems.append(f"{len(started_staged)} staged runs of w0 started at that attempt "
                         f"after they were taken over: {started_staged[:5]}")
     stale = logged_runs(log, "result not recorded")
     while_w1_ran = 0
@@ -419,6 +419,6 @@ def _worker_fences(cluster: Cluster, verdict: Verdict, log: Path, pid: int, stag
     verdict.extra["sleepers: w0's outcomes refused (result not recorded) / written while w1 "
                   "still ran the new attempt"] = (
         f"{sum(1 for t, a in running.items() if (t, a) in stale)} / {while_w1_ran}")
-    verdict.extra["staged runs started at the attempt w0 held"] = len(started_staged)
+    verdict.extra["staged runs started at the attempt w0 had"] = len(started_staged)
     verdict.extra["w0's log: stage withdrawn"] = withdrawn
     return problems

@@ -132,8 +132,8 @@ def test_the_ordinary_claim_leaves_gated_tasks_to_the_gated_claim(client: Client
     assert preload(client) == sorted(everything)
     assert claim_plain(client, everything) == [plain]
     with client.store.engine.connect() as conn:
-        held = claims.still_claimable(conn, everything)
-    assert sorted(held) == sorted([(keyed, T0 + 1, True), (limited, T0 + 2, True)])
+        claimable = claims.still_claimable(conn, everything)
+    assert sorted(claimable) == sorted([(keyed, T0 + 1, True), (limited, T0 + 2, True)])
     assert claimed_ids(client, [keyed, limited]) == sorted([keyed, limited])
     rows = state(client, everything)
     assert {i: (r.status, r.gated) for i, r in rows.items()} == {
@@ -171,7 +171,7 @@ def test_limit_3_with_10_due_claims_3_and_parks_7(client: Client) -> None:
     assert decision.start == ids[:3] and decision.wait == ids[3:]
     assert parked(client, ids) == ids[3:]
     assert all(r.gated for r in state(client, ids[:3]).values())
-    # parked tasks are no longer held by the node: claiming them again does nothing,
+    # parked tasks are no longer owned by the node: claiming them again does nothing,
     # and no preload takes them
     assert claim_gated(client, ids[3:]) == ([], Decision())
     assert preload(client) == []
@@ -535,9 +535,9 @@ def test_racing_gated_claims_never_exceed_the_limit(pg_url: str, tmp_path: Path)
         client.set_limit("batch", 5)
         for rnd in range(25):
             ids = enqueue(client, "batch", 8, first=rnd * 100)
-            held = {f"n{k + 1}": preload_share(client, Share(2, k)) for k in range(2)}
-            assert sorted(held["n1"] + held["n2"]) == ids
-            claimed = race(stores, held)
+            loaded = {f"n{k + 1}": preload_share(client, Share(2, k)) for k in range(2)}
+            assert sorted(loaded["n1"] + loaded["n2"]) == ids
+            claimed = race(stores, loaded)
             assert active(client, "batch") <= 5, f"round {rnd}"
             assert len(claimed["n1"]) + len(claimed["n2"]) == 5, (rnd, claimed)
             settle(client, ids)
@@ -547,7 +547,7 @@ def test_racing_gated_claims_never_exceed_the_limit(pg_url: str, tmp_path: Path)
         client.close()
 
 
-def race(stores: Sequence[Store], held: dict[str, list[int]]) -> dict[str, list[int]]:
+def race(stores: Sequence[Store], loaded: dict[str, list[int]]) -> dict[str, list[int]]:
     """Each node's gated claim of the ids it holds, both released at the same instant."""
     barrier = threading.Barrier(len(stores))
     claimed: dict[str, list[int]] = {}
@@ -557,13 +557,13 @@ def race(stores: Sequence[Store], held: dict[str, list[int]]) -> dict[str, list[
         try:
             barrier.wait(5)
             with store.engine.begin() as conn:
-                rows, _ = gates.claim_gated(conn, held[node], node, NOW, NOW)
+                rows, _ = gates.claim_gated(conn, loaded[node], node, NOW, NOW)
             claimed[node] = [r.task_id for r in rows]
         except Exception as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(s, n))
-               for s, n in zip(stores, sorted(held), strict=True)]
+               for s, n in zip(stores, sorted(loaded), strict=True)]
     for t in threads:
         t.start()
     for t in threads:

@@ -109,7 +109,7 @@ def test_a_new_incarnation_takes_over_what_the_dead_one_left(client: Client) -> 
 def test_a_live_name_is_refused_and_nothing_changes(client: Client) -> None:
     live = nodes.Heartbeat(client.store, "s0", "scheduler")
     live.register({})
-    held = int(client.enqueue("t", {"a": 1}, delay=60))
+    owned = int(client.enqueue("t", {"a": 1}, delay=60))
     with client.store.engine.begin() as conn:  # the live one runs on another host
         conn.execute(update(node_table).values(host="elsewhere"))
         conn.execute(update(tasks).values(status="DELAYED", owner_node="s0"))
@@ -117,7 +117,7 @@ def test_a_live_name_is_refused_and_nothing_changes(client: Client) -> None:
     with pytest.raises(NodeNameInUse, match="'s0' is in use"):
         nodes.Heartbeat(client.store, "s0", "scheduler").register({})
 
-    assert statuses(client, [held])[held] == ("DELAYED", "s0")
+    assert statuses(client, [owned])[owned] == ("DELAYED", "s0")
     assert live.beat({})
 
 
@@ -238,50 +238,54 @@ def test_a_staged_run_recovered_before_its_trigger_time_is_retried_no_earlier(
 
 
 def test_only_a_dead_workers_held_runs_count_as_not_run(client: Client) -> None:
-    """A dead worker's RUNNING rows: a task among its held runs never started, and gets a
+    """A dead worker's RUNNING rows: a task among its listed runs never started, and gets a
     new attempt with no retry counted, whatever max_retry says; any other may have started
     and counts a retry (FAILED with none left), as do all of a node that lists none (a
     scheduler's, a Celery worker's). The history says which."""
     heart = nodes.Heartbeat(client.store, "w0", "worker")
     heart.register({})
     started = claimed(client, "s", 2, kind="started")
-    held = claimed(client, "s", 2, kind="held")
+    listed = claimed(client, "s", 2, kind="listed")
     other = claimed(client, "s", 1, kind="celery")
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).values(max_retry=0))
-        transitions.start_many(conn, [(t, 1) for t in started + held], "w0", client.store.now_ms())
+        transitions.start_many(conn, [(t, 1) for t in started + listed], "w0",
+                               client.store.now_ms())
         transitions.start_many(conn, [(t, 1) for t in other], "celery@h", client.store.now_ms())
         # the list is ",id,id,": an id that is a suffix or prefix of a listed one is not it
         assert heart.write_listed_runs(conn, heart.incarnation,
-                                     f",{held[0]},{held[1]},{started[0]}1,9{started[1]},")
+                                     f",{listed[0]},{listed[1]},{started[0]}1,9{started[1]},")
         assert not heart.write_listed_runs(conn, heart.incarnation + 1, ",")  # not live
         recovered = dict(recovery.recover_running(conn, ["w0", "celery@h"], client.store.now_ms()))
         rows = {r.task_id: r for r in conn.execute(
             select(tasks.c.task_id, tasks.c.status, tasks.c.retry_count, tasks.c.last_error))}
         history = dict(conn.execute(text("SELECT task_id, error FROM ax_attempt")).all())
-    assert recovered == {**dict.fromkeys(started + other, "FAILED"), **dict.fromkeys(held, "DELAYED")}
+    assert recovered == {**dict.fromkeys(started + other, "FAILED"),
+                         **dict.fromkeys(listed, "DELAYED")}
     assert all((rows[t].retry_count, rows[t].last_error) == (0, "worker lost")
                for t in started + other)
     assert all((rows[t].retry_count, rows[t].last_error) == (0, recovery.UNSTARTED_ERROR)
-               for t in held)
+               for t in listed)
     assert history == {**dict.fromkeys(started + other, "worker lost"),
-                       **dict.fromkeys(held, recovery.UNSTARTED_ERROR)}
+                       **dict.fromkeys(listed, recovery.UNSTARTED_ERROR)}
 
 
 def test_a_new_incarnation_recovers_by_the_held_runs_of_the_one_it_replaces(
         client: Client) -> None:
-    """Registration reads the earlier incarnation's held runs before it resets them."""
+    """Registration reads the earlier incarnation's listed runs before it resets them."""
     old = nodes.Heartbeat(client.store, "w0", "worker")
     old.register({})
-    started, held = claimed(client, "s", 1, kind="started"), claimed(client, "s", 1, kind="held")
+    started = claimed(client, "s", 1, kind="started")
+    listed = claimed(client, "s", 1, kind="listed")
     with client.store.engine.begin() as conn:
         conn.execute(update(tasks).values(max_retry=0))
-        transitions.start_many(conn, [(t, 1) for t in started + held], "w0", client.store.now_ms())
-        assert old.write_listed_runs(conn, old.incarnation, f",{held[0]},")
+        transitions.start_many(conn, [(t, 1) for t in started + listed], "w0",
+                               client.store.now_ms())
+        assert old.write_listed_runs(conn, old.incarnation, f",{listed[0]},")
         conn.execute(update(node_table).values(pid=dead_pid()))  # kill -9'd
     new = nodes.Heartbeat(client.store, "w0", "worker")
     new.register({})
-    after = statuses(client, started + held)
-    assert after == {started[0]: ("FAILED", None), held[0]: ("DELAYED", None)}
+    after = statuses(client, started + listed)
+    assert after == {started[0]: ("FAILED", None), listed[0]: ("DELAYED", None)}
     with client.store.engine.connect() as conn:
         assert conn.execute(select(node_table.c.listed_runs)).scalar() is None

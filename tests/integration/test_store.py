@@ -193,7 +193,7 @@ def test_postgresql_indexes_only_tasks_with_a_biz_key_and_still_enforces_it(pg_u
 @pytest.mark.integration
 def test_the_clock_reading_is_exact_to_well_under_a_millisecond(pg_url: str) -> None:
     """The offset is measured from a reading to the microsecond: one rounded to whole
-    milliseconds made held tasks start up to half a millisecond before their trigger time.
+    milliseconds made staged tasks start up to half a millisecond before their trigger time.
     PostgreSQL runs on this host here, so its clock is the wall clock."""
     engine = make_engine(pg_url)
     try:

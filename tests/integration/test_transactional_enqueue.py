@@ -146,12 +146,12 @@ def test_the_schedulers_are_woken_at_the_commit_not_before(pg_client: Client,
 def test_biz_key_duplicates_stay_exact_across_open_transactions(pg_client: Client,
                                                                 pg_url: str) -> None:
     """A second producer's enqueue of the same biz_key waits for the first transaction's
-    outcome (the advisory lock is held to its end): after its commit, a duplicate; after a
+    outcome (the advisory lock is kept to its end): after its commit, a duplicate; after a
     rollback, a new task."""
     first, second = psycopg2.connect(_dsn(pg_url)), psycopg2.connect(_dsn(pg_url))
     other = Client(from_env({}, database_url=pg_url))
     try:
-        held = pg_client.enqueue("coupon", {"u": 7}, biz_key="xmas-7", connection=first)
+        pending = pg_client.enqueue("coupon", {"u": 7}, biz_key="xmas-7", connection=first)
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(
             other.enqueue("coupon", {"u": 7}, biz_key="xmas-7", connection=second)))
@@ -161,7 +161,7 @@ def test_biz_key_duplicates_stay_exact_across_open_transactions(pg_client: Clien
         first.commit()
         waiter.join(10)
         second.commit()
-        assert got and got[0] == held and got[0].duplicate
+        assert got and got[0] == pending and got[0].duplicate
 
         third = pg_client.enqueue("coupon", {"u": 8}, biz_key="xmas-8", connection=first)
         waiter = threading.Thread(target=lambda: got.append(

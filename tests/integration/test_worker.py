@@ -259,8 +259,8 @@ def test_a_staged_task_cancelled_before_its_trigger_time_is_not_run(
         [message] = dispatch.dispatch([task_id])
         eventually(lambda: dispatch.status(task_id) is Status.RUNNING)
         dispatch.client.cancel(task_id)
-        # the held runs are checked every 50 ms: this one ends without starting
-        eventually(lambda: not worker.intake.stage.runs, what="the held run ended")
+        # the staged runs are checked every 50 ms: this one ends without starting
+        eventually(lambda: not worker.intake.stage.runs, what="the staged run ended")
         assert dispatch.client.store.now_ms() < message.trigger_time
     assert dispatch.status(task_id) is Status.CANCELLED
     assert task_id not in procs_worker.calls
@@ -314,7 +314,7 @@ def test_a_long_task_is_acked_at_start_and_its_slot_lowers_the_prefetch(
         lane = next(lane for lane in worker.lanes if lane.priority == "slow")
         dispatch.dispatch([task_id])
         eventually(lambda: dispatch.status(task_id) is Status.RUNNING and lane.pool.active == 1)
-        # no message held for it (RabbitMQ would close a channel holding one for 30 min) …
+        # no message kept unacked for it (RabbitMQ closes a channel keeping one 30 min) …
         assert lane.unacked == 0 and lane.acked_running == 1
         # … so its slot is taken out of the prefetch instead
         eventually(lambda: lane.prefetch == lane.window - 1, what="prefetch lowered")
