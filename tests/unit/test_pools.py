@@ -11,17 +11,9 @@ import pytest
 
 from ax_kombu.worker.pools import Outcome, Pool, Submission
 from ax_kombu.worker.processors import Cancellation
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``check`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 class Outcomes:

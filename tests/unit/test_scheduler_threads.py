@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from ax_kombu.core.states import Status
 from ax_kombu.scheduler.node import Scheduler
 from ax_kombu.store.clock import DbClock
 from ax_kombu.store.schema import nodes
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,15 +50,6 @@ class Published:
             self.messages.extend((m, at_ms) for m in messages)
 
 
-def poll(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def running(cfg: Settings, published: Published) -> tuple[Scheduler, threading.Thread]:
     scheduler = Scheduler(cfg, "sched-unit", on_published=published)
     thread = threading.Thread(target=scheduler.run, daemon=True)
@@ -71,7 +62,7 @@ def published_until(cfg: Settings, count: int) -> Published:
     published = Published()
     scheduler, thread = running(cfg, published)
     try:
-        assert poll(lambda: len(published.messages) >= count)
+        assert wait_until(lambda: len(published.messages) >= count, 30.0)
     finally:
         scheduler.request_stop()
         thread.join(30)
@@ -119,7 +110,7 @@ def test_the_tasks_a_scheduler_reads_are_not_written_and_a_warm_stop_deregisters
     published = Published()
     scheduler, thread = running(cfg, published)
     try:
-        assert poll(lambda: len(scheduler.timer) == 50)
+        assert wait_until(lambda: len(scheduler.timer) == 50, 30.0)
         assert {(client.get(i).status, client.get(i).owner_node) for i in ids} == {
             (Status.DELAYED, None)}
     finally:
@@ -179,7 +170,7 @@ def test_the_node_starts_its_steps_in_the_listed_order_and_stops_them_in_reverse
     assert [step.name for step in scheduler.steps()] == STEPS
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
-    assert poll(lambda: scheduler.heart.is_alive() and scheduler.claimer.is_alive())
+    assert wait_until(lambda: scheduler.heart.is_alive() and scheduler.claimer.is_alive(), 30.0)
     scheduler.request_stop()
     thread.join(30)
     assert not thread.is_alive()

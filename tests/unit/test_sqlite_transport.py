@@ -7,15 +7,14 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from ax_kombu.broker.transports import register
+from tests.waiting import eventually
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLE = 'ax_kombu_message'
@@ -89,15 +88,6 @@ def spawn(tmp_path: Path, name: str, *args: str,
             open(tmp_path / f'{name}.err', 'wb') as err:
         return subprocess.Popen([sys.executable, '-c', CHILD, *args],
                                 env=env, stdin=stdin, stdout=out, stderr=err)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float,
-             what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f'timed out waiting for {what}')
-        time.sleep(0.01)
 
 
 def rows_in(db_path: Path) -> int:
@@ -174,7 +164,7 @@ def test_many_processes_lose_and_duplicate_nothing(tmp_path: Path) -> None:
         f'producer{i}' for i in range(n_producers)]
     try:
         # All consumers are polling before any message is published.
-        wait_for(lambda: all(Path(f'{o}.ready').exists() for o in outs),
+        eventually(lambda: all(Path(f'{o}.ready').exists() for o in outs),
                  60, 'consumers to start')
         for p in producers:
             p.stdin.write(b'go\n')
@@ -182,7 +172,7 @@ def test_many_processes_lose_and_duplicate_nothing(tmp_path: Path) -> None:
         for p in producers:
             assert p.wait(timeout=90) == 0, stderr_of(tmp_path, names)
         with Connection(url) as conn:
-            wait_for(lambda: ready_count(conn, queue) == 0, 60,
+            eventually(lambda: ready_count(conn, queue) == 0, 60,
                      'the queue to drain')
         stop.touch()
         for c in consumers:
@@ -249,7 +239,7 @@ def test_killed_consumer_message_returns_after_visibility_timeout(
     child = spawn(tmp_path, 'hang', 'take_and_hang', url, 'q', str(marker),
                   '1.0', stdin=subprocess.PIPE)
     try:
-        wait_for(lambda: marker.exists() and marker.read_text() == 'k1', 60,
+        eventually(lambda: marker.exists() and marker.read_text() == 'k1', 60,
                  'the child to take the message')
     finally:
         child.send_signal(signal.SIGKILL)
