@@ -7,11 +7,10 @@ Contract:
 * Time is cut into ticks of ``tick_ms`` counted from ``start_ms``.  A key fires at the end
   of the tick that contains its ``due_ms``: never early, at most ``tick_ms - 1`` ms late
   (exactly on time with 1 ms ticks), and a key on a level boundary fires exactly at its tick.
-* ``TimingWheel.add``/``remove`` are O(1) (a constant number of levels).  ``advance``
-  costs O(fired keys + cascaded ticks) plus a few integer operations per level for each
-  tick that fires or cascades; empty stretches are jumped over, never walked tick by tick,
-  and an ``advance`` before the next such tick returns at once.  ``next_due_ms`` is kept up
-  to date by most changes; else it costs those operations and a minimum over one slot's ticks.
+* ``add``/``remove`` are O(1).  ``advance`` costs O(fired keys + cascaded ticks) plus a few
+  integer operations per level for each tick that fires or cascades; empty stretches are
+  jumped over, and an ``advance`` before the next such tick returns at once.  ``next_due_ms``
+  is kept by most changes, else costs those operations and a minimum over one slot's ticks.
 * ``advance(now_ms)`` returns each key due at or before ``now_ms`` exactly once, in
   ascending ``due_ms`` order, ties in insertion order.
 * A key added with ``due_ms <= current_ms`` is never lost: it fires on the next
@@ -20,11 +19,10 @@ Contract:
   into the wheel once the horizon reaches them.
 * Adding a key that is already present reschedules it.
 
-Shape, for the scheduler's use (bursts of ids due in one millisecond, added in batches,
-fired in 1 ms passes): the keys of a tick share a bucket (an insertion-ordered dict) and the
-levels file ticks, not keys, so adding, firing or cancelling a key is a few dictionary
-operations.  A bitmap per level finds the next non-empty slot.  ``TriggerTimer`` is the
-wheel itself with a queue attached, so a pass is one method call.
+Shape, for the scheduler's use (bursts of ids due in one millisecond, added in batches, fired
+in 1 ms passes): the keys of a tick share a bucket (an insertion-ordered dict), the levels
+file ticks, not keys, and a bitmap per level finds the next non-empty slot.  A cancel leaves
+an emptied tick filed (it fires nothing) until it comes or ``next_due_ms`` meets it.
 """
 
 from __future__ import annotations
@@ -61,16 +59,13 @@ class _Wheel(Generic[K]):
         #: the tick is in ``_unsorted`` (a key came back from the queue with an older seq)
         self._buckets: dict[int, dict[K, None]] = {}
         self._unsorted: set[int] = set()
-        #: per level above 0, per slot: the ticks filed there.  ``_occupied[level]`` has bit
-        #: ``i`` set while slot ``i`` is not empty.  Level 0 is its bits alone: its ticks lie
-        #: in (tick, tick + its size), one per slot, so bit ``i`` stands for the one ``≡ i``.
+        #: per level above 0, per slot: the ticks filed there; ``_occupied[level]`` has bit ``i``
+        #: set while slot ``i`` is not.  Level 0 is bits alone: its ticks lie in (tick, tick + size).
         self._slots: list[list[set[int]]] = [[]] + [[set() for _ in range(s)] for s in level_sizes[1:]]
         self._occupied = [0] * len(level_sizes)
         self._overdue: dict[K, None] = {}
         self._buckets[_OVERDUE] = self._overdue
-        #: key -> (due_ms, seq, tick or ``_OVERDUE``); seq is unique.  Entries hold only ints,
-        #: which the garbage collector does not track.  A bucket its keys have left stays
-        #: filed, empty, until its tick comes or ``next_due_ms`` meets it.
+        #: key -> (due_ms, seq, tick or ``_OVERDUE``); seq is unique; ints, which the GC skips
         self._where: dict[K, tuple[int, int, int]] = {}
         self._queued: Collection[K] = ()  # keys waiting beyond the horizon (TriggerTimer)
         self._tick, self._now = 0, start_ms  # every tick <= _tick has been processed
@@ -129,21 +124,15 @@ class _Wheel(Generic[K]):
             self._cache, self._cache_ok = self._compute_next_due(), True
         return self._cache
 
-    def _fire(self, now_ms: int) -> list[K]:
-        """``advance`` when keys wait beyond the horizon (``TriggerTimer``)."""
-        return self._turn(now_ms)
-
     def _turn(self, now_ms: int) -> list[K]:
-        """``advance`` when a slot fires or cascades by ``now_ms`` (>= ``current_ms``) or a key
-        is overdue."""
+        """``advance`` when a slot fires or cascades by ``now_ms`` (>= now) or a key is overdue."""
         self._now = now_ms
         target, event = (now_ms - self._start) // self._tick_ms, self._event
         if event <= self._tick:  # a bound set while a tick was processed
             event = self._tick + 1
         overdue, buckets, where, size = self._overdue, self._buckets, self._where, self._sizes[0]
-        fired: list[K] = list(overdue)  # due on this advance, whatever its time
-        if late := bool(fired):
-            overdue.clear()
+        fired, late = list(overdue), bool(overdue)  # due on this advance, whatever its time
+        overdue.clear()
         while event <= target:
             self._tick = event
             if event % self._res[1] == 0:
@@ -166,6 +155,8 @@ class _Wheel(Generic[K]):
         self._cache_ok = event == _NEVER or bool(buckets.get(event))
         self._cache = None if event == _NEVER else self._start + event * self._tick_ms
         return fired
+
+    _fire = _turn  # ``advance`` when keys wait beyond the horizon: TriggerTimer's
 
     def _insert(self, key: K, due_ms: int, seq: int) -> None:
         if due_ms > self.horizon_ms:
@@ -203,14 +194,12 @@ class _Wheel(Generic[K]):
             if delta < size:  # level 0: its bit
                 occupied[0] |= 1 << tick % size
                 continue
-            level = 2
-            while delta >= res[level]:
+            level = 1
+            while delta >= res[level + 1]:
                 level += 1
-            slot = tick // res[level - 1] % sizes[level - 1]
-            slots[level - 1][slot].add(tick)
-            occupied[level - 1] |= 1 << slot
-            if (cascade := tick - tick % res[level - 1]) < event:  # the slot's block starts then
-                event = cascade
+            slots[level][slot := tick // res[level] % sizes[level]].add(tick)
+            occupied[level] |= 1 << slot
+            event = min(event, tick - tick % res[level])  # the slot cascades at its block's start
         self._event = event
         self._sooner(self._start + min(ticks) * self._tick_ms)
 
@@ -230,9 +219,8 @@ class _Wheel(Generic[K]):
             slots, slot = self._slots[level], tick // self._res[level] % self._sizes[level]
             if tick in slots[slot]:
                 slots[slot].discard(tick)
-                if not slots[slot]:
-                    self._occupied[level] &= ~(1 << slot)
-                return
+                self._occupied[level] &= ~(0 if slots[slot] else 1 << slot)
+                break
 
     def _first_block(self, level: int, limit: int) -> int | None:
         """First block with a non-empty slot at ``level`` that starts in (tick, limit]."""
@@ -240,10 +228,9 @@ class _Wheel(Generic[K]):
         if not occupied:
             return None
         res, size = self._res[level], self._sizes[level]
-        first = self._tick // res + 1
-        start = first % size
-        later = occupied >> start  # the slots from ``start`` on, then those before it
-        later = later or (occupied & ((1 << start) - 1)) << (size - start)
+        start = (first := self._tick // res + 1) % size
+        # the slots from ``start`` on, then those before it
+        later = occupied >> start or (occupied & ((1 << start) - 1)) << (size - start)
         block = first + (later & -later).bit_length() - 1
         return block if block <= limit // res else None
 
@@ -266,8 +253,7 @@ class _Wheel(Generic[K]):
     def _cascade(self, tick: int) -> None:
         """At a block boundary: refile the ticks of the higher slots starting here."""
         for level in range(len(self._sizes) - 1, 0, -1):
-            res = self._res[level]
-            if tick % res == 0:
+            if tick % (res := self._res[level]) == 0:
                 slots, slot = self._slots[level], tick // res % self._sizes[level]
                 if ticks := slots[slot]:
                     slots[slot] = set()
@@ -283,10 +269,8 @@ class _Wheel(Generic[K]):
                 block = self._first_block(level, min(best - 1, self._tick + self._res[-1]))
                 if block is not None:
                     best = min(best, block if level == 0 else min(self._slots[level][block % self._sizes[level]]))
-            if best == _NEVER:
-                return None
-            if self._buckets[best]:
-                return self._start + best * self._tick_ms
+            if best == _NEVER or self._buckets[best]:
+                return None if best == _NEVER else self._start + best * self._tick_ms
             del self._buckets[best]  # its keys were removed: it fires nothing
             self._unfile(best)
 
@@ -359,15 +343,11 @@ class TriggerTimer(_Wheel[K]):
                 if (found := buckets.get(tick)) is None:
                     found = buckets[tick] = {}
                     new.append(tick)
-                elif not found:  # left filed by removes: due again
-                    self._sooner(start + tick * tick_ms)
-                bucket = found
+                bucket, last = found, last if found or new and new[-1] == tick else None
             entry = (due_ms, seq + 1, tick)
             if due_ms != last or key in queued or put(key, entry) is not entry:
-                if not bucket:  # found empty or made for this row, and no key went in
-                    self._cache_ok = False
-                    if new and not buckets[new[-1]]:
-                        del buckets[new.pop()]
+                if new and not buckets[new[-1]]:  # made for this row, and no key went in
+                    del buckets[new.pop()]
                 self._file(new)  # the general path, on a wheel in order
                 new, last, self._seq = [], None, seq
                 self.add_earlier(key, due_ms)
@@ -380,17 +360,13 @@ class TriggerTimer(_Wheel[K]):
 
     def due_ms(self, key: K) -> int | None:
         """The time ``key`` is scheduled for, or None if it is not."""
-        entry = self._where.get(key)
-        if entry is not None:
-            return entry[0]
-        queued = self._delayed._live.get(key)
-        return None if queued is None else queued[0]
+        entry = self._where.get(key) or self._delayed._live.get(key)
+        return None if entry is None else entry[0]
 
     def _unqueue(self, key: K) -> bool:
-        if not self._delayed.remove(key):
-            return False
-        self._cache_ok = False
-        return True
+        removed = self._delayed.remove(key)
+        self._cache_ok = self._cache_ok and not removed
+        return removed
 
     def _fire(self, now_ms: int) -> list[K]:
         fired: list[K] = []
@@ -410,15 +386,14 @@ class TriggerTimer(_Wheel[K]):
         return fired
 
     def _heed(self, due_ms: int) -> None:
-        """A key waits in the queue until ``due_ms``: ``advance`` takes its slow path from
-        the tick at which the horizon reaches ``due_ms`` (or earlier)."""
+        """A key waits in the queue until ``due_ms``: ``advance`` takes its slow path from the
+        tick at which the horizon reaches it (or earlier), and ``next_due_ms`` knows of it."""
         admit = -((self._start - due_ms) // self._tick_ms) - self._res[-1] + 1
         self._event = min(self._event, admit)
         self._sooner(self._round_up(due_ms))
 
     def _compute_next_due(self) -> int | None:
         due, pending = super()._compute_next_due(), self._delayed.peek_ms()
-        if pending is None:
-            return due
-        pending = self._round_up(pending)
-        return pending if due is None else min(due, pending)
+        if pending is not None:
+            due = self._round_up(pending) if due is None else min(due, self._round_up(pending))
+        return due
