@@ -67,7 +67,8 @@ class _Wheel(Generic[K]):
         self._buckets[_OVERDUE] = self._overdue
         #: key -> (due_ms, seq, tick or ``_OVERDUE``); seq is unique; ints, which the GC skips
         self._where: dict[K, tuple[int, int, int]] = {}
-        self._queued: Collection[K] = ()  # keys waiting beyond the horizon (TriggerTimer)
+        self._delayed: DelayQueue[K] = DelayQueue()  # keys beyond the horizon (TriggerTimer)
+        self._queued = self._delayed._live
         self._tick, self._now = 0, start_ms  # every tick <= _tick has been processed
         self._seq = 0  # the last insertion number given out
         self._cache: int | None = None  # next_due_ms() while _cache_ok
@@ -126,26 +127,27 @@ class _Wheel(Generic[K]):
 
     def _turn(self, now_ms: int) -> list[K]:
         """``advance`` when a slot fires or cascades by ``now_ms`` (>= now) or a key is overdue."""
-        self._now = now_ms
-        target, event = (now_ms - self._start) // self._tick_ms, self._event
-        if event <= self._tick:  # a bound set while a tick was processed
-            event = self._tick + 1
-        overdue, buckets, where, size = self._overdue, self._buckets, self._where, self._sizes[0]
+        self._now, tick_ms, unsorted, occupied = now_ms, self._tick_ms, self._unsorted, self._occupied
+        target, event = (now_ms - self._start) // tick_ms, max(self._event, self._tick + 1)
+        overdue, buckets, where, size, res1 = self._overdue, self._buckets, self._where, self._sizes[0], self._res[1]
         fired, late = list(overdue), bool(overdue)  # due on this advance, whatever its time
         overdue.clear()
         while event <= target:
             self._tick = event
-            if event % self._res[1] == 0:
+            if event % res1 == 0:
                 self._cascade(event)
-            bucket = buckets.pop(event, None)
-            if bucket is not None:  # after the cascade, the only tick of its level-0 slot
-                if len(bucket) > 1 and (self._tick_ms > 1 or event in self._unsorted):
-                    bucket = dict.fromkeys(sorted(bucket, key=where.__getitem__))
-                if self._unsorted:
-                    self._unsorted.discard(event)
-                self._occupied[0] &= ~(1 << event % size)
+            if (bucket := buckets.pop(event, None)) is not None:  # its level-0 slot's only tick
+                if unsorted or tick_ms > 1:
+                    if len(bucket) > 1 and (tick_ms > 1 or event in unsorted):
+                        bucket = dict.fromkeys(sorted(bucket, key=where.__getitem__))
+                    unsorted.discard(event)
+                occupied[0] &= ~(1 << event % size)
                 fired += bucket
-            event = self._next_event()
+            later = occupied[0] >> (event + 1) % size  # the next tick in this lap, if any
+            if later and (event + 1) % size:  # else a lap ends (a cascade): _next_event
+                event += (later & -later).bit_length()
+            else:
+                event = self._next_event()
         if late:  # with coarse ticks an overdue key may be due after a wheel key
             fired.sort(key=where.__getitem__)
         for key in fired:
@@ -199,7 +201,8 @@ class _Wheel(Generic[K]):
                 level += 1
             slots[level][slot := tick // res[level] % sizes[level]].add(tick)
             occupied[level] |= 1 << slot
-            event = min(event, tick - tick % res[level])  # the slot cascades at its block's start
+            if (cascade := tick - tick % res[level]) < event:  # the slot's block starts then
+                event = cascade
         self._event = event
         self._sooner(self._start + min(ticks) * self._tick_ms)
 
@@ -291,13 +294,6 @@ class TriggerTimer(_Wheel[K]):
     """A TimingWheel for the near future backed by a DelayQueue for the rest (``add`` takes
     any time); a queued key moves into the wheel once the horizon reaches it."""
 
-    def __init__(
-        self, start_ms: int, tick_ms: int = 1, level_sizes: tuple[int, ...] = DEFAULT_LEVEL_SIZES
-    ) -> None:
-        super().__init__(start_ms, tick_ms, level_sizes)
-        self._delayed: DelayQueue[K] = DelayQueue()
-        self._queued = self._delayed._live
-
     def __len__(self) -> int:
         return len(self._where) + len(self._delayed)
 
@@ -343,7 +339,9 @@ class TriggerTimer(_Wheel[K]):
                 if (found := buckets.get(tick)) is None:
                     found = buckets[tick] = {}
                     new.append(tick)
-                bucket, last = found, last if found or new and new[-1] == tick else None
+                elif not found:  # emptied by cancels: the general path tells next_due_ms
+                    last = None
+                bucket = found
             entry = (due_ms, seq + 1, tick)
             if due_ms != last or key in queued or put(key, entry) is not entry:
                 if new and not buckets[new[-1]]:  # made for this row, and no key went in
