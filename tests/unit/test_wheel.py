@@ -446,3 +446,56 @@ def test_a_burst_in_one_millisecond_fires_there_in_insertion_order() -> None:
     assert all(timer.advance(now) == [] for now in range(START, due))
     assert timer.advance(due) == [task_id for task_id in ids if task_id % 10]
     assert len(timer) == 0 and timer.next_due_ms() is None
+
+
+@pytest.mark.parametrize("due", [START + 100, START + 5_000])  # level 0, then level 1
+def test_a_tick_its_cancels_emptied_fires_nothing_and_takes_keys_again(due: int) -> None:
+    """A cancel leaves an emptied tick filed: the next due time skips it, a pass through it
+    fires nothing, and a key added there again (one by one or in a batch) makes it due."""
+    timer: TriggerTimer[int] = TriggerTimer(START, level_sizes=(256, 32))
+    timer.add_earlier_many([(1, due), (2, due), (3, due + 7)])
+    assert timer.next_due_ms() == due
+    assert timer.remove(1) and timer.remove(2) and not timer.remove(2)
+    assert timer.next_due_ms() == due + 7 and len(timer) == 1 and timer.wheel_depth == 1
+    timer.add_earlier_many([(4, due), (5, due)])  # back into the emptied tick, in a batch
+    assert timer.next_due_ms() == due and timer.due_ms(4) == due
+    assert timer.remove(4) and timer.remove(5)
+    timer.add(6, due)  # and one by one
+    assert timer.next_due_ms() == due
+    assert timer.remove(6) and timer.next_due_ms() == due + 7
+    assert timer.advance(due) == [] and timer.next_due_ms() == due + 7
+    assert timer.advance(due + 7) == [3] and len(timer) == 0 and timer.next_due_ms() is None
+
+
+def test_a_key_cancelled_and_added_again_to_its_tick_fires_once_in_its_new_place() -> None:
+    wheel: TimingWheel[str] = TimingWheel(START, level_sizes=(16, 4))
+    for key in "abc":
+        wheel.add(key, START + 40)  # level 1: cascades before it fires
+    assert wheel.remove("a")
+    wheel.add("d", START + 40)
+    wheel.add("a", START + 40)
+    assert wheel.advance(START + 39) == []
+    assert wheel.advance(START + 40) == ["b", "c", "d", "a"]
+    assert len(wheel) == 0
+
+
+def test_cancelling_the_earliest_overdue_key_moves_the_next_due_time() -> None:
+    wheel: TimingWheel[str] = TimingWheel(START)
+    wheel.advance(START + 100)
+    wheel.add("late", START + 10)
+    wheel.add("later", START + 20)
+    wheel.add("future", START + 300)
+    assert wheel.next_due_ms() == START + 10
+    assert wheel.remove("late") and wheel.next_due_ms() == START + 20
+    assert wheel.remove("later") and wheel.next_due_ms() == START + 300
+    assert wheel.advance(START + 101) == [] and wheel.advance(START + 300) == ["future"]
+
+
+def test_consecutive_ticks_across_laps_of_level_zero_fire_one_by_one() -> None:
+    """1 ms passes over keys on every tick for three laps of an 8-slot level 0: each pass
+    fires its own tick's keys, including the ticks where a lap ends and a slot cascades."""
+    wheel: TimingWheel[int] = TimingWheel(START, level_sizes=(8, 4, 2))
+    for key in range(1, 25):
+        wheel.add(key, START + key)
+    assert [wheel.advance(START + now) for now in range(1, 25)] == [[key] for key in range(1, 25)]
+    assert wheel.next_due_ms() is None
