@@ -343,7 +343,7 @@ class TriggerTimer(_Wheel[K]):
                     last = None
                 bucket = found
             entry = (due_ms, seq + 1, tick)
-            if due_ms != last or key in queued or put(key, entry) is not entry:
+            if due_ms != last or queued and key in queued or put(key, entry) is not entry:
                 if new and not buckets[new[-1]]:  # made for this row, and no key went in
                     del buckets[new.pop()]
                 self._file(new)  # the general path, on a wheel in order
