@@ -16,7 +16,9 @@ next due time), cancels. Rounds alternate which timer goes first; medians are pr
 
 The heap is a fair rival: a ``(due_ms, seq, key)`` heap with a dict of live entries, lazy
 deletion for cancels and reschedules, a bulk add that is one inline loop, the same
-earlier-time-wins rule and the same due order (ties in insertion order).
+earlier-time-wins rule and the same due order (ties in insertion order). Its cancels only
+forget the live entry; popping the stale entries later is counted under "pop", while the
+wheel takes a cancelled key out of its bucket at once, under "cancel".
 """
 
 from __future__ import annotations
