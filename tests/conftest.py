@@ -15,6 +15,7 @@ from sqlalchemy import Engine, text
 from ax_kombu.config import Settings, from_env
 from ax_kombu.store.engine import make_engine, migrate
 
+from .faults import summary as fault_summary
 from .services import (
     AMQP_URL,
     PG_ADMIN_URL,
@@ -166,3 +167,32 @@ def broker(request: pytest.FixtureRequest) -> dict[str, str]:
     """Broker settings for one test, on Redis and on RabbitMQ."""
     value: dict[str, str] = request.getfixturevalue(f"{request.param}_broker")
     return value
+
+
+# -- the session: two workers (pytest-xdist), the fault suite's table ---------------------------
+
+#: markers whose tests run one after another on one pytest-xdist worker (``--dist loadgroup``):
+#: each fault scenario starts four daemons and reports their lateness, and the multi-host
+#: tests share network namespaces and private servers
+SERIAL_MARKERS = ("faults", "multihost")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker in SERIAL_MARKERS:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.xdist_group(marker))
+                break
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    fault_summary.hand_to_controller(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    fault_summary.take_from_worker(node)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    fault_summary.report(terminalreporter)

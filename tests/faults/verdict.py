@@ -125,7 +125,12 @@ HEADER = ["fault", "tasks", "lost", "stuck (not final)", "ran twice", "pub. twic
 
 def table(verdicts: Sequence[Verdict]) -> str:
     """The summary table, as Markdown."""
-    rows = [HEADER] + [v.row() for v in verdicts]
+    return rows_table([v.row() for v in verdicts])
+
+
+def rows_table(lines: Sequence[Sequence[str]]) -> str:
+    """The summary table of verdict rows (:meth:`Verdict.row`), as Markdown."""
+    rows = [HEADER] + [list(line) for line in lines]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     fmt = [("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
            for r in rows]
