@@ -59,8 +59,9 @@ ACK_AT_START_MS = 10 * 60 * 1000
 STAGE_PER_THREAD = 200
 #: a run's time until runs have been measured: the horizon's default, so a lane that has
 #: not timed a run yet stages one run per thread; the first run timed replaces it (an
-#: average that only decays from 1 s kept a lane's stage at a tenth of its size through
-#: its first hundred runs, so a burst due soon after start found almost nothing staged)
+#: average that only decays from 1 s kept a lane's stage small through its first runs, so
+#: a burst due soon after start found almost nothing staged: docs/benchmarks.md, "Issue
+#: 21, third session")
 FIRST_RUN_S = 1.0
 #: what a run costs the worker besides its processor (its share of the RUNNING write,
 #: the hand-offs and the result write), added to the measured run time
