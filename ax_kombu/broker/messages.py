@@ -146,36 +146,6 @@ class TaskMessage(NamedTuple):
     dispatched_at: int
     node: str
 
-    # Not on the wire: a run reads these from the row its start returned
-    # (ax_kombu.worker.task.RunTask); a message names no occurrence, gate or shard.
-    @property
-    def job(self) -> str | None:
-        return None
-
-    @property
-    def scheduled_at(self) -> int | None:
-        return None
-
-    @property
-    def gated(self) -> bool:
-        return False
-
-    @property
-    def order_key(self) -> str | None:
-        return None
-
-    @property
-    def shard_index(self) -> int | None:
-        return None
-
-    @property
-    def shard_total(self) -> int | None:
-        return None
-
-    @property
-    def started_at(self) -> int | None:
-        return None
-
     @property
     def route(self) -> str | None:
         """None: a message built by hand is published to its priority's queue."""

@@ -214,7 +214,9 @@ class Starter:
                     run.move(State.ABANDONED)
         if run.state is State.STARTED:
             run.move(State.ENDED)
-            self._results.put(run.task, outcome, on_durable=partial(self._durable, run))
+            task = run.task
+            assert type(task) is RunTask  # started, so fenced: the row's task
+            self._results.put(task, outcome, on_durable=partial(self._durable, run))
             return
         if self._listing is not None and self._listing.any:
             self._listing.forget([run.task.task_id])  # listed or not: it never starts here

@@ -13,7 +13,6 @@ import pytest
 from sqlalchemy import Connection
 from sqlalchemy.exc import DataError, OperationalError
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
@@ -22,6 +21,7 @@ from ax_kombu.worker import outcomes, results
 from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.pools import Outcome
 from ax_kombu.worker.results import ResultWriter
+from ax_kombu.worker.task import RunTask
 
 from .harness import eventually
 from .test_worker import Dispatch
@@ -31,15 +31,17 @@ pytestmark = pytest.mark.timeout(60)
 NODE = "w-results"
 
 
-def running(dispatch: Dispatch, n: int, **options: Any) -> list[TaskMessage]:
-    """``n`` tasks moved RUNNING on NODE, as a worker's receipt would."""
+def running(dispatch: Dispatch, n: int, **options: Any) -> list[RunTask]:
+    """``n`` tasks moved RUNNING on NODE, as a worker's receipt would: each run's task as
+    its started row stores it."""
     ids = [dispatch.enqueue("t.noop", {"i": i}, **options) for i in range(n)]
     messages = dispatch.claim(ids)
     with dispatch.client.store.engine.begin() as conn:
         started = transitions.start_many(conn, [(m.task_id, m.attempt) for m in messages],
                                          NODE, dispatch.client.store.now_ms())
     assert len(started) == n
-    return messages
+    rows = {row.task_id: row for row in started}
+    return [RunTask.of(rows[m.task_id], m, m.payload) for m in messages]
 
 
 @pytest.fixture

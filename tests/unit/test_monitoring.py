@@ -154,11 +154,11 @@ def test_task_types_are_labels_only_when_allowed(monkeypatch: pytest.MonkeyPatch
 
 
 def test_runs_are_counted_by_type_only_for_listed_types(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ax_kombu.broker.messages import TaskMessage
     from ax_kombu.config import Settings
     from ax_kombu.worker.outcomes import RunResult, decide
     from ax_kombu.worker.pools import Outcome
     from ax_kombu.worker.results import _observe
+    from ax_kombu.worker.task import RunTask
 
     def count(task_type: str) -> float:
         return REGISTRY.get_sample_value(
@@ -166,8 +166,11 @@ def test_runs_are_counted_by_type_only_for_listed_types(monkeypatch: pytest.Monk
 
     monkeypatch.setenv("AX_METRICS_TASK_TYPES", "mon.listed")
     before = {t: count(t) for t in ("mon.listed", "mon.unlisted", "other")}
-    batch = [RunResult(TaskMessage(i, 1, task_type, None, "t", 0, 1000, "slow", 0, 0, None, None,
-                                   0, "s"), Outcome(True, value=None, duration_s=0.001), 5)
+    batch = [RunResult(RunTask(task_id=i, attempt=1, task_type=task_type, payload=None,
+                               trace_id="t", trigger_time=0, timeout_ms=1000, priority="slow",
+                               retry_count=0, max_retry=0, processor=None, callback_url=None,
+                               dispatched_at=0, node="s"),
+                       Outcome(True, value=None, duration_s=0.001), 5)
              for i, task_type in enumerate(["mon.listed", "mon.listed", "mon.unlisted"])]
     _observe(batch, [decide(r, Settings(), None) for r in batch])  # type: ignore[arg-type]
     assert count("mon.listed") - before["mon.listed"] == 2

@@ -5,6 +5,7 @@ callback's status and Retry-After — as a table (issue 37)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import random
@@ -16,7 +17,6 @@ from email.utils import formatdate
 import pytest
 from sqlalchemy.exc import DataError
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import from_env
 from ax_kombu.core.backoff import Backoff, RetryPolicy
 from ax_kombu.core.states import Status
@@ -47,15 +47,16 @@ from ax_kombu.worker.outcomes import (
 )
 from ax_kombu.worker.pools import Outcome
 from ax_kombu.worker.processors import policy_of, processor, registered
+from ax_kombu.worker.task import RunTask
 
 SETTINGS = from_env({}, max_result_bytes=1000)
 
 
-def task(retry_count: int = 0, max_retry: int = 0) -> TaskMessage:
-    return TaskMessage(task_id=7, attempt=1, task_type="t", payload={}, trace_id="tr",
-                       trigger_time=0, timeout_ms=300, priority="default",
-                       retry_count=retry_count, max_retry=max_retry, processor="t",
-                       callback_url=None, dispatched_at=0, node="n")
+def task(retry_count: int = 0, max_retry: int = 0) -> RunTask:
+    return RunTask(task_id=7, attempt=1, task_type="t", payload={}, trace_id="tr",
+                   trigger_time=0, timeout_ms=300, priority="default",
+                   retry_count=retry_count, max_retry=max_retry, processor="t",
+                   callback_url=None, dispatched_at=0, node="n")
 
 
 def ended(outcome: Outcome, retry_count: int = 0, max_retry: int = 0) -> RunResult:
@@ -191,8 +192,8 @@ class Top:
 
 def run(outcome: Outcome, retry_count: int = 0, max_retry: int = 3,
         attempt: int | None = None) -> RunResult:
-    message = task(retry_count, max_retry)._replace(
-        attempt=retry_count + 1 if attempt is None else attempt)
+    message = dataclasses.replace(task(retry_count, max_retry),
+                                  attempt=retry_count + 1 if attempt is None else attempt)
     return RunResult(message, outcome, END)
 
 

@@ -29,10 +29,12 @@ def message(task_id: int, **changes: Any) -> TaskMessage:
 
 def same(started: dict[int, RunTask], expected: dict[int, TaskMessage]) -> bool:
     """``started`` holds, field by field, the tasks of ``expected`` (a run's task is a
-    RunTask, by name; a message's a TaskMessage)."""
-    names = [f.name for f in dataclasses.fields(RunTask)]
+    RunTask, by name; a message's a TaskMessage). A field no message carries (the job, the
+    gate, the shard, the start) must hold RunTask's default: a message names none."""
+    fields = dataclasses.fields(RunTask)
     return started.keys() == expected.keys() and all(
-        [getattr(started[k], n) for n in names] == [getattr(expected[k], n) for n in names]
+        [getattr(started[k], f.name) for f in fields]
+        == [getattr(expected[k], f.name, f.default) for f in fields]
         for k in started)
 
 

@@ -6,23 +6,23 @@ import random
 import threading
 import time
 
-from ax_kombu.broker.messages import TaskMessage
 from ax_kombu.config import from_env
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.worker.counters import Room
 from ax_kombu.worker.outcomes import RunResult, decide
 from ax_kombu.worker.pools import Outcome
+from ax_kombu.worker.task import RunTask
 
 SETTINGS = from_env({}, retry_backoff_base_ms=1000, retry_backoff_max_ms=60_000,
                     retry_backoff_jitter=0.5)
 
 
-def task(retry_count: int = 0, max_retry: int = 3) -> TaskMessage:
-    return TaskMessage(task_id=7, attempt=2, task_type="t", payload={}, trace_id="tr",
-                       trigger_time=0, timeout_ms=300, priority="default",
-                       retry_count=retry_count, max_retry=max_retry, processor="t",
-                       callback_url=None, dispatched_at=0, node="n")
+def task(retry_count: int = 0, max_retry: int = 3) -> RunTask:
+    return RunTask(task_id=7, attempt=2, task_type="t", payload={}, trace_id="tr",
+                   trigger_time=0, timeout_ms=300, priority="default",
+                   retry_count=retry_count, max_retry=max_retry, processor="t",
+                   callback_url=None, dispatched_at=0, node="n")
 
 
 def test_success() -> None:
