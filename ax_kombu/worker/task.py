@@ -4,8 +4,7 @@ A message only says "task X, attempt N is due" (its attempt is the fencing token
 its RUNNING move on, a run's task is the row that move returned
 (:class:`~ax_kombu.store.transitions.Started`), with the payload parsed once; the message
 keeps only what decides nothing (``dispatched_at``, the dispatching ``node``).
-:class:`Ended` is what the result writer reads of a run's task (a :class:`RunTask`, or a
-:class:`~ax_kombu.broker.messages.TaskMessage` where a test hands one over).
+:class:`Ended` is what the result writer reads of a run's task (a :class:`RunTask`).
 """
 
 from __future__ import annotations
