@@ -38,7 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ax_kombu.broker.celery_wire import CeleryBound, celery_queue, celery_task_id
 from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.store import Store, gates
-from ax_kombu.store.transitions import _execute_batch, _storable
+from ax_kombu.store.transitions import execute_batch, storable
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,9 @@ def record(conn: Connection, hand_offs: Sequence[Handed], now_ms: int) -> list[i
     """
     if not hand_offs:
         return []
-    rows = list(_execute_batch(conn, ("id", "att", "res"), _HAND_OFF,
-                               [(h.task_id, h.attempt, _storable(h.result)) for h in hand_offs],
-                               now=now_ms))
+    rows = list(execute_batch(conn, ("id", "att", "res"), _HAND_OFF,
+                              [(h.task_id, h.attempt, storable(h.result)) for h in hand_offs],
+                              now=now_ms))
     gates.wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
     return [r.task_id for r in rows]
 

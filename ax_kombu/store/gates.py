@@ -47,7 +47,7 @@ from ax_kombu.store import transitions
 from ax_kombu.store.claims import claim
 from ax_kombu.store.schema import CLAIMABLE, UNPARKED, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
-from ax_kombu.store.transitions import _execute_batch, storable
+from ax_kombu.store.transitions import execute_batch, storable
 
 _WAITING = ("CREATED", "DELAYED", "READY")
 _ACTIVE = ("DISPATCHING", "RUNNING")
@@ -339,8 +339,8 @@ def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str
     """
     if not refused:
         return []
-    rows = list(_execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
-                               [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
-                               now=now_ms, node=node))
+    rows = list(execute_batch(conn, ("id", "att", "err"), _FAIL_UNBUILDABLE,
+                              [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
+                              now=now_ms, node=node))
     wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
     return [r.task_id for r in rows]

@@ -73,8 +73,10 @@ def _batch_sql(dialect: str, columns: tuple[str, ...], template: str) -> TextCla
     return text(template.format(source=source))
 
 
-def _execute_batch(conn: Connection, columns: tuple[str, ...], template: str,
-                   rows: Sequence[Sequence[Any]], **params: Any) -> Any:
+def execute_batch(conn: Connection, columns: tuple[str, ...], template: str,
+                  rows: Sequence[Sequence[Any]], **params: Any) -> Any:
+    """Run ``template`` (a batched move: see :func:`_batch_sql`) over ``rows``, one value per
+    name in ``columns``, sent as one JSON parameter; the result, for RETURNING rows."""
     stmt = _batch_sql(conn.dialect.name, columns, template)
     params["rows"] = orjson.dumps([r if type(r) is tuple else list(r) for r in rows]).decode()
     return conn.execute(stmt, params)
@@ -84,7 +86,7 @@ def _run_batch(conn: Connection, columns: tuple[str, ...], template: str,
                rows: Sequence[Sequence[Any]], **params: Any) -> list[int]:
     if not rows:
         return []
-    return [r[0] for r in _execute_batch(conn, columns, template, rows, **params)]
+    return [r[0] for r in execute_batch(conn, columns, template, rows, **params)]
 
 
 class Started(NamedTuple):
@@ -198,8 +200,8 @@ def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
     if not pairs:
         return []
     template = _STARTS[(resume, incarnation is not None)]
-    result = _execute_batch(conn, ("id", "att"), template, pairs, now=now_ms, node=node,
-                            **({"inc": incarnation} if incarnation is not None else {}))
+    result = execute_batch(conn, ("id", "att"), template, pairs, now=now_ms, node=node,
+                           **({"inc": incarnation} if incarnation is not None else {}))
     return list(map(Started._make, result))
 
 
@@ -339,5 +341,5 @@ def record_attempts(conn: Connection, attempts: Sequence[Attempt]) -> None:
     (by the recovery that declared it lost, say) keeps its first record; its ``error``
     is written :func:`storable`."""
     if attempts:
-        _execute_batch(conn, _RECORD_COLUMNS, _RECORD,
-                       [a._replace(error=_storable(a.error)) for a in attempts])
+        execute_batch(conn, _RECORD_COLUMNS, _RECORD,
+                      [a._replace(error=_storable(a.error)) for a in attempts])
