@@ -140,6 +140,10 @@ tasks = Table(
     #: the biz_key this finished task kept until an ``enqueue(..., unique="pending")`` of
     #: the same key took it over (migration 0019); no index: only listings read it
     Column("released_key", String(255)),
+    #: the W3C trace context current at enqueue (OpenTelemetry, migration 0022), carried
+    #: into the message headers; NULL: enqueued without a trace
+    Column("traceparent", String(55)),
+    Column("tracestate", String(512)),
     # PostgreSQL: a partial unique index (rows without a biz_key stay out of it, so their
     # status changes do not write to it); SQLite keeps the plain constraint (migration 0003)
     Index("uq_ax_task_type_biz_key", "task_type", "biz_key", unique=True,
@@ -269,6 +273,20 @@ def _cold_copy(source: Table, name: str, *indexes: Index) -> Table:
 task_archive = _cold_copy(tasks, "ax_task_archive",
                           Index("ix_ax_task_archive_finished", "finished_at"))
 attempt_archive = _cold_copy(attempts, "ax_attempt_archive")
+
+#: the log lines one run emitted (its thread's or coroutine's ``logging`` records and
+#: ``ctx.log``), bounded by the worker (migration 0022): ``lines`` a JSON list, ``cut`` what
+#: was left out (NULL: nothing). A row only for a run that logged; written with its end;
+#: archived and purged with its task. Index: the primary key — one task's runs.
+run_logs = Table(
+    "ax_run_log", metadata,
+    Column("task_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("attempt", Integer, primary_key=True, autoincrement=False),
+    Column("lines", Text, nullable=False),
+    Column("cut", Text),
+    Column("written_at", BigInteger, nullable=False),
+)
+run_log_archive = _cold_copy(run_logs, "ax_run_log_archive")
 
 #: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
 #: RUNNING at once (``ax.set_limit``); enforced by the gated claim.

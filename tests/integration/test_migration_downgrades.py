@@ -123,7 +123,7 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0021"
+    assert current_revision(engine) == "0022"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
@@ -137,3 +137,23 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
                                        (11, 50_000_000),
                                        (21, 50_000_000), (41, 50_000_000)]
     assert _duplicates_found(engine, 30)
+
+
+def test_0022_trace_context_and_run_logs_go_back_and_come_again(empty_store: Engine) -> None:
+    engine = empty_store
+    migrate(engine)
+    tables = set(inspect(engine).get_table_names())
+    assert {"ax_run_log", "ax_run_log_archive"} <= tables
+    for table in ("ax_task", "ax_task_archive"):
+        assert {"traceparent", "tracestate"} <= _columns(engine, table)
+    insert_tasks(engine, [task_row(1, 10_000_000, "DELAYED", "a" * 32)], 5_000)
+
+    _downgrade(engine, "0021")
+    assert current_revision(engine) == "0021"
+    assert not {"ax_run_log", "ax_run_log_archive"} & set(inspect(engine).get_table_names())
+    assert "traceparent" not in _columns(engine, "ax_task") | _columns(engine, "ax_task_archive")
+    assert _duplicates_found(engine, 10)  # the stored task survived the dropped columns
+
+    migrate(engine)
+    assert current_revision(engine) == "0022"
+    assert {"traceparent", "tracestate"} <= _columns(engine, "ax_task")
