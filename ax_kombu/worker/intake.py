@@ -24,7 +24,7 @@ that have not started (:meth:`Intake.withdraw`) and hands them back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ax_kombu.broker import redis_pull
 from ax_kombu.core.lease import Lease
@@ -38,6 +38,7 @@ from ax_kombu.worker.planning import Planner
 from ax_kombu.worker.processors import Resolver
 from ax_kombu.worker.receipts import ReceiptWriter
 from ax_kombu.worker.run import Run, State
+from ax_kombu.worker.scopes import RunScope
 from ax_kombu.worker.stage import Stage
 from ax_kombu.worker.starts import Outcomes, Starter
 
@@ -67,7 +68,7 @@ class Intake:
                  resolver: Resolver, stats: Counters, wakeup: Wakeup, flags: StopFlags,
                  clock: Callable[[], float], lease: Lease, batch_size: int = 500,
                  now_ms: Callable[[], float] | None = None, listing: Listing | None = None,
-                 stage: Stage | None = None) -> None:
+                 stage: Stage | None = None, scopes: Sequence[RunScope] = ()) -> None:
         self.lanes = lanes
         self._flags = flags
         self.stage = stage or Stage()
@@ -77,7 +78,8 @@ class Intake:
         executors: dict[Lane, Executor] = {lane: lane.pool for lane in lanes}
         self.starter = Starter(stage=self.stage, executors=executors, results=results,
                                resolver=resolver, wakeup=wakeup, clock=clock,
-                               now_ms=now_ms or clock, lease=lease, listing=listing)
+                               now_ms=now_ms or clock, lease=lease, listing=listing,
+                               scopes=scopes)
         self.planner = Planner(lanes, receipts=receipts, acks=self.acks, starter=self.starter,
                                stats=stats, pending=self.pending, batch_size=batch_size)
         self.receipts = receipts

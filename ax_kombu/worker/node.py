@@ -63,6 +63,7 @@ from ax_kombu.worker.listing import SCAN_S, Listing, ListingScan
 from ax_kombu.worker.processors import Resolver, split_names
 from ax_kombu.worker.receipts import ReceiptWriter
 from ax_kombu.worker.results import ResultWriter
+from ax_kombu.worker.scopes import run_scopes
 from ax_kombu.worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class Worker:
                       flags=self.flags, clock=self.store.clock.earliest_ms, lease=self.lease,
                       batch_size=self.settings.worker_batch_size,
                       now_ms=self.store.clock.local_ms,  # the result writer's clock too
-                      listing=self.listing)
+                      listing=self.listing, scopes=run_scopes(self.settings))
 
     @staticmethod
     def _lanes(settings: Settings, queues: Sequence[str], node_id: str,

@@ -49,6 +49,7 @@ from ax_kombu.worker.listing import Listing
 from ax_kombu.worker.processors import Resolver, call
 from ax_kombu.worker.receipts import UnreadablePayload
 from ax_kombu.worker.run import WAITING, Run, State
+from ax_kombu.worker.scopes import RunScope, entered
 from ax_kombu.worker.stage import Stage
 from ax_kombu.worker.task import Ended, RunTask
 
@@ -81,12 +82,13 @@ class Starter:
             its end on the same clock.
         listing: where LISTED runs are released before they start, and forgotten when they
             end without starting (None: no run is ever listed).
+        scopes: what wraps each started run's processor call, outermost first.
     """
 
     def __init__(self, *, stage: Stage, executors: dict[Lane, Executor], results: Outcomes,
                  resolver: Resolver, wakeup: Wakeup, clock: Callable[[], float],
                  now_ms: Callable[[], float], lease: Lease,
-                 listing: Listing | None = None) -> None:
+                 listing: Listing | None = None, scopes: Sequence[RunScope] = ()) -> None:
         self._stage = stage
         self._executors = executors
         self._results = results
@@ -96,6 +98,8 @@ class Starter:
         self._now_ms = now_ms
         self._lease = lease
         self._listing = listing
+        #: what wraps every started run (:mod:`ax_kombu.worker.scopes`)
+        self._scopes = tuple(scopes)
         #: runs whose timeout passed while they waited (the lease stayed uncertain, say)
         #: and so never started: their rows are still RUNNING here at their attempt, and
         #: the node writes them back (:meth:`take_expired`), or the recovery does
@@ -202,7 +206,8 @@ class Starter:
         if type(task.payload) is UnreadablePayload:
             raise ProcessorRefused("the stored payload is not JSON")
         func = self._resolver.resolve(task.processor, task.callback_url)
-        return call(func, task.payload, ctx)
+        with entered(self._scopes, task, ctx):
+            return call(func, task.payload, ctx)
 
     def _done(self, run: Run[Lane], outcome: Outcome) -> None:
         """A run's outcome (an executor's thread): STARTED → ENDED, to the result writer;

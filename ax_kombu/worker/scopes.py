@@ -1,0 +1,41 @@
+"""Run scopes: what wraps every started run, on its thread or in its coroutine.
+
+A scope is entered just before a run's processor is called and left when it returns or
+raises, in the same thread (a sync processor) or the same asyncio task (an ``async def``
+one), so it may set context variables (the current span, the run's log buffer) that the
+processor's own code sees. Scopes never decide an outcome: an exception a scope raises on
+entry fails the run like the processor's own, and one raised on exit is logged and
+dropped. The worker builds its scopes once (:func:`run_scopes`); :class:`~ax_kombu.worker.
+starts.Starter` enters them in order and leaves them in reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+from ax_kombu.config import Settings
+from ax_kombu.worker.context import Context
+from ax_kombu.worker.task import RunTask
+
+#: one scope: given the run's task and context, a context manager around its processor
+RunScope = Callable[[RunTask, Context], AbstractContextManager[Any]]
+
+
+def run_scopes(settings: Settings) -> list[RunScope]:
+    """The scopes every run of a worker with ``settings`` is wrapped in, outermost first."""
+    del settings
+    return []
+
+
+def entered(scopes: Sequence[RunScope], task: RunTask, ctx: Context) -> ExitStack:
+    """An :class:`ExitStack` holding ``scopes`` entered for one run (leave it with ``with``)."""
+    stack = ExitStack()
+    try:
+        for scope in scopes:
+            stack.enter_context(scope(task, ctx))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
