@@ -80,6 +80,7 @@ from urllib3.exceptions import (
 )
 
 from ax_kombu.config import redact_url
+from ax_kombu.core.context import Context
 from ax_kombu.exceptions import CallbackFailed, Discard, Retry
 from ax_kombu.worker.callback_http import Call, current_expired, deadline_scope, pools
 from ax_kombu.worker.callback_targets import (
@@ -89,7 +90,6 @@ from ax_kombu.worker.callback_targets import (
     parse_target,
     resolve_checked,
 )
-from ax_kombu.worker.context import Context
 
 #: bytes of a callback's answer that are read (and discarded); the rest is never read
 MAX_ANSWER = 65536

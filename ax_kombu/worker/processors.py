@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ax_kombu.core.backoff import Backoff, RetryPolicy
+from ax_kombu.core.context import Cancellation, Context
 from ax_kombu.exceptions import (
     ConfigurationError,
     ProcessorNotFound,
@@ -49,7 +50,6 @@ from ax_kombu.exceptions import (
 )
 from ax_kombu.worker.callback_targets import check_callback_url, host_allowed
 from ax_kombu.worker.callbacks import callback_processor, post_callback
-from ax_kombu.worker.context import Cancellation, Context
 
 __all__ = ["Cancellation", "Context", "Resolver", "RetryPolicy", "check_callback_url",
            "host_allowed", "load_modules", "policy_of", "post_callback", "processor",

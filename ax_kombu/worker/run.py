@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ax_kombu.broker.messages import TaskMessage
-from ax_kombu.worker.context import Cancellation
+from ax_kombu.core.context import Cancellation
 from ax_kombu.worker.task import RunTask
 
 

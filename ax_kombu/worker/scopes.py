@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from ax_kombu.config import Settings
-from ax_kombu.worker.context import Context
+from ax_kombu.core.context import Context
 from ax_kombu.worker.task import RunTask
 
 #: one scope: given the run's task and context, a context manager around its processor

@@ -37,11 +37,11 @@ from functools import partial
 from typing import Any, Protocol
 
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.core.context import Cancellation, Context
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.outcomes import Outcome
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
-from ax_kombu.worker.context import Cancellation, Context
 from ax_kombu.worker.control import Wakeup
 from ax_kombu.worker.executor import Executor, Submission
 from ax_kombu.worker.lanes import Lane

@@ -1,5 +1,5 @@
 """What a processor is given besides its payload: the run's :class:`Context`, with its
-:class:`Cancellation` signal. Below both the processors and the callbacks that use them."""
+:class:`Cancellation` signal. Pure (no I/O): a producer may import it (``ax.Context`` in a typed task's signature) without loading the worker."""
 
 from __future__ import annotations
 
