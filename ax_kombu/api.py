@@ -46,7 +46,7 @@ from ax_kombu.store import Store, gates, moves
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.archive import fetch_archived
 from ax_kombu.store.borrowed import Borrowing
-from ax_kombu.store.enqueue import KEY_POLICY, insert_tasks, write_tasks
+from ax_kombu.store.enqueue import KEY_POLICY, Written, insert_tasks, write_tasks
 from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.tasks import attempts_of, fetch_task
 from ax_kombu.validation import broadcast_row, build_row, check_route, shard_count, shard_rows
@@ -76,6 +76,48 @@ def _key_policy(unique: Any, on_conflict: Any, biz_key: Any,
     if shards is not None:
         raise ValidationError("unique= and on_conflict= cannot be combined with shards")
     return (unique, on_conflict)
+
+
+def item_rows(settings: Settings, now: int, index: int, item: Mapping[str, Any],
+              runner: str | None) -> list[dict[str, Any]]:
+    """The validated row(s) of one enqueue item (``index`` in its batch, for messages):
+    one, or one per shard; ids not yet given.
+
+    Raises:
+        ValidationError: the item is invalid.
+    """
+    if not isinstance(item, Mapping):
+        raise ValidationError(f"item {index} is not a mapping of enqueue arguments")
+    unknown = set(item) - _TASK_ARGS
+    if unknown:
+        raise ValidationError(f"item {index}: unknown argument(s) "
+                              f"{', '.join(sorted(show(k) for k in unknown))}")
+    if "task_type" not in item:
+        raise ValidationError(f"item {index} has no task_type")
+    args = dict(item)
+    shards = shard_count(args.pop("shards", None))
+    policy = _key_policy(args.pop("unique", "always"), args.pop("on_conflict", "keep"),
+                         args.get("biz_key"), shards)
+    row = build_row(settings, now, args.pop("task_type"), args.pop("payload", None),
+                    runner=runner, **args)
+    check_route(row)
+    if policy is not None:
+        row[KEY_POLICY] = policy
+    if shards == "workers":
+        return [broadcast_row(row)]
+    return [row] if shards is None else shard_rows(row, int(shards))
+
+
+def task_ids(groups: list[list[dict[str, Any]]], written: list[Written]) -> list[TaskId]:
+    """What each item of a batch returns: ``written`` holds one result per row, in the
+    order of ``groups`` (each item's rows, one or one per shard)."""
+    results = iter(written)
+    out = []
+    for group in groups:
+        got = [next(results) for _ in group]
+        shards = tuple(w.task_id for w in got) if group[0].get("shard_total") else ()
+        out.append(TaskId(got[0].task_id, got[0].created, shards, got[0].replaced))
+    return out
 
 
 class Client(Moving):
@@ -143,37 +185,12 @@ class Client(Moving):
         else:
             with self.borrowing.connection(connection) as conn:
                 written = write_tasks(conn, *args)
-        results = iter(written)
-        out = []
-        for group in groups:
-            got = [next(results) for _ in group]
-            shards = tuple(w.task_id for w in got) if group[0].get("shard_total") else ()
-            out.append(TaskId(got[0].task_id, got[0].created, shards, got[0].replaced))
-        return out
+        return task_ids(groups, written)
 
     def _rows(self, now: int, index: int, item: Mapping[str, Any],
               runner: str | None) -> list[dict[str, Any]]:
         """The row(s) of one item: one, or one per shard."""
-        if not isinstance(item, Mapping):
-            raise ValidationError(f"item {index} is not a mapping of enqueue arguments")
-        unknown = set(item) - _TASK_ARGS
-        if unknown:
-            raise ValidationError(f"item {index}: unknown argument(s) "
-                                  f"{', '.join(sorted(show(k) for k in unknown))}")
-        if "task_type" not in item:
-            raise ValidationError(f"item {index} has no task_type")
-        args = dict(item)
-        shards = shard_count(args.pop("shards", None))
-        policy = _key_policy(args.pop("unique", "always"), args.pop("on_conflict", "keep"),
-                             args.get("biz_key"), shards)
-        row = build_row(self.settings, now, args.pop("task_type"), args.pop("payload", None),
-                        runner=runner, **args)
-        check_route(row)
-        if policy is not None:
-            row[KEY_POLICY] = policy
-        if shards == "workers":
-            return [broadcast_row(row)]
-        return [row] if shards is None else shard_rows(row, int(shards))
+        return item_rows(self.settings, now, index, item, runner)
 
     def get(self, task_id: int) -> TaskView:
         """The task ``task_id``; from the archive tables (``archived=True``) if it was
