@@ -270,6 +270,10 @@ class WorkerSettings:
     callback_allow_hosts: str = ""
     #: signs every callback request (HMAC-SHA256) when set; never shown or logged.
     callback_secret: str = dataclasses.field(default="", repr=False)
+    #: each run's own log lines kept with its attempt (``ax inspect ID --logs``): at most
+    #: this many lines and bytes per run, its first lines and its last few; 0: none kept.
+    run_log_lines: int = 200
+    run_log_bytes: int = 65536
 
     def pool_size(self, priority: str) -> int:
         """The worker pool size for the queue of ``priority``."""
@@ -292,6 +296,11 @@ class WorkerSettings:
             raise ConfigurationError("worker_grace_s must be >= 0")
         if self.max_snoozes < 0:
             raise ConfigurationError(f"max_snoozes must be >= 0, got {self.max_snoozes}")
+        if not 0 <= self.run_log_lines <= 100_000:
+            raise ConfigurationError(f"run_log_lines must be 0..100000, got {self.run_log_lines}")
+        if not (self.run_log_bytes == 0 or 1024 <= self.run_log_bytes <= 16 << 20):
+            raise ConfigurationError("run_log_bytes must be 0 or 1024..16777216, got "
+                                     f"{self.run_log_bytes}")
 
 
 def _positive(settings: Any, *names: str, zero_ok: bool = False) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import NamedTuple
 
@@ -78,3 +79,12 @@ class Context(NamedTuple):
     #: this task's shard (0-based) and how many shards its enqueue made (``shards=N``)
     shard_index: int | None = None
     shard_total: int | None = None
+
+    @property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger for the run's own lines: ``ax.task.<task_type>``, each record carrying
+        ``task_id``, ``attempt`` and ``trace_id`` as extra fields. What it logs is kept
+        with the run's attempt (``ax inspect ID --logs``), as is anything else the run
+        logs. Cheap to take: made on each use (a ``Context`` is a tuple)."""
+        return logging.LoggerAdapter(logging.getLogger(f"ax.task.{self.task_type}"), {
+            "task_id": self.task_id, "attempt": self.attempt, "trace_id": self.trace_id})

@@ -32,6 +32,7 @@ from ax_kombu.exceptions import StoreError, ValidationError
 from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.moves import forget_moves
+from ax_kombu.store.run_logs import delete_logs
 from ax_kombu.store.schema import attempts, tasks
 from ax_kombu.store.tasks import forget_fingerprints, keep_final_attempts, wake_schedulers
 from ax_kombu.store.transitions import transition
@@ -251,7 +252,7 @@ class Purged:
 def purge_finished(engine: Engine, status: Status, older_than_ms: int, *,
                    batch: int = 1000, dry_run: bool = False) -> Purged:
     """Delete the tasks in ``status`` that finished more than ``older_than_ms`` ago, with
-    their ``ax_attempt`` rows, ``batch`` tasks per transaction.
+    their ``ax_attempt`` and ``ax_run_log`` rows, ``batch`` tasks per transaction.
 
     Args:
         status: SUCCESS, FAILED or CANCELLED.
@@ -299,6 +300,7 @@ def _delete_all(engine: Engine, status: Status, cutoff: int, batch: int) -> Purg
             if ids:
                 total_attempts += conn.execute(_DELETE_ATTEMPTS, {"ids": ids}).rowcount
                 forget_moves(conn, ids)
+                delete_logs(conn, ids)  # each run's own log lines go with their task
         total_tasks += len(ids)
         if len(ids) < batch:
             return Purged(total_tasks, total_attempts)

@@ -3,7 +3,8 @@
 
 What moves: every task SUCCESS, FAILED or CANCELLED whose ``finished_at`` is older
 than the cutoff (the database clock minus ``older_than_ms``, read once per run),
-with its ``ax_attempt`` rows. Nothing else is read or written.
+with its ``ax_attempt`` and ``ax_run_log`` rows (each run's own log lines). Nothing else
+is read or written.
 
 A run is a series of batches, each one short transaction of at most ``batch`` tasks:
 
@@ -26,8 +27,9 @@ Guarantees, on PostgreSQL and SQLite alike:
   archive tables never hold a task twice (primary keys; a conflicting copy is
   skipped, never doubled).
 * **The file** (``--to``) holds one JSON object per line and task: its columns
-  (``payload`` and ``result`` as JSON values) and ``attempts``, its ``ax_attempt``
-  rows. It is appended to, one gzip member per batch (``zcat``,
+  (``payload`` and ``result`` as JSON values), ``attempts``, its ``ax_attempt``
+  rows, and ``logs``, its ``ax_run_log`` rows (``lines`` as the JSON list they
+  hold). It is appended to, one gzip member per batch (``zcat``,
   Python's :mod:`gzip` and most readers read concatenated members). A crash
   *during* a write leaves a torn member at the end: the next run on that file
   cuts it off before it appends (those rows were not deleted and are written
@@ -76,7 +78,15 @@ from ax_kombu.store.admin import BATCH_MAX, _guarded, check_count
 from ax_kombu.store.archive_file import JsonlGzFile
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.moves import forget_moves
-from ax_kombu.store.schema import attempt_archive, attempts, task_archive, tasks
+from ax_kombu.store.run_logs import delete_logs
+from ax_kombu.store.schema import (
+    attempt_archive,
+    attempts,
+    run_log_archive,
+    run_logs,
+    task_archive,
+    tasks,
+)
 from ax_kombu.store.tasks import final_attempt, forget_fingerprints
 
 #: tasks moved per transaction unless told otherwise
@@ -183,7 +193,8 @@ _DELETE_TASKS = (delete(tasks).where(tasks.c.task_id.in_(_IDS))
 def _to_tables(conn: Connection, ids: Sequence[int]) -> int:
     """Copy the tasks ``ids`` and their attempts to the archive tables, delete them from
     the hot ones; returns the attempt rows moved."""
-    for target, source in ((task_archive, tasks), (attempt_archive, attempts)):
+    for target, source in ((task_archive, tasks), (attempt_archive, attempts),
+                           (run_log_archive, run_logs)):
         conn.execute(_copy(conn, target, source), {"ids": list(ids)})
     return _delete(conn, ids)
 
@@ -199,6 +210,7 @@ def _copy(conn: Connection, target: Table, source: Table) -> Any:
 
 def _delete(conn: Connection, ids: Sequence[int]) -> int:
     moved = conn.execute(_DELETE_ATTEMPTS, {"ids": list(ids)}).rowcount
+    delete_logs(conn, ids)
     forget_moves(conn, ids)  # a task's moves are not archived (docstring of ax_move)
     forget_fingerprints(conn, [(r[0], r[1]) for r in conn.execute(_DELETE_TASKS,
                                                                  {"ids": list(ids)})])
@@ -212,9 +224,14 @@ def _to_file(conn: Connection, ids: Sequence[int], out: JsonlGzFile) -> int:
     for a in conn.execute(select(attempts).where(attempts.c.task_id.in_(_IDS))
                           .order_by(attempts.c.task_id, attempts.c.attempt), {"ids": list(ids)}):
         history[a.task_id].append(dict(a._mapping))
+    logs: dict[int, list[dict[str, Any]]] = {i: [] for i in ids}
+    for r in conn.execute(select(run_logs).where(run_logs.c.task_id.in_(_IDS))
+                          .order_by(run_logs.c.task_id, run_logs.c.attempt), {"ids": list(ids)}):
+        logs[r.task_id].append({**r._mapping, "lines": json.loads(r.lines)})
     rows = conn.execute(select(tasks).where(tasks.c.task_id.in_(_IDS))
                         .order_by(tasks.c.task_id), {"ids": list(ids)})
-    out.append([_line(dict(r._mapping), history[r.task_id]) for r in rows])
+    out.append([_line({**r._mapping, "logs": logs[r.task_id]}, history[r.task_id])
+                for r in rows])
     return _delete(conn, ids)
 
 

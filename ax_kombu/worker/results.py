@@ -23,7 +23,8 @@ Decisions, for a run of attempt *a* of a task:
 Every write is fenced by attempt and status RUNNING: a task cancelled or
 recovered by a scheduler meanwhile is left alone (counted as ``stale``).
 
-The same transaction stores a success's return value (as JSON, up to
+The same transaction stores the lines each run logged (:mod:`ax_kombu.worker.runlog`,
+one statement for the batch), a success's return value (as JSON, up to
 ``max_result_bytes``) and adds to the attempt history (``ax_attempt``) the runs
 that did not end their task: a retried failure (RETRY), a snoozed run (SNOOZED), a
 run whose end moved nothing (CANCELLED; a recovery that declared it lost wrote first
@@ -71,10 +72,11 @@ from sqlalchemy import Connection
 from ax_kombu.config import Settings
 from ax_kombu.core.backoff import Uniform, default_rng
 from ax_kombu.core.outcomes import Outcome
+from ax_kombu.core.run_log import RunLog, RunLogBuffer
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import Retry
 from ax_kombu.observability import metrics
-from ax_kombu.store import Store, gates, transitions
+from ax_kombu.store import Store, gates, run_logs, transitions
 from ax_kombu.store.ends import EndWriter
 from ax_kombu.store.pinned import PinnedConnection
 from ax_kombu.store.tasks import wake_schedulers
@@ -145,6 +147,18 @@ def _observe(batch: list[RunResult], finishes: list[Finish]) -> None:
     metrics.observe_many(metrics.retry_count, [
         result.task.retry_count for result, finish in zip(batch, finishes, strict=True)
         if finish.status is not Status.DELAYED])
+
+
+def _logged(batch: list[RunResult]) -> list[tuple[int, int, RunLog]]:
+    """The lines each run of ``batch`` logged, for those that logged any
+    (:mod:`ax_kombu.worker.runlog`; a run that is not a :class:`RunTask` logs none here)."""
+    logged = []
+    for result in batch:
+        buffer = getattr(result.task, "logs", None)
+        kept = buffer.snapshot() if isinstance(buffer, RunLogBuffer) else None
+        if kept is not None:
+            logged.append((result.task.task_id, result.task.attempt, kept))
+    return logged
 
 
 class _Ended(NamedTuple):
@@ -303,6 +317,7 @@ class ResultWriter:
             wake_schedulers(conn, min(retries))
         gates.wake_next(conn, [(r.task.task_type, r.task.order_key)
                                for r in batch if r.task.gated])
+        run_logs.write_logs(conn, _logged(batch), int(self.store.clock.local_ms()))
         return moved
 
     def _settled(self, batch: list[_Queued], *, durable: bool) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ax_kombu.config import Settings
 from ax_kombu.core.context import Context
+from ax_kombu.observability import tracing
 from ax_kombu.worker.task import RunTask
 
 #: one scope: given the run's task and context, a context manager around its processor
@@ -25,8 +26,7 @@ RunScope = Callable[[RunTask, Context], AbstractContextManager[Any]]
 
 def run_scopes(settings: Settings) -> list[RunScope]:
     """The scopes every run of a worker with ``settings`` is wrapped in, outermost first."""
-    del settings
-    return []
+    return [*tracing.run_scopes(settings.queue_for)]
 
 
 def entered(scopes: Sequence[RunScope], task: RunTask, ctx: Context) -> ExitStack:

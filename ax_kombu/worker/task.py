@@ -47,6 +47,9 @@ class RunTask:
     #: when the run started (the RUNNING move's time, then the real start: a run staged
     #: ahead of its trigger time starts later than its move was written)
     started_at: int | None = None
+    #: the W3C trace context the message carried (its run span's parent or link)
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @classmethod
     def of(cls, row: Started, message: TaskMessage, payload: Any) -> RunTask:
@@ -59,7 +62,8 @@ class RunTask:
                    dispatched_at=message.dispatched_at, node=message.node, job=row.job,
                    scheduled_at=row.scheduled_at, gated=bool(row.gated),
                    order_key=row.order_key, shard_index=row.shard_index,
-                   shard_total=row.shard_total, started_at=row.started_at)
+                   shard_total=row.shard_total, started_at=row.started_at,
+                   traceparent=message.traceparent, tracestate=message.tracestate)
 
 
 class Ended(Protocol):
