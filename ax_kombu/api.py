@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -49,6 +50,7 @@ from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.enqueue import KEY_POLICY, Written, insert_tasks, write_tasks
 from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.tasks import attempts_of, fetch_task
+from ax_kombu.store.waits import SAFETY_POLL_S, EndListener
 from ax_kombu.validation import broadcast_row, build_row, check_route, shard_count, shard_rows
 from ax_kombu.views import TaskId, TaskView
 
@@ -131,6 +133,9 @@ class Client(Moving):
                              settings.id_reservation_s * 1000, self.store.now_ms)
         self.pid = os.getpid()
         self.borrowing = Borrowing(self.store.engine)
+        self._listener: EndListener | None = None
+        self._listener_pid = 0
+        self._listener_lock = threading.Lock()
 
     def enqueue(self, task_type: str, payload: Any = None, *, connection: Any = None,
                 **options: Any) -> TaskId:
@@ -213,23 +218,56 @@ class Client(Moving):
     def wait(self, task_id: int, timeout: float = 30.0) -> TaskView:
         """Wait until the task has finished (SUCCESS, FAILED or CANCELLED); returns it.
 
-        Polls the store, starting at 10 ms and backing off to 0.5 s.
+        On PostgreSQL the end's notification wakes the wait (``ax_ended``: see
+        :mod:`ax_kombu.store.waits`; one listening connection per client, opened by the
+        first wait), with a read of the row at least every second whatever it hears.
+        On SQLite it polls the store, starting at 10 ms and backing off to 0.5 s.
 
         Raises:
             TaskNotFound: no such task.
             WaitTimeout: it had not finished after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
+        if self.store.engine.dialect.name != "postgresql":
+            return self._poll(task_id, timeout, deadline)
+        with self._end_listener().watch(task_id) as woken:
+            while True:
+                woken.clear()  # before the read: an end after it sets the flag again
+                view = self._final_or_none(task_id, timeout, deadline)
+                if view is not None:
+                    return view
+                woken.wait(min(deadline - time.monotonic(), SAFETY_POLL_S))
+
+    def _poll(self, task_id: int, timeout: float, deadline: float) -> TaskView:
         pause = 0.01
         while True:
-            view = self.get(task_id)
-            if view.status in states.FINAL:
+            view = self._final_or_none(task_id, timeout, deadline)
+            if view is not None:
                 return view
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WaitTimeout(f"task {task_id} is still {view.status} after {timeout} s")
-            time.sleep(min(pause, left))
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, 0.5)
+
+    def _final_or_none(self, task_id: int, timeout: float, deadline: float) -> TaskView | None:
+        """The task if it has finished, None if time is left to wait for it.
+
+        Raises:
+            TaskNotFound: no such task.
+            WaitTimeout: it has not finished and the deadline has passed.
+        """
+        view = self.get(task_id)
+        if view.status in states.FINAL:
+            return view
+        if deadline - time.monotonic() <= 0:
+            raise WaitTimeout(f"task {task_id} is still {view.status} after {timeout} s")
+        return None
+
+    def _end_listener(self) -> EndListener:
+        """This client's listener of ends (made by the first wait; one per process)."""
+        with self._listener_lock:
+            if self._listener is None or self._listener_pid != os.getpid():
+                self._listener = EndListener(self.store.engine)
+                self._listener_pid = os.getpid()
+            return self._listener
 
     # -- recurring jobs (ax_kombu.recurring) -----------------------------------------------------
 
@@ -347,6 +385,8 @@ class Client(Moving):
         return sorted(recurring.declared())
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         self.borrowing.close()
         self.ids.release()
         self.store.close()

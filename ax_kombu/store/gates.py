@@ -48,6 +48,7 @@ from ax_kombu.store.claims import claim
 from ax_kombu.store.schema import CLAIMABLE, UNPARKED, limits, tasks
 from ax_kombu.store.tasks import wake_schedulers
 from ax_kombu.store.transitions import execute_batch, storable
+from ax_kombu.store.waits import notify_ended
 
 _WAITING = ("CREATED", "DELAYED", "READY")
 _ACTIVE = ("DISPATCHING", "RUNNING")
@@ -335,7 +336,7 @@ def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str
     that attempt, ``last_error`` = its reason, ``finished_at = now_ms``; one statement.
 
     Returns:
-        The ids that moved.
+        The ids that moved (announced to waiters: :mod:`ax_kombu.store.waits`).
     """
     if not refused:
         return []
@@ -343,4 +344,5 @@ def fail_unbuildable(conn: Connection, refused: Sequence[Unbuildable], node: str
                               [(u.task_id, u.attempt, storable(u.reason)) for u in refused],
                               now=now_ms, node=node))
     wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
+    notify_ended(conn, [r.task_id for r in rows])
     return [r.task_id for r in rows]

@@ -33,6 +33,7 @@ from ax_kombu.core.states import Status, check
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, TooLateToMove, ValidationError
 from ax_kombu.store.schema import fingerprints, moves, tasks
 from ax_kombu.store.tasks import forget_fingerprints, wake_schedulers
+from ax_kombu.store.waits import notify_ended
 
 _PENDING = [str(s) for s in states.CLAIMABLE]
 _ACTIVE = sorted(str(s) for s in states.ACTIVE)
@@ -180,11 +181,15 @@ def forget_moves(conn: Connection, task_ids: Sequence[int]) -> None:
 
 def cancel(conn: Connection, target: Target, now_ms: int) -> int | None:
     """Cancel the task if it has not finished: its id, or None if it had (or there is no
-    such task: :func:`find` tells which)."""
+    such task: :func:`find` tells which). Announced to waiters
+    (:func:`~ax_kombu.store.waits.notify_ended`)."""
     stmt = (update(tasks).where(target.where(), tasks.c.status.in_(_ACTIVE))
             .values(status=str(Status.CANCELLED), finished_at=now_ms)
             .returning(tasks.c.task_id))
-    return conn.execute(stmt).scalar()
+    task_id: int | None = conn.execute(stmt).scalar()
+    if task_id is not None:
+        notify_ended(conn, [task_id])
+    return task_id
 
 
 @dataclass(frozen=True)
@@ -211,8 +216,11 @@ class Selection:
 def cancel_some(conn: Connection, selection: Selection, now_ms: int, batch: int) -> int:
     """Cancel up to ``batch`` tasks of ``selection``; returns how many. (The outer
     statement repeats the conditions: a task that moved on since the inner select is left
-    alone.)"""
+    alone.) Announced to waiters (:func:`~ax_kombu.store.waits.notify_ended`)."""
     chosen = select(tasks.c.task_id).where(*selection.where()).limit(batch)
     stmt = (update(tasks).where(tasks.c.task_id.in_(chosen), *selection.where())
-            .values(status=str(Status.CANCELLED), finished_at=now_ms))
-    return int(conn.execute(stmt).rowcount)
+            .values(status=str(Status.CANCELLED), finished_at=now_ms)
+            .returning(tasks.c.task_id))
+    cancelled = list(conn.execute(stmt).scalars())
+    notify_ended(conn, cancelled)
+    return len(cancelled)

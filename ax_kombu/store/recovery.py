@@ -23,6 +23,7 @@ from sqlalchemy import Connection, bindparam, text
 
 from ax_kombu.store.claims import off_ax_queues
 from ax_kombu.store.schema import UNPARKED
+from ax_kombu.store.waits import notify_ended
 
 #: the ack timeout doubles with each re-dispatch of a task, up to 2**MAX_BACKOFF_STEPS times
 MAX_BACKOFF_STEPS = 5
@@ -98,7 +99,14 @@ def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
     _record_ended(conn, _UNACKED_WHERE, params, "UNACKED",
                   f"not started by a worker within the ack timeout ({ack_timeout_ms} ms, "
                   "doubling per dispatch)", "priorities")
-    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+    return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
+
+
+def _announced(conn: Connection, moved: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """``moved`` (``(task_id, new_status)`` pairs), its FAILED ones announced to waiters
+    (:func:`ax_kombu.store.waits.notify_ended`)."""
+    notify_ended(conn, [task_id for task_id, status in moved if status == "FAILED"])
+    return moved
 
 
 def waiting_without_consumer(conn: Connection, priorities: Sequence[str]) -> dict[str, int]:
@@ -167,7 +175,7 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
         params["keep"] = list(keep)
     _record_lost(conn, f"status = 'RUNNING' AND {which}", params,
                  *(["nodes", "keep"] if keep else ["nodes"]))
-    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+    return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
 
 
 def _record_lost(conn: Connection, where: str, params: dict[str, Any], *expanding: str) -> None:
@@ -188,7 +196,7 @@ def recover_orphan_running(conn: Connection, now_ms: int,
     params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms,
               "unstarted_error": UNSTARTED_ERROR}
     _record_lost(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", params)
-    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
+    return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
 
 
 _OLDEST_DUE = """

@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import orjson
 from sqlalchemy import Connection, TextClause, text, update
 
-from ax_kombu.core.states import S, Status, check
+from ax_kombu.core.states import FINAL, S, Status, check
 from ax_kombu.exceptions import IllegalTransition
 from ax_kombu.store.schema import tasks
+from ax_kombu.store.waits import NOTIFY_MOVED, notify_ended
 
 
 def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[Status],
@@ -29,7 +30,8 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
         attempt: if given, only a row whose attempt equals it moves (fencing).
         values: other columns to set in the same statement.
     Returns:
-        The ids that moved (the others were not in a source state).
+        The ids that moved (the others were not in a source state); a move to a final
+        status announces them to waiters (:func:`ax_kombu.store.waits.notify_ended`).
     Raises:
         IllegalTransition: a source may not move to ``target``; nothing is changed.
     """
@@ -42,7 +44,10 @@ def transition(conn: Connection, task_ids: Collection[int], sources: Iterable[St
             .returning(tasks.c.task_id))
     if attempt is not None:
         stmt = stmt.where(tasks.c.attempt == attempt)
-    return [r[0] for r in conn.execute(stmt)]
+    moved = [r[0] for r in conn.execute(stmt)]
+    if target in FINAL:
+        notify_ended(conn, moved)
+    return moved
 
 
 # -- batched, attempt-fenced moves for workers -----------------------------------------------
@@ -174,6 +179,11 @@ _FINISH = """
       FROM {source}
      WHERE t.task_id = v.id AND t.attempt = v.att AND COALESCE(t.status, '') = 'RUNNING'
  RETURNING task_id"""
+#: PostgreSQL's: the same move, announcing its final ends in the same statement (no
+#: round trip added to the hot path; see ax_kombu.store.waits)
+_FINISH_NOTIFYING = ("WITH moved AS (" + _FINISH.replace("RETURNING task_id",
+                                                          "RETURNING task_id, status")
+                     + ")" + NOTIFY_MOVED)
 
 
 def start_many(conn: Connection, pairs: Sequence[tuple[int, int]], node: str,
@@ -289,6 +299,8 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
 
     ``last_error`` and ``result`` are written :func:`storable` (callers pass them
     capped and as JSON text; this is the store's own guard, for every caller).
+    On PostgreSQL the same statement announces the SUCCESS and FAILED ends to waiters
+    (:data:`ax_kombu.store.waits.NOTIFY_MOVED`).
 
     Returns:
         The ids that moved; a task cancelled or recovered meanwhile does not.
@@ -301,7 +313,8 @@ def finish_many(conn: Connection, results: Sequence[Finish]) -> list[int]:
     rows = [(r.task_id, r.attempt, str(r.status), r.at_ms, _storable(r.error),
              _storable(r.result), r.started_at, 0 if r.kind == SNOOZED else 1)
             for r in results]
-    return _run_batch(conn, ("id", "att", "st", "at", "err", "res", "start", "inc"), _FINISH,
+    template = _FINISH_NOTIFYING if conn.dialect.name == "postgresql" else _FINISH
+    return _run_batch(conn, ("id", "att", "st", "at", "err", "res", "start", "inc"), template,
                       rows)
 
 
