@@ -232,10 +232,15 @@ class WorkerSettings:
     redis_pull: bool = True
     #: a processor's return value is stored (as JSON) up to this size.
     max_result_bytes: int = 65536
-    #: threads (slots) of the pool serving each queue.
+    #: slots of the pool serving each queue: runs at once, sync and async together (one
+    #: thread per slot, up to ``lane_threads_max``).
     pool_high: int = 8
     pool_default: int = 16
     pool_slow: int = 8
+    #: most threads of one lane's pool: a lane with more slots runs its sync processors
+    #: on this many threads, and slots beyond its threads only serve ``async def``
+    #: processors (one event loop per worker process awaits them).
+    lane_threads_max: int = 256
     #: slots for what is sent to this worker alone (``shards="workers"``), from
     #: its own queue (``ax.worker.<name>``).
     pool_own: int = 2
@@ -282,7 +287,7 @@ class WorkerSettings:
 
     def _validate_worker(self) -> None:
         _positive(self, "max_result_bytes", "pool_high", "pool_default", "pool_slow", "pool_own",
-                  "prefetch_multiplier", "worker_batch_size", "worker_batch_ms",
+                  "lane_threads_max", "prefetch_multiplier", "worker_batch_size", "worker_batch_ms",
                   "worker_receipt_writers")
         if not 0 <= self.worker_stage_horizon_ms <= 60_000:
             raise ConfigurationError("worker_stage_horizon_ms must be 0..60000, got "

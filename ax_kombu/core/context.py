@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 _cancel_lock = threading.Lock()
@@ -18,24 +19,72 @@ class Cancellation:
     RUNNING (``"cancelled"``), or when the worker stops cold (``"shutdown"``).
     A Python thread cannot be killed: a long processor should look at
     ``ctx.cancelled`` (or ``ctx.cancelled.wait(seconds)`` instead of sleeping)
-    and return. Cheap to make: one is made per run.
+    and return. An ``async def`` processor is cancelled instead: the ``await`` in
+    progress raises :class:`asyncio.CancelledError` (or it awaits
+    :meth:`wait_async`). Cheap to make: one is made per run.
     """
 
-    __slots__ = ("_event", "reason")
+    __slots__ = ("_event", "_hooks", "reason")
 
     def __init__(self) -> None:
         #: why it was set (None: not set)
         self.reason: str | None = None
         self._event: threading.Event | None = None
+        #: called once when the signal is set (None: none registered)
+        self._hooks: list[Callable[[], None]] | None = None
 
     def set(self, reason: str) -> None:
-        """Set the signal (the first reason given is kept)."""
+        """Set the signal (the first reason given is kept); the first call runs the hooks
+        (:meth:`on_set`) on the calling thread."""
         with _cancel_lock:
-            if self.reason is None:
+            first = self.reason is None
+            if first:
                 self.reason = reason
-            event = self._event
+            event, hooks = self._event, self._hooks
+            if first:
+                self._hooks = None
         if event is not None:
             event.set()
+        if first and hooks:
+            for hook in hooks:
+                hook()
+
+    def on_set(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once when the signal is set, on the thread that sets it (now, on
+        this thread, if it is set already). A hook must be quick and must not raise: the
+        worker's hook cancels an ``async def`` run's asyncio task."""
+        with _cancel_lock:
+            if self.reason is None:
+                if self._hooks is None:
+                    self._hooks = []
+                self._hooks.append(hook)
+                return
+        hook()
+
+    async def wait_async(self, timeout: float | None = None) -> bool:
+        """:meth:`wait` for an ``async def`` processor, without blocking its event loop:
+        True once the signal is set, False after ``timeout`` seconds. (A run's own signal
+        also cancels its coroutine, so this mostly serves signals a processor makes.)"""
+        import asyncio  # only a coroutine needs it: importing ax_kombu stays light
+
+        if self.reason is not None:
+            return True
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(True)
+
+        def wake_soon() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(wake)
+
+        self.on_set(wake_soon)
+        try:
+            return await asyncio.wait_for(asyncio.shield(woken), timeout)
+        except TimeoutError:
+            return self.reason is not None
 
     def is_set(self) -> bool:
         return self.reason is not None

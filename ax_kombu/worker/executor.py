@@ -6,6 +6,11 @@ intake (:mod:`ax_kombu.worker.starts`) names only :class:`Executor`; the bounded
 pool (:class:`ax_kombu.worker.pools.Pool`) is one implementation, and another (an asyncio
 loop, say) can stand beside it without a change to the intake, as long as it keeps the
 contract below.
+
+A job's function may return a :class:`Deferred` instead of a value: its run goes on
+elsewhere (an ``async def`` processor on the worker's event loop,
+:mod:`ax_kombu.worker.eventloop`), and the executor keeps the job's slot until the run
+reports its end. Slots, timeouts, abandon and the single report stay the executor's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,25 @@ from typing import Any, NamedTuple, Protocol
 from ax_kombu.core.outcomes import Outcome
 
 Done = Callable[[Outcome], None]
+
+
+#: how a deferred run reports its end, once, from any thread: its value, or what it raised
+Ended = Callable[[Any, BaseException | None], None]
+
+
+class Deferred:
+    """What a job's function returns when its run goes on after it returned (a deferred
+    run): the executor calls :attr:`launch` with the :data:`Ended` callback that reports
+    the run's outcome, and keeps the job's slot until then.
+
+    Args:
+        launch: hands the run on (it must not block); raising means the run ended so.
+    """
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch: Callable[[Ended], None]) -> None:
+        self.launch = launch
 
 
 class Cancellable(Protocol):

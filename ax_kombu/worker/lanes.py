@@ -1,5 +1,9 @@
 """A worker's lane: one queue, its consumer, its bounded pool, and the credit between them.
 
+A lane's slots bound how many of its runs go on at once, sync and ``async def`` together;
+its pool has a thread per slot up to ``lane_threads_max``, and slots beyond that serve
+``async def`` processors only (they run on the worker's event loop, not on a thread).
+
 Flow control is the broker's own prefetch. A message stays unacked while
 its task is staged or runs, and is acked once the run's outcome is known, so
 the broker's count of unacked messages on the lane's channel *is* the
@@ -77,10 +81,12 @@ class Lane:
     """One queue with its pool, consumer, backlog and credit; see the module docstring."""
 
     def __init__(self, priority: str, queue: Queue, size: int, multiplier: int,
-                 on_release: Callable[[], None], stage_horizon_s: float = 0.0) -> None:
+                 on_release: Callable[[], None], stage_horizon_s: float = 0.0, *,
+                 threads_max: int | None = None) -> None:
         self.priority = priority
         self.queue = queue
-        self.pool = Pool(priority, size, on_release=on_release)
+        # slots beyond the threads serve async def processors only (pools.py)
+        self.pool = Pool(priority, size, on_release=on_release, threads=threads_max)
         self._unstaged = size * multiplier
         self.stage_horizon_s = stage_horizon_s
         #: the lane's average run time (seconds, moving average of the processors' runs)

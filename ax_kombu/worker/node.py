@@ -137,7 +137,7 @@ class Worker:
         broker_queues = task_queues(settings)
         horizon_s = settings.worker_stage_horizon_ms / 1000.0
         lanes = [Lane(p, broker_queues[p], settings.pool_size(p), settings.prefetch_multiplier,
-                      wakeup.poke, horizon_s)
+                      wakeup.poke, horizon_s, threads_max=settings.lane_threads_max)
                  for p in parse_queues(queues, settings)]
         own = worker_queue(node_id)
         lanes.append(Lane(OWN_LANE, Queue(own, routing_key=own, durable=True, expires=86_400.0,
@@ -158,6 +158,7 @@ class Worker:
             Call("stop connection", stop=self.shutdown.close),
             Call("receipts", stop=self.receipts.close),
             Call("listing", start=self.listing.start, stop=self._stop_listing),
+            Call("event loop", stop=self.intake.starter.loop.stop),  # after the pools
             Call("pools", stop=self._close_pools),
             Call("registration", start=self._register, stop=self._unregister),
             Timers("housekeeping", [

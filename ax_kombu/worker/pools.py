@@ -28,6 +28,12 @@ Guarantees:
   (:meth:`Pool.abandon`): every unreported job is reported abandoned at
   once and its cancellation signal set; its thread keeps its slot
   (:attr:`Pool.stuck`) until it returns or the process exits.
+* **Deferred runs.** A job whose function returns a
+  :class:`~ax_kombu.worker.executor.Deferred` (an ``async def`` processor, run on the
+  worker's event loop) keeps its slot, and stays running for the watchdog and
+  :meth:`Pool.abandon`, until it reports its end; its thread takes the next job at once.
+  Its cancellation signal cancels the coroutine, so a timed-out or abandoned one
+  usually returns at once. A pool may therefore have fewer threads than slots.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
-from ax_kombu.worker.executor import Cancellable, Done, Submission, Timeout
+from ax_kombu.worker.executor import Cancellable, Deferred, Done, Submission, Timeout
 from ax_kombu.worker.jobs import Job, Watchdog, report
 
 log = logging.getLogger(__name__)
@@ -50,12 +57,15 @@ Clock = Callable[[], float]
 
 
 class Pool:
-    """A fixed set of ``size`` threads running at most ``size`` jobs at a time: an
+    """A fixed set of threads running at most ``size`` jobs at a time: an
     :class:`~ax_kombu.worker.executor.Executor`.
 
     Args:
         name: for thread names and logs ("high", "default", "slow").
-        size: the number of slots (and threads).
+        size: the number of slots: jobs running at once, sync and deferred together.
+        threads: the number of threads (None: one per slot; at most ``size``). A thread
+            runs a sync job to its end but only starts a deferred one, so slots beyond
+            the threads serve deferred runs (``async def`` processors) only.
         clock: monotonic seconds (injected for tests).
         on_release: called (from the pool thread) when a slot frees up without an
             outcome being reported: a timed-out or abandoned job's thread returned.
@@ -63,9 +73,12 @@ class Pool:
     """
 
     def __init__(self, name: str, size: int, *, clock: Clock = time.monotonic,
-                 on_release: Callable[[], None] | None = None) -> None:
+                 on_release: Callable[[], None] | None = None,
+                 threads: int | None = None) -> None:
         if size < 1:
             raise ValueError(f"pool {name!r} needs at least one slot, got {size}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"pool {name!r} needs at least one thread, got {threads}")
         self.name = name
         self.size = size
         self._clock = clock
@@ -95,7 +108,7 @@ class Pool:
         self.timeouts = 0
         self.late_returns = 0
         self._threads = [threading.Thread(target=self._serve, name=f"ax-{name}-{i}", daemon=True)
-                         for i in range(size)]
+                         for i in range(size if threads is None else min(size, threads))]
         for thread in self._threads:
             thread.start()
         self._watchdog = threading.Thread(target=Watchdog(self).run,
@@ -220,7 +233,7 @@ class Pool:
         with self._work:
             while True:
                 wait: float | None = None
-                if self._heap:
+                if self._heap and len(self._running) < self.size:  # a free slot
                     now = self._clock()
                     wait = self._heap[0][0] - now
                     if wait <= 0:
@@ -249,10 +262,29 @@ class Pool:
     def _serve(self) -> None:
         while (job := self._next()) is not None:
             try:
-                outcome = Outcome(True, value=job.fn(), duration_s=self._clock() - job.started)
+                value = job.fn()
             except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
-                outcome = Outcome(False, error=exc, duration_s=self._clock() - job.started)
-            self._finish(job, outcome)
+                self._ended(job, None, exc)
+                continue
+            if type(value) is Deferred:
+                self._defer(job, value)
+            else:
+                self._finish(job, Outcome(True, value=value,
+                                          duration_s=self._clock() - job.started))
+
+    def _defer(self, job: Job, deferred: Deferred) -> None:
+        """The job's run goes on elsewhere: its slot stays taken (the job stays running)
+        until the run reports its end, and this thread takes the next job."""
+        try:
+            deferred.launch(partial(self._ended, job))
+        except BaseException as exc:  # noqa: BLE001 - a launch that fails ends the run
+            self._ended(job, None, exc)
+
+    def _ended(self, job: Job, value: Any, error: BaseException | None) -> None:
+        """A run's end (a pool thread, or the event loop's for a deferred run)."""
+        duration_s = self._clock() - job.started
+        self._finish(job, Outcome(True, value=value, duration_s=duration_s) if error is None
+                     else Outcome(False, error=error, duration_s=duration_s))
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         """The slot is free before the outcome is reported: whoever the report wakes
@@ -261,6 +293,8 @@ class Pool:
             first = not job.reported
             job.reported = True
             self._running.discard(job)
+            if self._heap and self._idle:  # a slot freed: a thread may take a staged job
+                self._work.notify()
             if first:
                 self._reporting += 1
                 if job.overdue:

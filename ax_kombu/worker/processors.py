@@ -21,7 +21,8 @@ A task names its processor in one of three ways, resolved in this order:
    host is listed in ``AX_CALLBACK_ALLOW_HOSTS``; see
    :mod:`ax_kombu.worker.callbacks`.
 
-Every processor is called as ``func(payload, ctx)`` with a :class:`Context`.
+Every processor is called as ``func(payload, ctx)`` with a :class:`Context`; an ``async def``
+one is awaited on the worker's event loop (:mod:`ax_kombu.worker.eventloop`).
 
 **What a failure means** is the processor's to say: it may raise ``ax.Retry(delay=…)``
 (a retry, after that delay), ``ax.Snooze(s)`` (run again later, no retry counted) or
@@ -52,7 +53,7 @@ from ax_kombu.worker.callback_targets import check_callback_url, host_allowed
 from ax_kombu.worker.callbacks import callback_processor, post_callback
 
 __all__ = ["Cancellation", "Context", "Resolver", "RetryPolicy", "check_callback_url",
-           "host_allowed", "load_modules", "policy_of", "post_callback", "processor",
+           "host_allowed", "is_async", "load_modules", "policy_of", "post_callback", "processor",
            "registered", "split_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -80,20 +81,22 @@ def processor(task_type: str, *, retry_on: tuple[type[BaseException], ...] | Non
         backoff: this type's back-off, instead of the worker's ``AX_RETRY_BACKOFF_*``.
     Raises:
         ValidationError: ``task_type`` is empty, ``retry_on`` is not a tuple of exception
-            classes, ``backoff`` is not an ``ax.Backoff``, or the callable is an
-            ``async def`` (a worker runs processors on threads: it would get a coroutine
-            and never run its body). Nothing is registered.
+            classes, ``backoff`` is not an ``ax.Backoff``, or the callable is an async
+            generator function (nothing to await). Nothing is registered.
+
+    An ``async def`` processor is awaited on the worker's event loop (one per worker
+    process), in the same lane slots, with the same timeouts and outcomes as a plain
+    one; a timeout or ``ax cancel`` cancels it.
     """
     if not task_type or not isinstance(task_type, str):
         raise ValidationError("processor() needs a non-empty task type")
     policy = _policy(task_type, retry_on, backoff)
 
     def register(func: F) -> F:
-        if is_async(func):
+        if is_async_generator(func):
             raise ValidationError(
-                f"processor {task_type!r}: {_name(func)} is an async def; ax runs processors "
-                "on worker threads and cannot await it yet. Register a plain function "
-                "(for example one that calls asyncio.run(...))")
+                f"processor {task_type!r}: {_name(func)} is an async generator; a processor "
+                "is a plain function or an async def that returns its result")
         _registry[task_type] = func
         if policy is None:
             _policies.pop(task_type, None)
@@ -126,10 +129,17 @@ def policy_of(name: str | None) -> RetryPolicy | None:
 
 def is_async(func: Any) -> bool:
     """True for an ``async def`` (or async generator) function, a partial of one, or an
-    object whose ``__call__`` is one."""
+    object whose ``__call__`` is one: the worker awaits what it returns on its event loop."""
     call = getattr(func, "__call__", None)  # noqa: B004 - an instance's async __call__
     return any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
                for f in (func, call) if f is not None)
+
+
+def is_async_generator(func: Any) -> bool:
+    """True for an async generator function (or a partial of one, or an object whose
+    ``__call__`` is one): it returns nothing a worker could await."""
+    call = getattr(func, "__call__", None)  # noqa: B004 - an instance's async __call__
+    return any(inspect.isasyncgenfunction(f) for f in (func, call) if f is not None)
 
 
 def _name(func: Any) -> str:
@@ -137,22 +147,45 @@ def _name(func: Any) -> str:
 
 
 def call(func: Callable[..., Any], payload: Any, ctx: Context) -> Any:
-    """Run ``func(payload, ctx)`` and return its value.
+    """Run a plain ``func(payload, ctx)`` and return its value (an ``async def`` one is
+    awaited with :func:`call_async` instead).
 
     Raises:
-        ProcessorRefused: it returned an awaitable (a coroutine or a future): its body was
-            not run here, so the run fails (no retry) rather than count as a success. A
-            coroutine is closed, so nothing later runs it half-way.
+        ProcessorRefused: it returned an awaitable (a coroutine or a future) although it
+            is not an ``async def``: its body was not run here, so the run fails (no
+            retry) rather than count as a success. A coroutine is closed, so nothing
+            later runs it half-way.
     """
     value = func(payload, ctx)
     if inspect.isawaitable(value):
-        close = getattr(value, "close", None)
-        if callable(close):
-            close()
+        _close(value)
         raise ProcessorRefused(
-            f"processor {_name(func)} returned {type(value).__name__}, an awaitable: its body "
-            "did not run (ax cannot await processors yet); register a plain function")
+            f"processor {_name(func)} returned {type(value).__name__}, an awaitable, but is "
+            "not an async def: its body did not run (ax awaits only processors declared "
+            "async def); declare it async def")
     return value
+
+
+async def call_async(func: Callable[..., Any], payload: Any, ctx: Context) -> Any:
+    """Await an ``async def`` ``func(payload, ctx)`` and return its value.
+
+    Raises:
+        ProcessorRefused: it returned something that cannot be awaited (an async
+            generator, say): nothing ran.
+    """
+    value = func(payload, ctx)
+    if not inspect.isawaitable(value):
+        _close(value)
+        raise ProcessorRefused(f"processor {_name(func)} returned {type(value).__name__}, "
+                               "which cannot be awaited: nothing ran")
+    return await value
+
+
+def _close(value: Any) -> None:
+    """Close a coroutine that will not run, so nothing later runs it half-way."""
+    close = getattr(value, "close", None)
+    if callable(close):
+        close()
 
 
 def registered(task_type: str) -> Callable[..., Any] | None:
@@ -238,8 +271,7 @@ class Resolver:
         if not callable(func) or getattr(func, "__module__", None) != module_name:
             raise ProcessorRefused(f"processor {name!r} refused: not a function defined in "
                                    f"{module_name}")
-        if is_async(func):
-            raise ProcessorRefused(f"processor {name!r} refused: an async def (ax cannot "
-                                   "await processors yet)")
+        if is_async_generator(func):
+            raise ProcessorRefused(f"processor {name!r} refused: an async generator")
         result: Processor = func
         return result

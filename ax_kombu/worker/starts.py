@@ -19,7 +19,9 @@ once more, in memory and under the stage's lock (:class:`~ax_kombu.worker.stage.
 4. a LISTED run is released first (:meth:`~ax_kombu.worker.listing.Listing.release`, one
    commit), so the recovery never takes a started run for an unstarted one.
 
-Then STARTED: its processor is called. A run that ends without starting (WITHDRAWN,
+Then STARTED: its processor is called, or for an ``async def`` one, its coroutine is handed
+to the worker's event loop (:mod:`ax_kombu.worker.eventloop`) and the run keeps its slot
+until the coroutine ends (a deferred run). A run that ends without starting (WITHDRAWN,
 CANCELLED, ABANDONED) records nothing: its row is no longer RUNNING at its attempt, or is
 written back by whoever withdrew it, or (its timeout passed while it waited:
 :meth:`Starter.take_expired`) by the node, or by the recovery.
@@ -43,10 +45,11 @@ from ax_kombu.core.outcomes import Outcome
 from ax_kombu.exceptions import ProcessorRefused
 from ax_kombu.observability import metrics
 from ax_kombu.worker.control import Wakeup
-from ax_kombu.worker.executor import Executor, Submission
+from ax_kombu.worker.eventloop import EventLoop
+from ax_kombu.worker.executor import Deferred, Executor, Submission
 from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.listing import Listing
-from ax_kombu.worker.processors import Resolver, call
+from ax_kombu.worker.processors import Resolver, call, call_async, is_async
 from ax_kombu.worker.receipts import UnreadablePayload
 from ax_kombu.worker.run import WAITING, Run, State
 from ax_kombu.worker.scopes import RunScope, entered
@@ -105,6 +108,8 @@ class Starter:
         #: the node writes them back (:meth:`take_expired`), or the recovery does
         self.expired: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
+        #: where ``async def`` processors run (started on first use; the node stops it)
+        self.loop = EventLoop()
 
     def submit(self, runs: list[Run[Lane]]) -> None:
         """FENCED → STAGED, handed to their executors: one call per executor for the batch."""
@@ -162,11 +167,14 @@ class Starter:
                       deadline=time.monotonic() + task.timeout_ms / 1000.0, job=task.job,
                       scheduled_at=task.scheduled_at, shard_index=task.shard_index,
                       shard_total=task.shard_total)
-        began = time.monotonic()
+        began, deferred = time.monotonic(), False
         try:
-            return self._execute(task, ctx)
+            value = self._execute(run, task, ctx)
+            deferred = type(value) is Deferred
+            return value
         finally:
-            run.lane.timed(time.monotonic() - began)
+            if not deferred:  # a deferred run is timed when its coroutine ends
+                run.lane.timed(time.monotonic() - began)
 
     @staticmethod
     def _take(run: Run[Lane], covered: bool) -> bool:
@@ -202,12 +210,29 @@ class Starter:
                 run.move(State.STAGED)
                 run.move(State.STARTED)
 
-    def _execute(self, task: RunTask, ctx: Context) -> Any:
+    def _execute(self, run: Run[Lane], task: RunTask, ctx: Context) -> Any:
+        """Call a plain processor inside the run's scopes; an ``async def`` one is a
+        :class:`Deferred`: its coroutine runs on the event loop, where the scopes are
+        entered (context variables are per asyncio task)."""
         if type(task.payload) is UnreadablePayload:
             raise ProcessorRefused("the stored payload is not JSON")
         func = self._resolver.resolve(task.processor, task.callback_url)
+        if is_async(func):
+            body = partial(self._awaited, func, task, ctx, run.lane)
+            return Deferred(partial(self.loop.run, body, cancel=ctx.cancelled))
         with entered(self._scopes, task, ctx):
             return call(func, task.payload, ctx)
+
+    async def _awaited(self, func: Callable[..., Any], task: RunTask, ctx: Context,
+                       lane: Lane) -> Any:
+        """A deferred run's coroutine (the event loop's thread): the processor awaited
+        inside the run's scopes, and timed for its lane."""
+        began = time.monotonic()
+        try:
+            with entered(self._scopes, task, ctx):
+                return await call_async(func, task.payload, ctx)
+        finally:
+            lane.timed(time.monotonic() - began)
 
     def _done(self, run: Run[Lane], outcome: Outcome) -> None:
         """A run's outcome (an executor's thread): STARTED → ENDED, to the result writer;

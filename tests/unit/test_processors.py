@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import sys
@@ -24,8 +25,10 @@ from ax_kombu.worker.processors import (
     Context,
     Resolver,
     call,
+    call_async,
     check_callback_url,
     host_allowed,
+    is_async,
     load_modules,
     post_callback,
     processor,
@@ -189,10 +192,22 @@ class _AsyncCall:
 
 @pytest.mark.parametrize("func", [_async_body, functools.partial(_async_body), _AsyncCall()],
                          ids=["async-def", "partial", "async-call"])
-def test_registering_an_async_processor_is_refused_and_registers_nothing(func: Any) -> None:
-    with pytest.raises(ValidationError, match="async def.*plain function"):
-        processor("unit.async")(func)
-    assert registered("unit.async") is None
+def test_an_async_processor_is_registered_and_awaited_by_call_async(func: Any) -> None:
+    ran.clear()
+    assert processor("unit.async")(func) is func
+    assert registered("unit.async") is func and is_async(func)
+    asyncio.run(call_async(func, {"i": 2}, CTX))
+    assert ran == [{"i": 2}]
+
+
+async def _async_gen(payload: Any, ctx: Context) -> Any:
+    yield payload
+
+
+def test_registering_an_async_generator_is_refused_and_registers_nothing() -> None:
+    with pytest.raises(ValidationError, match="async generator"):
+        processor("unit.asyncgen")(_async_gen)
+    assert registered("unit.asyncgen") is None
 
 
 def test_an_empty_task_type_is_a_validation_error() -> None:
@@ -208,7 +223,7 @@ def test_a_processor_returning_an_awaitable_fails_and_its_body_never_runs() -> N
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "coroutine was never awaited" would be one
-        with pytest.raises(ProcessorRefused, match="returned coroutine, an awaitable"):
+        with pytest.raises(ProcessorRefused, match="returned coroutine.*declare it async def"):
             call(sneaky, {"i": 1}, CTX)
     assert ran == []
     assert call(lambda p, c: p * 2, 21, CTX) == 42

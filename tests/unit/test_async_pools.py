@@ -1,0 +1,212 @@
+"""Deferred runs: a pool's slots bound ``async def`` runs on the event loop, with fewer
+threads than slots; timeouts, cancellation and abandon cancel the coroutine; one outcome each."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+
+from ax_kombu.core.context import Cancellation
+from ax_kombu.worker.eventloop import EventLoop, EventLoopStopped
+from ax_kombu.worker.executor import Deferred, Ended
+from ax_kombu.worker.pools import Outcome, Pool
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def loop() -> Iterator[EventLoop]:
+    event_loop = EventLoop("test-loop")
+    yield event_loop
+    event_loop.stop()
+
+
+class Bodies:
+    """Coroutines that count how many run at once and wait for a release."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.started = 0
+        self.cancelled = 0
+        self.gate: asyncio.Event | None = None
+
+    async def body(self, seconds: float = 10.0, result: Any = "ok") -> Any:
+        self.now += 1  # the loop's thread only: no lock needed
+        self.started += 1
+        self.most = max(self.most, self.now)
+        try:
+            await asyncio.sleep(seconds)
+            return result
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.now -= 1
+
+
+def deferred(loop: EventLoop, body: Callable[[], Any],
+             cancel: Cancellation | None = None) -> Callable[[], Deferred]:
+    """A job function returning a Deferred that runs ``body`` on ``loop``."""
+    def fn() -> Deferred:
+        def launch(ended: Ended) -> None:
+            loop.run(body, ended, cancel)
+        return Deferred(launch)
+    return fn
+
+
+def collect() -> tuple[list[Outcome], Callable[[Outcome], None]]:
+    seen: list[Outcome] = []
+    lock = threading.Lock()
+
+    def done(outcome: Outcome) -> None:
+        with lock:
+            seen.append(outcome)
+    return seen, done
+
+
+def test_slots_bound_deferred_runs_beyond_the_pools_threads(loop: EventLoop) -> None:
+    pool, bodies = Pool("a", 5, threads=2), Bodies()
+    pool.stage_max = 20
+    assert sum(t.is_alive() for t in pool._threads) == 2
+    seen, done = collect()
+    for i in range(20):
+        assert pool.try_submit(deferred(loop, partial(bodies.body, 0.05, i)), done)
+    eventually(lambda: len(seen) == 20, 10, "all 20 deferred runs reported")
+    assert bodies.most == 5 and bodies.started == 20
+    assert sorted(o.value for o in seen) == list(range(20)) and all(o.ok for o in seen)
+    assert all(o.duration_s >= 0.05 for o in seen)  # the coroutine's time, not the launch's
+    eventually(lambda: pool.free == 5 and not pool.active)
+
+
+def test_a_timed_out_deferred_run_is_cancelled_and_reported_timed_out_once(
+        loop: EventLoop) -> None:
+    pool, bodies, cancel = Pool("t", 2, threads=1), Bodies(), Cancellation()
+    seen, done = collect()
+    pool.try_submit(deferred(loop, bodies.body, cancel), done, timeout_s=0.1, cancel=cancel)
+    eventually(lambda: len(seen) == 1, 5, "the timed-out run reported")
+    (outcome,) = seen
+    assert outcome.timed_out and not outcome.ok and cancel.reason == "timeout"
+    assert bodies.cancelled == 1 and outcome.duration_s < 5
+    assert pool.timeouts == 1
+    eventually(lambda: pool.overdue == 0 and pool.free == 2 and pool.stuck == 0)
+
+
+def test_a_cancelled_deferred_run_ends_with_the_reason_never_as_a_success(
+        loop: EventLoop) -> None:
+    pool, bodies, cancel = Pool("c", 2), Bodies(), Cancellation()
+    seen, done = collect()
+    pool.try_submit(deferred(loop, bodies.body, cancel), done, cancel=cancel)
+    eventually(lambda: bodies.started == 1)
+    cancel.set("cancelled")
+    eventually(lambda: len(seen) == 1, 5)
+    assert not seen[0].ok and isinstance(seen[0].error, asyncio.CancelledError)
+    assert "cancelled: cancelled" in str(seen[0].error)
+
+
+def test_a_body_that_swallows_its_cancellation_still_times_out(loop: EventLoop) -> None:
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "swallowed"
+        return "slept"
+
+    pool, cancel = Pool("s", 1), Cancellation()
+    seen, done = collect()
+    pool.try_submit(deferred(loop, stubborn, cancel), done, timeout_s=0.05, cancel=cancel)
+    eventually(lambda: len(seen) == 1, 5)
+    assert seen[0].timed_out and not seen[0].ok
+
+
+def test_abandon_reports_deferred_runs_and_their_slots_free_when_they_end(
+        loop: EventLoop) -> None:
+    released = threading.Event()
+    pool, bodies = Pool("x", 3, threads=1, on_release=released.set), Bodies()
+    seen, done = collect()
+    cancels = [Cancellation() for _ in range(3)]
+    for cancel in cancels:
+        pool.try_submit(deferred(loop, bodies.body, cancel), done, cancel=cancel)
+    eventually(lambda: bodies.started == 3)
+    assert pool.abandon("stopping") == 3
+    assert [o.abandoned for o in seen] == ["stopping"] * 3 and not pool.active
+    assert all(c.reason == "shutdown" for c in cancels)
+    eventually(released.is_set, 5, "a cancelled abandoned run released its slot")
+    eventually(lambda: pool.stuck == 0 and pool.free == 3 and bodies.cancelled == 3)
+    assert len(seen) == 3  # one outcome each: the late ends report nothing
+
+
+def test_a_body_error_is_the_outcome_and_a_sync_job_still_runs_on_the_thread(
+        loop: EventLoop) -> None:
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    pool = Pool("e", 2, threads=1)
+    seen, done = collect()
+    pool.try_submit(deferred(loop, fails), done)
+    pool.try_submit(lambda: 42, done)
+    eventually(lambda: len(seen) == 2, 5)
+    assert {o.value for o in seen if o.ok} == {42}
+    (failed,) = [o for o in seen if not o.ok]
+    assert isinstance(failed.error, ValueError)
+
+
+def test_a_run_handed_to_a_stopped_loop_ends_at_once_without_its_body(
+        loop: EventLoop) -> None:
+    bodies = Bodies()
+    loop.stop()
+    ended: list[tuple[Any, BaseException | None]] = []
+    loop.run(bodies.body, lambda value, error: ended.append((value, error)))
+    assert bodies.started == 0 and isinstance(ended[0][1], EventLoopStopped)
+
+
+def test_stopping_the_loop_cancels_what_runs_and_reports_each_end(loop: EventLoop) -> None:
+    bodies = Bodies()
+    ended: list[BaseException | None] = []
+    for _ in range(3):
+        loop.run(bodies.body, lambda value, error: ended.append(error))
+    eventually(lambda: bodies.started == 3)
+    loop.stop()
+    assert len(ended) == 3 and all(isinstance(e, asyncio.CancelledError) for e in ended)
+
+
+def test_a_cancellation_set_before_the_run_starts_cancels_it_at_once(
+        loop: EventLoop) -> None:
+    cancel = Cancellation()
+    cancel.set("cancelled")
+    bodies = Bodies()
+    ended: list[BaseException | None] = []
+    loop.run(partial(bodies.body, 10), lambda value, error: ended.append(error), cancel)
+    eventually(lambda: len(ended) == 1, 5)
+    assert isinstance(ended[0], asyncio.CancelledError)
+
+
+def test_wait_async_returns_when_the_signal_is_set_from_another_thread() -> None:
+    cancel = Cancellation()
+
+    async def waits() -> tuple[bool, bool]:
+        quick = await cancel.wait_async(0.01)
+        threading.Timer(0.05, cancel.set, args=("timeout",)).start()
+        return quick, await cancel.wait_async(5)
+
+    assert asyncio.run(waits()) == (False, True)
+
+
+def test_a_hook_registered_after_the_signal_runs_at_once_and_hooks_run_once() -> None:
+    cancel, calls = Cancellation(), []
+    cancel.on_set(lambda: calls.append("early"))
+    cancel.set("timeout")
+    cancel.set("shutdown")
+    cancel.on_set(lambda: calls.append("late"))
+    assert calls == ["early", "late"] and cancel.reason == "timeout"
+
+
+def test_a_pool_needs_a_thread() -> None:
+    with pytest.raises(ValueError, match="at least one thread"):
+        Pool("z", 2, threads=0)
