@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ax_kombu.broker.messages import TaskMessage
+from ax_kombu.core.run_log import RunLogBuffer
 from ax_kombu.store.transitions import Started
 
 
@@ -50,6 +51,8 @@ class RunTask:
     #: the W3C trace context the message carried (its run span's parent or link)
     traceparent: str | None = None
     tracestate: str | None = None
+    #: the lines the run logged (:mod:`ax_kombu.worker.runlog`; None: none yet)
+    logs: RunLogBuffer | None = None
 
     @classmethod
     def of(cls, row: Started, message: TaskMessage, payload: Any) -> RunTask:
