@@ -7,7 +7,8 @@ field — never a database error later. Each value is checked by
 :mod:`ax_kombu.core.fingerprint` (JSON with string keys, no NaN or Infinity, 64-bit
 integers, size, depth and value count), which also gives the duplicate check its key;
 here: the priority, the target (a processor or an http(s) callback), the runner, the
-order key, shards.
+order key, shards. A row also takes the W3C trace context current when it is built
+(:func:`ax_kombu.observability.tracing.current_context_headers`; None without one).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ax_kombu.core.values import (
 )
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability.redaction import redact_url
+from ax_kombu.observability.tracing import current_context_headers, trace_id_of
 
 
 def _callback(url: Any) -> str:
@@ -190,6 +192,9 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
     ``runner``: a Celery runner, from :mod:`ax_kombu.celery` only (None: ``'callback'``
     with a ``callback_url``, else ``'ax'``; see :func:`check_route`).
 
+    ``traceparent``/``tracestate``: the current OpenTelemetry span's context (None
+    without one); ``trace_id`` not given is then its trace id (32 hex digits).
+
     Raises:
         ValidationError: any argument is invalid.
     """
@@ -201,6 +206,9 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
     payload_json = canonical_json(payload, settings.max_payload_bytes)
     key, gate = _order(order_key, order_policy)
     trigger = trigger_ms(now_ms, run_at, delay)
+    parent, state = current_context_headers()
+    if trace_id is None and parent is not None:
+        trace_id = trace_id_of(parent)
     return {
         "task_type": task_type,
         "trigger_time": trigger,
@@ -221,4 +229,5 @@ def build_row(settings: Settings, now_ms: int, task_type: Any, payload: Any, *,
         "trace_id": check_trace_id(trace_id),
         "attempt": 0,
         "created_at": now_ms,
+        "traceparent": parent, "tracestate": state,
     }

@@ -85,6 +85,9 @@ class TaskView:
     #: every move of its trigger time (``reschedule``, ``run_now``, a replacing enqueue),
     #: oldest first
     moves: tuple[Move, ...] = ()
+    #: the W3C trace context current when it was enqueued (None: none; see
+    #: docs/tracing.md)
+    traceparent: str | None = None
 
     @property
     def last_run_node(self) -> str | None:
@@ -96,7 +99,8 @@ class TaskView:
     def from_row(cls, row: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]] = (),
                  archived: bool = False, moves: Sequence[Mapping[str, Any]] = ()) -> TaskView:
         data = {k: row[k] for k in cls.__dataclass_fields__
-                if k not in ("attempts", "archived", "moves")}
+                if k not in ("attempts", "archived", "moves", "traceparent")}
+        data["traceparent"] = row.get("traceparent")
         data["status"] = Status(row["status"])
         data["payload"] = json.loads(row["payload"])
         data["result"] = json.loads(row["result"]) if row.get("result") is not None else None

@@ -1,7 +1,10 @@
 """The wire format: one JSON message per task attempt, readable by a plain Kombu consumer.
 
 A message says which task and which attempt is due; the attempt is the fencing
-token a worker checks against the row. The trace id also travels in the headers.
+token a worker checks against the row. The trace id also travels in the headers, and so
+does the W3C trace context stored at enqueue (``traceparent``, ``tracestate``: absent when
+the task has none; :mod:`ax_kombu.observability.tracing`), which the body carries too
+(the worker reads the body).
 
 Version 2 (what ax publishes) carries only what the row cannot tell the worker
 before it fences the task: ``task_id``, ``attempt``, ``trigger_time``,
@@ -9,7 +12,8 @@ before it fences the task: ``task_id``, ``attempt``, ``trigger_time``,
 ``node``)::
 
     {"v":2,"task_id":7,"attempt":1,"trigger_time":1764892800000,"priority":"default",
-     "trace_id":"…","dispatched_at":1764892799750,"node":"scheduler@host"}
+     "trace_id":"…","dispatched_at":1764892799750,"node":"scheduler@host",
+     "traceparent":"00-…-…-01"}
 
 No payload, processor or callback URL crosses the broker: the worker's RUNNING
 move returns them from the row, and that is what runs. Version 1 (every field
@@ -80,6 +84,10 @@ class _Sent(Protocol):
     def dispatched_at(self) -> int: ...
     @property
     def node(self) -> str: ...
+    @property
+    def traceparent(self) -> str | None: ...
+    @property
+    def tracestate(self) -> str | None: ...
 
 
 def _json(m: _Sent) -> str:
@@ -88,7 +96,29 @@ def _json(m: _Sent) -> str:
     return (f'{{"v":{MESSAGE_VERSION},"task_id":{m.task_id:d},"attempt":{m.attempt:d},'
             f'"trigger_time":{m.trigger_time:d},"priority":{_js(m.priority)},'
             f'"trace_id":{_js(m.trace_id)},"dispatched_at":{m.dispatched_at:d},'
-            f'"node":{_js(m.node)}}}')
+            f'"node":{_js(m.node)}{_trace_context(m)}}}')
+
+
+def _trace_context(m: _Sent) -> str:
+    """The body's trace context fields (each absent when None), after a comma."""
+    if m.traceparent is None:
+        return ""
+    if m.tracestate is None:
+        return f',"traceparent":{_js(m.traceparent)}'
+    return f',"traceparent":{_js(m.traceparent)},"tracestate":{_js(m.tracestate)}'
+
+
+def headers_of(m: Sendable) -> dict[str, str]:
+    """The message headers of ``m``: its ``trace_id``, and its W3C trace context where it
+    has one (the names of W3C Trace Context, which tracing instrumentations read)."""
+    headers = {"trace_id": m.trace_id}
+    parent = getattr(m, "traceparent", None)
+    if parent is not None:
+        headers["traceparent"] = parent
+        state = getattr(m, "tracestate", None)
+        if state is not None:
+            headers["tracestate"] = state
+    return headers
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,6 +149,9 @@ class ClaimedTask:
     node: str
     #: the queue to publish to when not the priority's (a worker's own queue)
     route: str | None = None
+    #: the W3C trace context stored at enqueue (None: enqueued without a trace)
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     def to_json(self) -> str:
         """The JSON body (version 2: no payload; see the module docstring)."""
@@ -145,6 +178,9 @@ class TaskMessage(NamedTuple):
     callback_url: str | None
     dispatched_at: int
     node: str
+    #: the W3C trace context the message carried (None: none; not in version 1)
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def route(self) -> str | None:
@@ -181,10 +217,12 @@ class TaskMessage(NamedTuple):
                               trigger_time=body["trigger_time"], timeout_ms=1,
                               priority=body["priority"], retry_count=0, max_retry=0,
                               processor=None, callback_url=None,
-                              dispatched_at=body["dispatched_at"], node=body["node"])
+                              dispatched_at=body["dispatched_at"], node=body["node"],
+                              traceparent=body.get("traceparent"),
+                              tracestate=body.get("tracestate"))
             except KeyError as exc:
                 raise Rejected("missing_field", f"no field {exc}") from None
-            return message._checked(SLIM_FIELDS)
+            return message._checked(SLIM_FIELDS + TRACE_FIELDS)
         if version != FULL_VERSION:
             raise Rejected("not_task", "not an ax task message (no \"v\": 1 or 2 object)")
         try:
@@ -230,8 +268,10 @@ class _NotSent:
 
 
 NOT_SENT: Any = _NotSent()
+#: the optional trace context fields of a version-2 message
+TRACE_FIELDS = ("traceparent", "tracestate")
 #: the fields a version-1 message carries (the others come from the task row)
-WIRE_FIELDS = TaskMessage._fields
+WIRE_FIELDS = tuple(f for f in TaskMessage._fields if f not in TRACE_FIELDS)
 #: the fields a version-2 message carries
 SLIM_FIELDS = ("task_id", "attempt", "trace_id", "trigger_time", "priority", "dispatched_at",
                "node")
@@ -243,13 +283,21 @@ _INT_RANGES = {"task_id": (0, _INT64), "attempt": (1, _INT32), "trigger_time": (
 _INT_FIELDS = tuple(_INT_RANGES)
 #: each string field and its longest value (the task and node tables' columns)
 _STR_FIELDS = (("task_type", 128), ("trace_id", 64), ("priority", 16), ("processor", 255),
-               ("callback_url", 2048), ("node", 128))
-_OPTIONAL = frozenset({"processor", "callback_url"})
+               ("callback_url", 2048), ("node", 128), ("traceparent", 55),
+               ("tracestate", 512))
+_OPTIONAL = frozenset({"processor", "callback_url", *TRACE_FIELDS})
 
 
 def redis_envelope(m: Sendable, queue: str) -> str:
     """The message as Kombu's Redis transport stores it (what ``Producer.publish`` would put)."""
     return (f'{{"body":{_encode_string(m.to_json())},"content-encoding":"utf-8",'
-            f'"content-type":"application/json","headers":{{"trace_id":{_js(m.trace_id)}}},'
+            f'"content-type":"application/json","headers":{_headers_json(m)},'
             f'"properties":{{"delivery_mode":2,"priority":0,"delivery_info":{{"exchange":"",'
             f'"routing_key":{_js(queue)}}},"delivery_tag":"{m.task_id}.{m.attempt}"}}}}')
+
+
+def _headers_json(m: Sendable) -> str:
+    """:func:`headers_of` as JSON text (the common case, no trace context, built directly)."""
+    if getattr(m, "traceparent", None) is None:
+        return f'{{"trace_id":{_js(m.trace_id)}}}'
+    return "{" + ",".join(f"{_js(k)}:{_js(v)}" for k, v in headers_of(m).items()) + "}"

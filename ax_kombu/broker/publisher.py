@@ -43,7 +43,7 @@ from ax_kombu.broker.celery_wire import (
     celery_redis_envelope,
 )
 from ax_kombu.broker.connection import connection, declare_queues, ensure_connected
-from ax_kombu.broker.messages import Sendable, redis_envelope
+from ax_kombu.broker.messages import Sendable, headers_of, redis_envelope
 from ax_kombu.config import PRIORITIES, Settings, redact_url
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class Publisher:
             return
         self._producer.publish(message.to_json(),
                                routing_key=message.route or self._queues[message.priority],
-                               exchange="", headers={"trace_id": message.trace_id},
+                               exchange="", headers=headers_of(message),
                                delivery_mode=self._delivery_mode,
                                content_type="application/json", content_encoding="utf-8")
 

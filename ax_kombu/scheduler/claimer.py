@@ -40,6 +40,8 @@ Contracts:
 * **Broker down → no claims**: while the dispatcher reports the broker
   unreachable, fired ids go back to the wheel for ``republish_delay_ms`` and
   nothing is claimed, so no task is moved to DISPATCHING that cannot be sent.
+* Each claim statement runs in an ``ax.claim`` span when an OpenTelemetry SDK is configured
+  (:func:`ax_kombu.observability.tracing.batch_span`; nothing otherwise).
 * On :meth:`~ax_kombu.scheduler.loop.Loop.stop` the claimer ends after the
   batch in hand; what is fired but unclaimed stays claimable in the store, for
   the other schedulers' preload.
@@ -57,7 +59,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ax_kombu.config import Settings
 from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.lease import Lease
-from ax_kombu.observability import metrics
+from ax_kombu.observability import metrics, tracing
 from ax_kombu.scheduler.dispatcher import Claimed, Dispatcher
 from ax_kombu.scheduler.loop import MAX_SLEEP_S, Loop, Mailbox
 from ax_kombu.scheduler.timing import TimingLoop
@@ -162,7 +164,8 @@ class Claimer(Loop):
         resumed (see the module docstring)."""
         incarnation = self._incarnation()
         try:
-            rows = self._claim_rows(batch)
+            with tracing.batch_span("ax.claim", len(batch.ids)):
+                rows = self._claim_rows(batch)
         except SQLAlchemyError as exc:
             first = self._unsure is None
             self._unsure = batch._replace(resume=True)

@@ -22,7 +22,8 @@ to READY; anything else is the ack timeout's). A lease still undecided after the
 window (the database unreachable) drops the batch the same way. A message that cannot be built (a
 Celery-bound task's payload: :mod:`ax_kombu.broker.celery_wire`) fails its own task,
 FAILED with the reason (fenced by its attempt), and nothing else: the rest of its
-batch is published.
+batch is published. Each batch is published in an ``ax.publish`` span when an
+OpenTelemetry SDK is configured (:func:`ax_kombu.observability.tracing.batch_span`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ax_kombu.broker.publisher import Publisher
 from ax_kombu.config import Settings, worker_queue
 from ax_kombu.core.lease import Lease
 from ax_kombu.core.states import Status
-from ax_kombu.observability import metrics
+from ax_kombu.observability import metrics, tracing
 from ax_kombu.store import Store
 from ax_kombu.store.gates import Unbuildable, fail_unbuildable
 from ax_kombu.store.transitions import transition
@@ -74,7 +75,8 @@ def to_message(row: Any, node: str, now_ms: int) -> ClaimedTask:
                 trigger_time=row.trigger_time, timeout_ms=row.timeout_ms,
                 priority=row.priority, retry_count=row.retry_count, max_retry=row.max_retry,
                 processor=row.processor_name, callback_url=row.callback_url,
-                dispatched_at=now_ms, node=node,
+                dispatched_at=now_ms, node=node, traceparent=row.traceparent,
+                tracestate=row.tracestate,
                 # a shard for one worker: to that worker's own queue
                 route=None if row.target_node is None else worker_queue(row.target_node))
 
@@ -166,7 +168,7 @@ class Dispatcher(threading.Thread):
         started = time.monotonic()
         now = self._now()
         messages = [to_message(r, self.node, now) for r in rows]
-        with self._publisher_lock:
+        with self._publisher_lock, tracing.batch_span("ax.publish", len(messages)):
             failed, refused = self.publisher.send(messages)
         done = self._now()
         if refused:

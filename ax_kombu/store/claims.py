@@ -68,7 +68,7 @@ def fire_time(column: str = "trigger_time", runner: str = "runner") -> str:
 #: (:func:`ax_kombu.scheduler.dispatcher.to_message`)
 _CLAIM_COLUMNS = ("task_id, attempt, task_type, payload, trace_id, trigger_time, timeout_ms, "
                   "priority, retry_count, max_retry, processor_name, callback_url, target_node, "
-                  "runner")
+                  "runner, traceparent, tracestate")
 
 # One conditional UPDATE, as on SQLite. Racing claimers: a row locked by another claim is
 # waited for (that claim commits within its one round trip), then its status is tested again,

@@ -41,7 +41,7 @@ _PENDING = frozenset({"CREATED", "DELAYED", "READY"})
 COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_count",
            "max_retry", "timeout_ms", "processor_name", "callback_url", "payload", "biz_key",
            "fingerprint", "trace_id", "attempt", "created_at", "order_key", "order_seq", "gate",
-           "shard_index", "shard_total", "runner")
+           "shard_index", "shard_total", "runner", "traceparent", "tracestate")
 
 _LOCK_KEYS = text("SELECT count(pg_advisory_xact_lock(k)) FROM "
                   "(SELECT k FROM unnest(CAST(:keys AS BIGINT[])) AS k ORDER BY k) AS s")

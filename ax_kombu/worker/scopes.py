@@ -18,6 +18,7 @@ from typing import Any
 from ax_kombu.config import Settings
 from ax_kombu.core.context import Context
 from ax_kombu.observability import tracing
+from ax_kombu.worker.runlog import run_log_scope
 from ax_kombu.worker.task import RunTask
 
 #: one scope: given the run's task and context, a context manager around its processor
@@ -26,7 +27,7 @@ RunScope = Callable[[RunTask, Context], AbstractContextManager[Any]]
 
 def run_scopes(settings: Settings) -> list[RunScope]:
     """The scopes every run of a worker with ``settings`` is wrapped in, outermost first."""
-    return [*tracing.run_scopes(settings.queue_for)]
+    return [*tracing.run_scopes(settings.queue_for), *run_log_scope(settings)]
 
 
 def entered(scopes: Sequence[RunScope], task: RunTask, ctx: Context) -> ExitStack:

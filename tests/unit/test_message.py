@@ -7,6 +7,8 @@ import json
 from collections import namedtuple
 from typing import Any
 
+import pytest
+
 from ax_kombu.broker.celery_wire import CeleryBound, CeleryFenced
 from ax_kombu.broker.messages import (
     NOT_SENT,
@@ -17,6 +19,7 @@ from ax_kombu.broker.messages import (
     TaskMessage,
     redis_envelope,
 )
+from ax_kombu.broker.rejects import Rejected
 from ax_kombu.scheduler.dispatcher import to_message
 from ax_kombu.store.claims import _CLAIM_COLUMNS
 from tests.wire import version_1_json
@@ -25,8 +28,9 @@ from tests.wire import version_1_json
 ClaimedRow = namedtuple("ClaimedRow", [c.strip() for c in _CLAIM_COLUMNS.split(",")])  # type: ignore[misc]
 
 
-def _row(*values: Any, target_node: str | None = None, runner: str = "ax") -> Any:
-    return ClaimedRow._make((*values, target_node, runner))
+def _row(*values: Any, target_node: str | None = None, runner: str = "ax",
+         traceparent: str | None = None, tracestate: str | None = None) -> Any:
+    return ClaimedRow._make((*values, target_node, runner, traceparent, tracestate))
 
 
 def test_claim_columns_are_what_the_message_needs() -> None:
@@ -34,7 +38,23 @@ def test_claim_columns_are_what_the_message_needs() -> None:
     fields = [field.name for field in dataclasses.fields(ClaimedTask)][:12]
     renamed = {"processor_name": "processor"}
     assert [renamed.get(c, c) for c in columns[:12]] == fields
-    assert columns[12:] == ["target_node", "runner"]  # routing only, not in the message
+    # routing only, not in the message; then the trace context (in the message when set)
+    assert columns[12:] == ["target_node", "runner", "traceparent", "tracestate"]
+
+
+def test_the_trace_context_travels_in_the_body_and_the_headers() -> None:
+    values = (5, 2, "t", "{}", "tr", 100, 500, "high", 1, 3, "p", None)
+    parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    message = to_message(_row(*values, traceparent=parent, tracestate="k=v"), "node-1", 123)
+    body = json.loads(message.to_json())
+    assert (body["traceparent"], body["tracestate"]) == (parent, "k=v")
+    received = TaskMessage.from_body(body)
+    assert (received.traceparent, received.tracestate) == (parent, "k=v")
+    headers = json.loads(redis_envelope(message, "q"))["headers"]
+    assert headers == {"trace_id": "tr", "traceparent": parent, "tracestate": "k=v"}
+    with pytest.raises(Rejected, match="traceparent"):
+        TaskMessage.from_body({**body, "traceparent": 7})
+    assert "traceparent" not in json.loads(to_message(_row(*values), "n", 1).to_json())
 
 
 def test_to_message_and_json_round_trip() -> None:
