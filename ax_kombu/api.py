@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Connection
+
 from ax_kombu import recurring
 from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
@@ -122,6 +124,24 @@ def task_ids(groups: list[list[dict[str, Any]]], written: list[Written]) -> list
     return out
 
 
+def read_task(conn: Connection, task_id: int) -> TaskView:
+    """The task ``task_id`` read through ``conn``; from the archive tables
+    (``archived=True``) if it was archived.
+
+    Raises:
+        TaskNotFound: no such task.
+    """
+    row = fetch_task(conn, int(task_id))
+    history = attempts_of(conn, int(task_id)) if row is not None else []
+    moved = moves.moves_of(conn, int(task_id)) if row is not None else []
+    cold = fetch_archived(conn, int(task_id)) if row is None else None
+    if cold is not None:
+        return TaskView.from_row(cold[0], cold[1], archived=True)
+    if row is None:
+        raise TaskNotFound(f"no task {task_id}")
+    return TaskView.from_row(dict(row._mapping), history, moves=moved)
+
+
 class Client(Moving):
     """A producer's handle on one store. Thread-safe; one per process is enough."""
 
@@ -205,15 +225,7 @@ class Client(Moving):
             TaskNotFound: no such task.
         """
         with self.store.engine.connect() as conn:
-            row = fetch_task(conn, int(task_id))
-            history = attempts_of(conn, int(task_id)) if row is not None else []
-            moved = moves.moves_of(conn, int(task_id)) if row is not None else []
-            cold = fetch_archived(conn, int(task_id)) if row is None else None
-        if cold is not None:
-            return TaskView.from_row(cold[0], cold[1], archived=True)
-        if row is None:
-            raise TaskNotFound(f"no task {task_id}")
-        return TaskView.from_row(dict(row._mapping), history, moves=moved)
+            return read_task(conn, task_id)
 
     def wait(self, task_id: int, timeout: float = 30.0) -> TaskView:
         """Wait until the task has finished (SUCCESS, FAILED or CANCELLED); returns it.
