@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import text
 
 from ax_kombu.api import Client
+from ax_kombu.celery import handoff
 from ax_kombu.celery.ends import End
 from ax_kombu.celery.fence import Fence
 from ax_kombu.config import from_env
@@ -290,4 +291,13 @@ def test_an_unbuildable_message_announces(client: Counting,
         conn.execute(text("UPDATE ax_task SET status = 'DISPATCHING'"))
         assert gates.fail_unbuildable(conn, [gates.Unbuildable(task_id, 1, "bad")], NODE,
                                       client.store.now_ms()) == [task_id]
+    assert heard() == [task_id]
+
+
+def test_a_celery_hand_off_announces(client: Counting, heard: Callable[..., list[int]]) -> None:
+    [task_id] = running(client, 1)
+    with client.store.engine.begin() as conn:
+        conn.execute(text("UPDATE ax_task SET status = 'DISPATCHING'"))
+        assert handoff.record(conn, [handoff.Handed(task_id, 1, '{"celery_task_id": "x"}')],
+                              client.store.now_ms()) == [task_id]
     assert heard() == [task_id]
