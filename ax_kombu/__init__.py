@@ -4,13 +4,19 @@ The public API::
 
     import ax_kombu as ax
 
-    ax.configure(database_url="postgresql://127.0.0.1/app")   # optional
-    task_id = ax.enqueue("order.close", {"order": 42}, delay=1800)
+    @ax.task("order.close", priority="high", max_retry=3, timeout="30s")
+    def close(order: int, *, ctx: ax.Context) -> None: ...     # a typed task
+
+    task_id = close.enqueue(42, delay=1800, biz_key="o-42")    # arguments checked at once
+    task_id = await close.aenqueue(42, delay=1800)             # or from asyncio (ax.aio)
     ax.get(task_id).status
     ax.cancel(task_id)
 
-    @ax.processor("order.close")
-    def close_order(payload, ctx): ...
+    ax.configure(database_url="postgresql://127.0.0.1/app")   # optional
+    ax.enqueue("order.close", {"order": 42}, delay=1800)        # the raw form
+
+    @ax.processor("report.build")
+    def build(payload, ctx): ...
 
     ax.schedule("report.daily", "report.build", {"kind": "daily"},
                 cron="0 8 * * *", tz="Asia/Shanghai")        # a recurring job
@@ -18,6 +24,9 @@ The public API::
 
     @ax.periodic(cron="*/10 * * * * *", name="cache.refresh")
     def refresh(payload, ctx): ...                          # ctx.job, ctx.scheduled_at
+
+mypy checks a typed task's arguments with ``plugins = ax_kombu.mypy_plugin``
+(:mod:`ax_kombu.tasks`).
 """
 
 from __future__ import annotations
@@ -27,11 +36,13 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
+from ax_kombu import tasks as _tasks
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.backoff import Backoff
+from ax_kombu.core.context import Context
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import (
     AxError,
@@ -47,51 +58,23 @@ from ax_kombu.exceptions import (
 )
 from ax_kombu.moving import UNCHANGED as _UNCHANGED
 from ax_kombu.recurring import JobView, periodic
+from ax_kombu.tasks import Task, TaskCall
 from ax_kombu.views import AttemptView, Move, TaskId, TaskView
 
 __all__ = [
-    "AttemptView",
-    "AxError",
-    "Backoff",
-    "Discard",
-    "IllegalTransition",
-    "JobNotFound",
-    "JobView",
-    "Move",
-    "Retry",
-    "Settings",
-    "Snooze",
-    "Status",
-    "TaskId",
-    "TaskNotFound",
-    "TaskView",
-    "TooLateToMove",
-    "ValidationError",
-    "WaitTimeout",
-    "cancel",
-    "cancel_many",
-    "client",
-    "configure",
-    "enqueue",
-    "enqueue_many",
-    "get",
-    "jobs",
-    "limits",
-    "next_fires",
-    "pause",
-    "periodic",
-    "processor",
-    "reschedule",
-    "resume",
-    "run_now",
-    "schedule",
-    "set_limit",
-    "unschedule",
-    "wait",
+    "AsyncClient", "AttemptView", "AxError", "Backoff", "Context", "Discard",
+    "IllegalTransition", "JobNotFound", "JobView", "Move", "Retry", "Settings", "Snooze",
+    "Status", "Task", "TaskCall", "TaskId", "TaskNotFound", "TaskView", "TooLateToMove",
+    "ValidationError", "WaitTimeout", "aio", "cancel", "cancel_many", "client", "configure",
+    "enqueue", "enqueue_many", "get", "jobs", "limits", "next_fires", "pause", "periodic",
+    "processor", "reschedule", "resume", "run_now", "schedule", "set_limit", "task",
+    "unschedule", "wait",
 ]
 __version__ = "0.1.0"
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _lock = threading.Lock()
 _client: Client | None = None
@@ -345,6 +328,28 @@ def processor(task_type: str, *, retry_on: tuple[type[BaseException], ...] | Non
     return processors.processor(task_type, retry_on=retry_on, backoff=backoff)
 
 
+def task(task_type: str, *, priority: str = "default", max_retry: int | None = None,
+         timeout: float | timedelta | str | None = None,
+         retry_on: tuple[type[BaseException], ...] | None = None,
+         backoff: Backoff | None = None) -> Callable[[Callable[P, R]], Task[P, R]]:
+    """Make the decorated function a typed task of ``task_type``, an :class:`ax.Task`
+    (:mod:`ax_kombu.tasks` says how its arguments are bound, stored and passed back):
+    ``.enqueue(*args, delay=…|run_at=…, biz_key=…, connection=…, **kwargs)``,
+    ``.enqueue_many``, ``.schedule``, ``.aenqueue``; the worker runs it with ``ctx=``.
+
+    Args:
+        priority, max_retry: every enqueue's defaults, as for :func:`enqueue`.
+        timeout: how long one run may take: seconds, a timedelta, or ``"250ms"``,
+            ``"30s"``, ``"5m"``, ``"1h"`` (None: ``AX_DEFAULT_TIMEOUT_MS``).
+        retry_on, backoff: as for :func:`processor`.
+    Raises:
+        ValidationError: a bad argument, or a function with a parameter named like an
+            enqueue option; nothing is registered.
+    """
+    return _tasks.task(task_type, client=client, priority=priority, max_retry=max_retry,
+                       timeout=timeout, retry_on=retry_on, backoff=backoff)
+
+
 def set_limit(task_type: str, max_running: int | None) -> None:
     """At most ``max_running`` tasks of ``task_type`` DISPATCHING or RUNNING at once, across
     the cluster (None: no limit). Tasks over it wait READY and start as runs end.
@@ -361,13 +366,16 @@ def limits() -> dict[str, int]:
 
 
 def __getattr__(name: str) -> Any:
-    """``ax.celery``: the Celery integration (:mod:`ax_kombu.celery`), imported on first
-    use, so ``import ax_kombu`` never imports Celery (an optional extra). Without Celery
-    installed, ``ax.celery`` raises ImportError saying how to install it."""
-    if name == "celery":
-        import importlib
+    """``ax.celery`` (:mod:`ax_kombu.celery`), ``ax.aio`` and ``ax.AsyncClient``
+    (:mod:`ax_kombu.aio`), imported on first use: ``import ax_kombu`` imports neither
+    Celery nor SQLAlchemy's asyncio (optional extras; without one, ImportError says how
+    to install it)."""
+    import importlib
 
-        return importlib.import_module("ax_kombu.celery")
+    if name in ("celery", "aio"):
+        return importlib.import_module(f"ax_kombu.{name}")
+    if name == "AsyncClient":
+        return importlib.import_module("ax_kombu.aio").AsyncClient
     raise AttributeError(f"module 'ax_kombu' has no attribute {name!r}")
 
 
