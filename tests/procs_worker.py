@@ -73,8 +73,8 @@ def _private(payload: Any, ctx: Context) -> None:
 
 
 async def async_dotted(payload: Any, ctx: Context) -> None:
-    """An ``async def`` reached by dotted path (``tests.procs_worker:async_dotted``): refused,
-    its body never runs."""
+    """An ``async def`` reached by dotted path (``tests.procs_worker:async_dotted``): awaited
+    on the worker's event loop."""
     _count(ctx)
 
 
