@@ -1,5 +1,5 @@
 """Tasks: search (keyset pages, :func:`ax_kombu.store.console.search_tasks`), one task with
-its attempts and moves, and the actions the CLI has — ``ax cancel`` (:meth:`Client.cancel`),
+its attempts, moves and each attempt's own log lines (:func:`ax_kombu.store.run_logs.logs_of`), and the actions the CLI has — ``ax cancel`` (:meth:`Client.cancel`),
 ``ax retry`` (:func:`ax_kombu.store.admin.retry_ids`) and, for a task that has not started,
 ``ax reschedule`` (:meth:`Client.run_now`, :meth:`Client.reschedule`). A move the store
 refuses (the task was claimed meanwhile, or finished) changes nothing, and the task's page
@@ -20,6 +20,7 @@ from ax_kombu.core.states import CLAIMABLE, FINAL, Status
 from ax_kombu.exceptions import AxError, IllegalTransition, ValidationError
 from ax_kombu.store.admin import RETRYABLE, parse_status, retry_ids
 from ax_kombu.store.console import TaskSearch, search_tasks
+from ax_kombu.store.run_logs import logs_of
 from ax_kombu.views import TaskView
 from ax_kombu.web.console import back_to, checked_form, console_of
 
@@ -86,8 +87,10 @@ def task_list(request: Request) -> Response:
 
 def _task_page(request: Request, view: TaskView, status_code: int = 200,
                error: str | None = None) -> Response:
-    return console_of(request).page(
+    console = console_of(request)
+    return console.page(
         request, "task.html", status_code, task=view, error=error,
+        logs=logs_of(console.engine, view.task_id),
         can_cancel=view.status not in FINAL and not view.archived,
         can_retry=view.status in RETRYABLE and not view.archived,
         can_move=view.status in CLAIMABLE and not view.archived)
