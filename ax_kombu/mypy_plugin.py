@@ -6,7 +6,7 @@ options beside ``P.kwargs`` are not allowed, and ``P`` keeps the ``ctx`` paramet
 worker fills. At each call of ``enqueue``, ``aenqueue``, ``item`` (of a task or of
 ``task.options(…)``) and ``schedule``, this plugin takes ``ctx`` out of the signature
 and adds the options as keyword-only parameters, typed from
-:class:`ax_kombu.tasks.Options`: ``close.enqueue("42")`` for ``order: int`` is an
+:class:`ax_kombu.task_options.Options`: ``close.enqueue("42")`` for ``order: int`` is an
 ``arg-type`` error, ``close.enqueue(42, delay=60)`` is clean. Loaded by mypy only.
 """
 
@@ -18,7 +18,8 @@ from mypy.nodes import ARG_STAR2
 from mypy.plugin import MethodSigContext, Plugin
 from mypy.types import CallableType, FunctionLike, Instance, get_proper_type
 
-#: method fullname → the method (of ``Options``, which tasks inherit) declaring its options
+#: method fullname → the method (of ``task_options.Options``, which tasks inherit) declaring
+#: its options
 _METHODS = {f"ax_kombu.tasks.{cls}.{name}": "_enqueue_options"
             for cls in ("Task", "TaskCall") for name in ("enqueue", "aenqueue", "item")}
 _METHODS["ax_kombu.tasks.Task.schedule"] = "_schedule_options"

@@ -1,38 +1,30 @@
-"""Typed tasks: ``@ax.task`` turns a function into an :class:`Task`, typed by its signature.
-
-Contract::
+"""Typed tasks: ``@ax.task`` turns a function into a :class:`Task`, typed by its signature
+(docs/typed_tasks.md shows every use)::
 
     @ax.task("order.close", priority="high", max_retry=3, timeout="30s")
     def close(order: int, *, ctx: ax.Context) -> None: ...
 
     close.enqueue(42, delay=1800, biz_key="o-42")          # -> ax.TaskId
-    close.options(delay=1800).enqueue(42)                  # the same, options apart
-    close.enqueue_many([close.item(1), close.item(2, biz_key="o-2")])
-    close.schedule("close.sweep", 0, cron="*/5 * * * *")   # a recurring job -> ax.JobView
+    close.enqueue_many([close.item(1), close.options(delay=60).item(2)])
+    close.schedule("close.sweep", 0, cron="*/5 * * * *")   # -> ax.JobView
     await close.aenqueue(42, delay=5)                      # through ax_kombu.aio
-    close(42, ctx=ctx)                                     # still a plain function
 
-- **Binding.** The call's arguments are bound to the function's signature at once, without
-  its ``ctx`` parameter (a parameter named ``ctx``, positional or keyword-only: the worker
-  gives the run's :class:`~ax_kombu.core.context.Context` there). A missing or unexpected
-  argument is a :class:`~ax_kombu.exceptions.ValidationError` and nothing is written.
-- **Payload.** The bound arguments, defaults applied, by parameter name: ``{"order": 42}``
-  (``*args`` as a list, ``**kwargs`` as an object under their own names). ``ax inspect``
-  shows it as it is, and a raw ``@ax.processor`` of the same type reads the same object.
-- **Options.** :data:`ENQUEUE_OPTIONS` (``delay``, ``run_at``, ``biz_key``, ``connection``…)
-  are keyword arguments of ``enqueue`` and never the function's: a function with a
-  parameter of one of those names (or of :data:`SCHEDULE_OPTIONS`) is refused at
-  decoration. ``.options(**options)`` gives them apart from the arguments.
+- **Binding.** A call's arguments are bound to the signature without its ``ctx`` parameter
+  (named ``ctx``, positional or keyword-only: the worker gives the run's
+  :class:`~ax_kombu.core.context.Context` there) at once: a missing or unexpected argument
+  is a :class:`~ax_kombu.exceptions.ValidationError`, and nothing is written.
+- **Payload.** The bound arguments, defaults applied, by parameter name (``{"order": 42}``;
+  ``*args`` a list, ``**kwargs`` an object, under their own names).
+- **Options.** :data:`ENQUEUE_OPTIONS` and :data:`SCHEDULE_OPTIONS` are keyword arguments of
+  the methods, never the function's: a parameter named like one is refused at decoration.
 - **Running.** The worker calls ``fn(**payload, ctx=ctx)`` (positional-only parameters
-  positionally); a payload that does not fit the signature (a producer of another
-  version) fails its run at once with :class:`~ax_kombu.exceptions.Discard`, no retry.
-- **Registration.** The processor is registered under the task type in a process that
-  has loaded the worker (``ax-worker -A module`` loads it before the module); a producer
-  importing the module loads no worker code. :func:`install` registers them by hand.
-- **Typing.** ``Task[P, R]`` is generic in the function's ``ParamSpec``: mypy checks the
-  arguments of ``enqueue``, ``aenqueue``, ``item`` and ``schedule``. PEP 612 allows no
-  keyword options beside ``P.kwargs`` and cannot drop ``ctx`` from ``P``: the mypy plugin
-  ``ax_kombu.mypy_plugin`` does both (``plugins = ax_kombu.mypy_plugin``).
+  positionally); a payload that does not fit the signature fails its run at once with
+  :class:`~ax_kombu.exceptions.Discard` (no retry).
+- **Registration.** In a process that has loaded the worker (``ax-worker -A module`` loads
+  it first), at decoration; a producer importing the module loads no worker code.
+- **Typing.** ``Task[P, R]`` is generic in the function's ``ParamSpec``. PEP 612 allows no
+  options beside ``P.kwargs`` and cannot drop ``ctx`` from ``P``: the mypy plugin
+  :mod:`ax_kombu.mypy_plugin` does both at each call.
 """
 
 from __future__ import annotations
@@ -40,17 +32,23 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from ax_kombu.config import PRIORITIES
 from ax_kombu.core.backoff import Backoff
 from ax_kombu.core.context import Context
-from ax_kombu.core.values import MAX_RETRY, MAX_TIMEOUT_MS
 from ax_kombu.exceptions import Discard, ValidationError
+from ax_kombu.task_options import (
+    ENQUEUE_OPTIONS,
+    SCHEDULE_OPTIONS,
+    VARIADIC,
+    Options,
+    check_defaults,
+    parse_timeout,
+    signatures,
+)
 from ax_kombu.views import TaskId
 
 if TYPE_CHECKING:
@@ -63,110 +61,7 @@ __all__ = ["ENQUEUE_OPTIONS", "SCHEDULE_OPTIONS", "Options", "Task", "TaskCall",
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-_TIMEOUT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*")
-_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
-
-
-class Options:
-    """The options' signatures, the one place they are written: the runtime reads their
-    names from here, and the mypy plugin their types from a task's own class (so these
-    methods are inherited, and do nothing)."""
-
-    def _enqueue_options(self, *, delay: float | timedelta | None = None, run_at: datetime | None = None,
-                biz_key: str | None = None, connection: Any = None,
-                priority: str | None = None, max_retry: int | None = None,
-                timeout_ms: int | None = None, unique: str = "always",
-                on_conflict: str = "keep", order_key: str | None = None,
-                order_policy: str = "hold_failed", shards: int | str | None = None,
-                trace_id: str | None = None) -> None:
-        """:func:`ax_kombu.enqueue`'s options."""
-
-    def _schedule_options(self, *, cron: str | None = None, every: float | timedelta | None = None,
-                 tz: str = "UTC", misfire: str = "fire_once",
-                 misfire_grace_s: float | None = None, strategy: str = "parallel",
-                 priority: str | None = None, max_retry: int | None = None,
-                 timeout_ms: int | None = None) -> None:
-        """:func:`ax_kombu.schedule`'s options."""
-
-
-def _names(method: Callable[..., None]) -> frozenset[str]:
-    return frozenset(n for n in inspect.signature(method).parameters if n != "self")
-
-
-#: the keyword arguments ``enqueue``, ``aenqueue`` and ``item`` take as options
-ENQUEUE_OPTIONS = _names(Options._enqueue_options)
-#: the keyword arguments ``schedule`` takes as options
-SCHEDULE_OPTIONS = _names(Options._schedule_options)
-
 _tasks: dict[str, Task[Any, Any]] = {}
-
-
-def parse_timeout(timeout: Any) -> int | None:
-    """``timeout`` in ms: seconds (int or float), a timedelta, or ``"250ms"``, ``"30s"``,
-    ``"5m"``, ``"1h"`` (None: the default).
-
-    Raises:
-        ValidationError: another value, or not within 1 ms..7 days.
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        ms = timeout / timedelta(milliseconds=1)
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        ms = timeout * 1000.0
-    elif isinstance(timeout, str) and (found := _TIMEOUT.fullmatch(timeout)):
-        ms = float(found.group(1)) * _UNIT_MS[found.group(2)]
-    else:
-        raise ValidationError(f"timeout {timeout!r}: give seconds, a timedelta, or a string "
-                              "such as '250ms', '30s', '5m', '1h'")
-    if not 1 <= ms <= MAX_TIMEOUT_MS:
-        raise ValidationError(f"timeout {timeout!r} is not within 1 ms and 7 days")
-    return round(ms)
-
-
-def _check_defaults(task_type: Any, priority: Any, max_retry: Any, retry_on: Any,
-                    backoff: Any) -> None:
-    """The decorator's arguments, checked (``ValidationError`` naming the first bad one)."""
-    if not isinstance(task_type, str) or not task_type:
-        raise ValidationError("task() needs a non-empty task type")
-    if priority not in PRIORITIES:
-        raise ValidationError(f"task {task_type!r}: unknown priority {priority!r}; use one of "
-                              f"{', '.join(PRIORITIES)}")
-    if max_retry is not None and (isinstance(max_retry, bool) or not isinstance(max_retry, int)
-                                  or not 0 <= max_retry <= MAX_RETRY):
-        raise ValidationError(f"task {task_type!r}: max_retry must be an int in 0..{MAX_RETRY}")
-    if retry_on is not None and not (isinstance(retry_on, tuple) and all(
-            isinstance(c, type) and issubclass(c, BaseException) for c in retry_on)):
-        raise ValidationError(f"task {task_type!r}: retry_on must be a tuple of exception "
-                              f"classes, got {retry_on!r}")
-    if backoff is not None and not isinstance(backoff, Backoff):
-        raise ValidationError(f"task {task_type!r}: backoff must be an ax.Backoff")
-
-
-def _signatures(task_type: str, fn: Callable[..., Any]) -> tuple[inspect.Signature, bool]:
-    """The signature arguments are bound to (without ``ctx``), and whether ``fn`` has a
-    ``ctx`` parameter.
-
-    Raises:
-        ValidationError: not a function with a signature, a variadic ``ctx``, or a
-            parameter named like an option.
-    """
-    try:
-        full = inspect.signature(fn)
-    except (TypeError, ValueError) as exc:
-        raise ValidationError(f"task {task_type!r}: {fn!r} has no signature ({exc})") from None
-    ctx = full.parameters.get("ctx")
-    if ctx is not None and ctx.kind in _VARIADIC:
-        raise ValidationError(f"task {task_type!r}: ctx must be a plain parameter")
-    clash = sorted(set(full.parameters) & (ENQUEUE_OPTIONS | SCHEDULE_OPTIONS))
-    if clash:
-        raise ValidationError(
-            f"task {task_type!r}: parameter(s) {', '.join(clash)} of {fn.__qualname__} are "
-            "named like enqueue or schedule options; rename them (or register the function "
-            "with @ax.processor and a payload object)")
-    bare = full.replace(parameters=[p for n, p in full.parameters.items() if n != "ctx"])
-    return bare, ctx is not None
 
 
 class Task(Options, Generic[P, R]):
@@ -183,7 +78,7 @@ class Task(Options, Generic[P, R]):
         self.retry_on = retry_on
         self.backoff = backoff
         self._client = client
-        self._bare, self._takes_ctx = _signatures(task_type, fn)
+        self._bare, self._takes_ctx = signatures(task_type, fn)
         self.registered = False
         functools.update_wrapper(self, fn)
 
@@ -330,7 +225,7 @@ class Task(Options, Generic[P, R]):
             raise Discard(f"task {self.task_type!r}: the payload is {type(payload).__name__}, "
                           f"not the object of {self.fn.__qualname__}'s arguments")
         missing = [n for n, p in params.items()
-                   if n not in payload and p.default is p.empty and p.kind not in _VARIADIC]
+                   if n not in payload and p.default is p.empty and p.kind not in VARIADIC]
         unexpected = sorted(set(payload) - set(params))
         if missing or unexpected:
             raise Discard(f"task {self.task_type!r}: the payload does not fit "
@@ -339,7 +234,7 @@ class Task(Options, Generic[P, R]):
                           f"{', '.join(unexpected) or '-'})")
         arguments = {name: ctx if name == "ctx" else payload.get(name, param.default)
                      for name, param in inspect.signature(self.fn).parameters.items()
-                     if name == "ctx" or name in payload or param.kind not in _VARIADIC}
+                     if name == "ctx" or name in payload or param.kind not in VARIADIC}
         bound = inspect.BoundArguments(inspect.signature(self.fn), arguments)
         return bound.args, bound.kwargs
 
@@ -402,7 +297,7 @@ def task(task_type: str, *, client: Callable[[], Client], priority: str = "defau
         ValidationError: a bad argument, or (at decoration) a function whose parameters
             clash with the options; nothing is registered.
     """
-    _check_defaults(task_type, priority, max_retry, retry_on, backoff)
+    check_defaults(task_type, priority, max_retry, retry_on, backoff)
     defaults = {"priority": priority, "max_retry": max_retry,
                 "timeout_ms": parse_timeout(timeout)}
 
