@@ -6,9 +6,12 @@ is done by hand. One broker (Redis) is enough: the lines are written with the ru
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,3 +157,15 @@ def test_archived_logs_still_show_and_purged_ones_are_gone(settings: Settings,
     assert _count(engine, run_logs) == 1
     eventually(lambda: purge_finished(engine, Status.SUCCESS, 0).tasks == 1, what="purged")
     assert _count(engine, run_logs) == 0 and logs_of(engine, purged) == {}
+
+
+def test_the_archive_file_holds_each_attempts_lines(settings: Settings, dispatch: Dispatch,
+                                                    tmp_path: Path) -> None:
+    engine = dispatch.client.store.engine
+    task_id = _retried_run(settings, dispatch)
+    assert archive_finished(engine, 0, to=tmp_path / "old.jsonl.gz").tasks == 1
+    [line] = gzip.decompress((tmp_path / "old.jsonl.gz").read_bytes()).decode().splitlines()
+    task = json.loads(line)
+    assert task["task_id"] == task_id and [r["attempt"] for r in task["logs"]] == [1, 2]
+    assert task["logs"][1]["lines"][1]["msg"] == "from ctx.log, retry 1"
+    assert _count(engine, run_logs) == 0 and _count(engine, run_log_archive) == 0
