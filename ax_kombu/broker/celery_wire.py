@@ -37,7 +37,9 @@ every transport delivers straight to that queue.
   claimed only once due on the scheduler's database clock (:mod:`ax_kombu.store.claims`)
   and its message never has an ``eta``: the Celery worker runs it as soon as it reads it.
 * ``ax_task_id``, ``ax_attempt`` and ``trace_id`` ride along as extra headers (a Celery
-  task sees them as ``self.request.ax_task_id`` …).
+  task sees them as ``self.request.ax_task_id`` …), and so does the W3C trace context
+  stored at enqueue (``traceparent``, ``tracestate``: absent when None), where Celery's
+  OpenTelemetry instrumentation looks for its parent.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
-from ax_kombu.broker.messages import ClaimedTask
+from ax_kombu.broker.messages import ClaimedTask, headers_of
 from ax_kombu.core.runners import CELERY, CELERY_AX, route_to
 
 #: the namespace of :func:`celery_task_id` (a fixed, random UUID: never change it)
@@ -134,7 +136,7 @@ def celery_message(m: ClaimedTask, now_ms: float | None = None) -> CeleryMessage
         "origin": f"ax@{m.node}",
         "ignore_result": bool(payload.get("ignore_result")), "replaced_task_nesting": 0,
         "stamped_headers": None, "stamps": {},
-        "ax_task_id": m.task_id, "ax_attempt": m.attempt, "trace_id": m.trace_id,
+        "ax_task_id": m.task_id, "ax_attempt": m.attempt, **headers_of(m),
     }
     body = orjson.dumps([args, kwargs, _EMBED]).decode()
     return CeleryMessage(queue, body, headers, {"correlation_id": task_id, "reply_to": ""})

@@ -297,7 +297,10 @@ def redis_envelope(m: Sendable, queue: str) -> str:
 
 
 def _headers_json(m: Sendable) -> str:
-    """:func:`headers_of` as JSON text (the common case, no trace context, built directly)."""
-    if getattr(m, "traceparent", None) is None:
+    """:func:`headers_of` as JSON text, built directly."""
+    parent = getattr(m, "traceparent", None)
+    if parent is None:
         return f'{{"trace_id":{_js(m.trace_id)}}}'
-    return "{" + ",".join(f"{_js(k)}:{_js(v)}" for k, v in headers_of(m).items()) + "}"
+    state = getattr(m, "tracestate", None)
+    more = "" if state is None else f',"tracestate":{_js(state)}'
+    return f'{{"trace_id":{_js(m.trace_id)},"traceparent":{_js(parent)}{more}}}'
