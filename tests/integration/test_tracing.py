@@ -23,10 +23,19 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
+from sqlalchemy import select
 
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
+from ax_kombu.store.schema import tasks
 from ax_kombu.worker.processors import Resolver
 
 from . import tracing_app
@@ -119,6 +128,22 @@ def test_the_scheduler_spans_its_claim_and_publish_batches(
     assert claims and all(s.kind is SpanKind.INTERNAL for s in claims)
     assert sum(_size(s) for s in claims) >= len(ids)
     assert all(dispatch.status(i) is Status.DISPATCHING for i in ids)
+
+
+@pytest.mark.integration
+def test_enqueue_many_stores_the_context_by_copy_and_by_insert(dispatch: Dispatch) -> None:
+    context = SpanContext(trace_id=0xABC, span_id=0xDEF, is_remote=True,
+                          trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                          trace_state=TraceState([("k", "v"), ("a", "b")]))
+    with trace.use_span(NonRecordingSpan(context)):
+        copied = dispatch.client.enqueue_many([{"task_type": "order.plain", "payload": {"i": i}}
+                                               for i in range(25)])  # PostgreSQL: COPY
+        inserted = dispatch.client.enqueue("order.plain", {"i": "one"})
+    parent = f"00-{0xABC:032x}-{0xDEF:016x}-01"
+    with dispatch.client.store.engine.connect() as conn:
+        rows = conn.execute(select(tasks.c.traceparent, tasks.c.tracestate, tasks.c.trace_id)
+                            .where(tasks.c.task_id.in_([int(i) for i in (*copied, inserted)])))
+        assert {tuple(r) for r in rows} == {(parent, "k=v,a=b", f"{0xABC:032x}")}
 
 
 def _size(span: ReadableSpan) -> Any:
