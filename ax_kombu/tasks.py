@@ -79,11 +79,15 @@ class Task(Options, Generic[P, R]):
         self.backoff = backoff
         self._client = client
         self._bare, self._takes_ctx = signatures(task_type, fn)
+        #: the signature's parameters in messages, without annotations: ``close(order)``
+        self.shown = self.fn.__qualname__ + str(self._bare.replace(
+            parameters=[p.replace(annotation=p.empty) for p in self._bare.parameters.values()],
+            return_annotation=inspect.Signature.empty))
         self.registered = False
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
-        return f"<ax.Task {self.task_type!r} {self.fn.__qualname__}{self._bare}>"
+        return f"<ax.Task {self.task_type!r} {self.shown}>"
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.fn(*args, **kwargs)
@@ -98,7 +102,7 @@ class Task(Options, Generic[P, R]):
             bound = self._bare.bind(*args, **kwargs)
         except TypeError as exc:
             raise ValidationError(f"task {self.task_type!r}: {exc} "
-                                  f"(signature {self.fn.__qualname__}{self._bare})") from None
+                                  f"(signature {self.shown})") from None
         bound.apply_defaults()
         return {name: list(value) if isinstance(value, tuple) else value
                 for name, value in bound.arguments.items()}
@@ -229,7 +233,7 @@ class Task(Options, Generic[P, R]):
         unexpected = sorted(set(payload) - set(params))
         if missing or unexpected:
             raise Discard(f"task {self.task_type!r}: the payload does not fit "
-                          f"{self.fn.__qualname__}{self._bare} (missing: "
+                          f"{self.shown} (missing: "
                           f"{', '.join(missing) or '-'}; unexpected: "
                           f"{', '.join(unexpected) or '-'})")
         arguments = {name: ctx if name == "ctx" else payload.get(name, param.default)
