@@ -259,7 +259,7 @@ class AsyncEndListener:
         """Stop listening and close the connection."""
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
+        if task is not None and task.get_loop() is asyncio.get_running_loop():
             task.cancel()
             try:
                 await task
@@ -267,8 +267,11 @@ class AsyncEndListener:
                 pass
 
     def _start(self) -> None:
-        if self._task is None and not self._closed:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        """Listen from the running loop (again, if an earlier loop's listening ended)."""
+        loop = asyncio.get_running_loop()
+        task = self._task
+        if not self._closed and (task is None or task.done() or task.get_loop() is not loop):
+            self._task = loop.create_task(self._run())
 
     async def _run(self) -> None:
         while not self._closed:
