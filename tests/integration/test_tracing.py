@@ -118,6 +118,23 @@ def test_the_run_span_is_the_producers_child_then_linked_on_the_retry(
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
+def test_an_async_processor_runs_inside_its_run_span(
+        settings: Settings, dispatch: Dispatch, spans: InMemorySpanExporter) -> None:
+    with trace.get_tracer("tests").start_as_current_span("P") as p:
+        task_id = int(dispatch.client.enqueue("order.close_async", {}))
+    with running(settings, resolver=Resolver(modules=[tracing_app.__name__])), \
+            scheduler_running(settings):
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS, what="ran")
+    (run,) = _named(spans, "ax.run order.close_async")
+    assert run.parent is not None and run.parent.span_id == p.get_span_context().span_id
+    assert tracing_app.seen[task_id] == [(run.context.trace_id, run.context.span_id)]
+    (body,) = [s for s in _named(spans, "close.body") if s.context.trace_id
+               == run.context.trace_id]
+    assert body.parent is not None and body.parent.span_id == run.context.span_id
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
 def test_the_scheduler_spans_its_claim_and_publish_batches(
         settings: Settings, dispatch: Dispatch, spans: InMemorySpanExporter) -> None:
     ids = [int(dispatch.client.enqueue("order.plain", {"i": i})) for i in range(5)]

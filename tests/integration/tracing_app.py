@@ -36,6 +36,21 @@ def close(payload: Any, ctx: Context) -> None:
             raise RuntimeError("the first run fails")
 
 
+@ax.processor("order.close_async")
+async def close_async(payload: Any, ctx: Context) -> None:
+    """As :func:`close`, an ``async def`` one (run on the worker's event loop)."""
+    import asyncio
+
+    from opentelemetry import trace
+
+    await asyncio.sleep(0)
+    span = trace.get_current_span().get_span_context()
+    with _lock:
+        seen.setdefault(ctx.task_id, []).append((span.trace_id, span.span_id))
+    with trace.get_tracer("tests").start_as_current_span("close.body"):
+        await asyncio.sleep(0)
+
+
 @ax.processor("order.plain")
 def plain(payload: Any, ctx: Context) -> None:
     """Imports nothing of OpenTelemetry."""
