@@ -284,8 +284,9 @@ def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None
     """
     return client().schedule(name, task_type, payload, cron=cron, every=every, tz=tz,
                              misfire=misfire, misfire_grace_s=misfire_grace_s,
-                             strategy=strategy, priority=priority, max_retry=max_retry, timeout_ms=timeout_ms,
-                             processor=processor, callback_url=callback_url)
+                             strategy=strategy, priority=priority, max_retry=max_retry,
+                             timeout_ms=timeout_ms, processor=processor,
+                             callback_url=callback_url)
 
 
 def pause(name: str) -> JobView:

@@ -30,7 +30,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -158,10 +157,10 @@ class Task(Options, Generic[P, R]):
 
     async def _aenqueue(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                         options: Mapping[str, Any]) -> TaskId:
-        aio = importlib.import_module("ax_kombu.aio")  # its async engine only when used
+        from ax_kombu import aio  # SQLAlchemy's asyncio only for a producer that uses it
+
         item = self._item(args, kwargs, options)
-        task_id: TaskId = await aio.enqueue(item.pop("task_type"), item.pop("payload"), **item)
-        return task_id
+        return await aio.enqueue(item.pop("task_type"), item.pop("payload"), **item)
 
     def enqueue_many(self, items: Iterable[Mapping[str, Any]], *,
                      connection: Any = None) -> list[TaskId]:
@@ -172,12 +171,27 @@ class Task(Options, Generic[P, R]):
             ValidationError: an item of another task type or not an item, or any item
                 invalid (the message names it); nothing was written.
         """
+        return self._client().enqueue_many(self._own(items), connection=connection)
+
+    async def aenqueue_many(self, items: Iterable[Mapping[str, Any]], *,
+                            connection: Any = None) -> list[TaskId]:
+        """:meth:`enqueue_many` through :func:`ax_kombu.aio.enqueue_many`.
+
+        Raises:
+            ValidationError: as :meth:`enqueue_many`.
+        """
+        from ax_kombu import aio
+
+        return await aio.enqueue_many(self._own(items), connection=connection)
+
+    def _own(self, items: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """``items``, each checked to be an item of this task (``ValidationError``)."""
         checked = list(items)
         for index, entry in enumerate(checked):
             if not isinstance(entry, Mapping) or entry.get("task_type") != self.task_type:
                 raise ValidationError(f"item {index}: not an item of task {self.task_type!r} "
                                       f"(make it with {self.fn.__qualname__}.item(...))")
-        return self._client().enqueue_many(checked, connection=connection)
+        return checked
 
     def schedule(self, job_name: str, /, *args: P.args, **kwargs: P.kwargs) -> JobView:
         """Create or update the recurring job ``job_name`` (:func:`ax_kombu.schedule`) whose

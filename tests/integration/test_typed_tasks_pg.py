@@ -9,6 +9,7 @@ runs in-process, so the typed tasks below are registered when this module is imp
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,13 @@ def echo(number: int, text: str, /, items: list[int], mapping: dict[str, Any],
 @ax.task("typed.pg.picky", max_retry=3, retry_on=(TimeoutError,))
 def picky(kind: str) -> None:
     raise (TimeoutError if kind == "timeout" else ValueError)(f"{kind} failure")
+
+
+@ax.task("typed.pg.async", timeout="5s")
+async def fetch(url: str, *, tries: int = 1, ctx: ax.Context) -> str:
+    await asyncio.sleep(0.01)
+    seen[ctx.task_id] = {"url": url, "tries": tries, "ctx": ctx}
+    return f"{url}x{tries}"
 
 
 @pytest.fixture
@@ -95,6 +103,26 @@ def test_arguments_round_trip_into_the_function_with_its_ctx(
             task_id, "typed.pg.echo", 1, 20_000)
         view = dispatch.view(task_id)
         assert view.payload == args and view.result == args and view.priority == "high"
+
+
+def test_an_async_def_task_enqueued_from_asyncio_runs_on_the_worker(
+        settings: Settings, dispatch: Dispatch) -> None:
+    async def produce() -> list[int]:
+        try:
+            first = await fetch.aenqueue("https://example.org/a", tries=3)
+            many = await fetch.aenqueue_many([fetch.item("b"),
+                                              fetch.options(biz_key="c").item("c")])
+            return [int(first), *map(int, many)]
+        finally:
+            await ax.aio.aclose()
+
+    ids = asyncio.run(produce())
+    with running(settings):
+        _due(dispatch, *ids)
+        eventually(lambda: all(dispatch.status(i) is Status.SUCCESS for i in ids))
+    assert [dispatch.view(i).result for i in ids] == ["https://example.org/ax3", "bx1", "cx1"]
+    assert [(seen[i]["url"], seen[i]["ctx"].task_id) for i in ids] == [
+        ("https://example.org/a", ids[0]), ("b", ids[1]), ("c", ids[2])]
 
 
 def test_retry_on_decides_which_failures_are_retried(settings: Settings,

@@ -100,6 +100,23 @@ def test_enqueue_many_takes_items_of_this_task_only(producer: ax.Client) -> None
     assert _rows(producer) == 2
 
 
+def test_aenqueue_writes_as_enqueue_does(producer: ax.Client) -> None:
+    async def produce() -> list[ax.TaskId]:
+        try:
+            with pytest.raises(ax.ValidationError, match="missing a required argument"):
+                await close.aenqueue()  # type: ignore[call-arg]
+            first = await close.aenqueue(1, delay=60)
+            second = await close.options(biz_key="a-2").aenqueue(2, "b")
+            return [first, second, *await close.aenqueue_many([close.item(3)])]
+        finally:
+            await ax.aio.aclose()
+
+    ids = asyncio.run(produce())
+    assert [ax.get(i).payload for i in ids] == [
+        {"order": 1, "note": ""}, {"order": 2, "note": "b"}, {"order": 3, "note": ""}]
+    assert ax.get(ids[1]).biz_key == "a-2" and ax.get(ids[0]).status is ax.Status.DELAYED
+
+
 def test_schedule_makes_a_job_whose_payload_is_the_bound_arguments(producer: ax.Client) -> None:
     job = close.schedule("typed.sweep", 0, "sweep", cron="*/5 * * * *", tz="Asia/Shanghai")
     assert (job.task_type, job.payload, job.cron, job.tz, job.priority, job.timeout_ms) == (
