@@ -200,14 +200,17 @@ def test_a_parameter_named_like_an_option_is_refused_at_decoration() -> None:
     assert "typed.clash" not in ax.tasks.tasks()
 
 
-def test_a_producer_importing_typed_tasks_loads_no_worker_nor_async_engine() -> None:
+def test_a_producer_importing_typed_tasks_loads_no_worker_and_install_registers_later() -> None:
     check = ("import sys, ax_kombu as ax\n"
              "@ax.task('x.y', timeout='1s')\n"
              "def f(a: int, *, ctx: ax.Context) -> None: ...\n"
              "assert f.payload(1) == {'a': 1} and not f.registered\n"
              "loaded = sorted(m for m in sys.modules if m.startswith('ax_kombu.worker')"
              " or m.startswith('sqlalchemy.ext.asyncio'))\n"
-             "assert not loaded, loaded\n")
+             "assert not loaded, loaded\n"
+             "from ax_kombu.worker import processors\n"  # a worker built later, in-process
+             "assert ax.tasks.install() == ['x.y'] and f.registered\n"
+             "assert processors.registered('x.y')({'a': 1}, None) is None\n")
     done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True,
                           check=False, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
