@@ -23,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler, SamplingResult
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
@@ -45,13 +46,29 @@ from .test_worker import Dispatch, running
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class _Gate(Sampler):
+    """Samples only while a test of this module runs: the provider stays set for the rest
+    of the process (it can be set once), and the other tests' spans are then dropped."""
+
+    open = False
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return (ALWAYS_ON if self.open else ALWAYS_OFF).should_sample(*args, **kwargs)
+
+    def get_description(self) -> str:
+        return "the tracing tests' gate"
+
+
+_GATE = _Gate()
+
+
 @cache
 def _exporter() -> InMemorySpanExporter:
     """The exporter of this process's SDK provider: the global provider can be set once per
     process, so it is set (or an SDK one already set is used) on first need, and kept."""
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
+        provider = TracerProvider(sampler=_GATE)
         trace.set_tracer_provider(provider)
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -62,8 +79,12 @@ def _exporter() -> InMemorySpanExporter:
 def spans() -> Iterator[InMemorySpanExporter]:
     exporter = _exporter()
     exporter.clear()
-    yield exporter
-    exporter.clear()
+    _GATE.open = True
+    try:
+        yield exporter
+    finally:
+        _GATE.open = False
+        exporter.clear()
 
 
 @pytest.fixture

@@ -80,8 +80,8 @@ def _main(mode: str, directory: str) -> None:
     threads = [threading.Thread(target=d.run, daemon=True) for d in (worker, scheduler)]
     for thread in threads:
         thread.start()
-    view = eventually(lambda: (v := client.get(task_id)).status in FINAL and v,
-                      what="the task ended")
+    eventually(lambda: client.get(task_id).status in FINAL, what="the task ended")
+    view = client.get(task_id)
     worker.request_stop()
     scheduler.request_stop()
     for thread in threads:
