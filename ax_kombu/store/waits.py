@@ -12,6 +12,11 @@ empty payload means "re-check every task you wait for"; the store never sends on
 listeners honour it (an operator may ``NOTIFY ax_ended``). SQLite has no such channel:
 there waits poll.
 
+Cost: PostgreSQL serializes the commits of notifying transactions (one cluster-wide lock,
+held through the commit), listener or not. Ends written in batches (the worker's result
+writer) pay one notifying commit per batch, nothing measurable; many concurrent
+transactions of one end each (Celery's per-run ends) lose some of their parallel commits.
+
 **Listen.** :class:`EndListener` (threads, psycopg2) and :class:`AsyncEndListener`
 (asyncio, psycopg 3) each keep one dedicated connection LISTENing. A waiter registers
 its id *before* it reads the row, so an end committed between the read and the wait
@@ -204,10 +209,11 @@ class AsyncWatch:
         """Wait up to ``timeout`` seconds for a wake-up; True when woken (the flag is then
         cleared: read the row again, and wait again if it has not ended), False on timeout.
         """
-        try:
-            await asyncio.wait_for(self.flag.wait(), max(timeout, 0.0))
-        except TimeoutError:
-            return False
+        if not self.flag.is_set():
+            try:
+                await asyncio.wait_for(self.flag.wait(), max(timeout, 0.0))
+            except TimeoutError:
+                return False
         self.flag.clear()
         return True
 
