@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
 from typing import Any
 
@@ -52,7 +53,7 @@ from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.enqueue import KEY_POLICY, Written, insert_tasks, write_tasks
 from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.tasks import attempts_of, fetch_task
-from ax_kombu.store.waits import SAFETY_POLL_S, EndListener
+from ax_kombu.store.waits import SAFETY_POLL_S, EndListener, Flag, Polling
 from ax_kombu.validation import broadcast_row, build_row, check_route, shard_count, shard_rows
 from ax_kombu.views import TaskId, TaskView
 
@@ -153,8 +154,7 @@ class Client(Moving):
                              settings.id_reservation_s * 1000, self.store.now_ms)
         self.pid = os.getpid()
         self.borrowing = Borrowing(self.store.engine)
-        self._listener: EndListener | None = None
-        self._listener_pid = 0
+        self._listener: tuple[int, EndListener] | None = None  # (its process id, it)
         self._listener_lock = threading.Lock()
 
     def enqueue(self, task_type: str, payload: Any = None, *, connection: Any = None,
@@ -240,46 +240,26 @@ class Client(Moving):
             WaitTimeout: it had not finished after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
-        if self.store.engine.dialect.name != "postgresql":
-            return self._poll(task_id, timeout, deadline)
-        with self._end_listener().watch(task_id) as woken:
+        with self._watch(task_id) as woken:
             while True:
                 woken.clear()  # before the read: an end after it sets the flag again
-                view = self._final_or_none(task_id, timeout, deadline)
-                if view is not None:
+                view = self.get(task_id)
+                if view.status in states.FINAL:
                     return view
-                woken.wait(min(deadline - time.monotonic(), SAFETY_POLL_S))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeout(f"task {task_id} is still {view.status} after {timeout} s")
+                woken.wait(min(left, SAFETY_POLL_S))
 
-    def _poll(self, task_id: int, timeout: float, deadline: float) -> TaskView:
-        pause = 0.01
-        while True:
-            view = self._final_or_none(task_id, timeout, deadline)
-            if view is not None:
-                return view
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-            pause = min(pause * 2, 0.5)
-
-    def _final_or_none(self, task_id: int, timeout: float, deadline: float) -> TaskView | None:
-        """The task if it has finished, None if time is left to wait for it.
-
-        Raises:
-            TaskNotFound: no such task.
-            WaitTimeout: it has not finished and the deadline has passed.
-        """
-        view = self.get(task_id)
-        if view.status in states.FINAL:
-            return view
-        if deadline - time.monotonic() <= 0:
-            raise WaitTimeout(f"task {task_id} is still {view.status} after {timeout} s")
-        return None
-
-    def _end_listener(self) -> EndListener:
-        """This client's listener of ends (made by the first wait; one per process)."""
+    def _watch(self, task_id: int) -> AbstractContextManager[Flag]:
+        """A wait's flag: registered with this process's listener of ends (made by the
+        first wait), or on SQLite a :class:`~ax_kombu.store.waits.Polling`."""
+        if self.store.engine.dialect.name != "postgresql":
+            return nullcontext(Polling())
         with self._listener_lock:
-            if self._listener is None or self._listener_pid != os.getpid():
-                self._listener = EndListener(self.store.engine)
-                self._listener_pid = os.getpid()
-            return self._listener
+            if self._listener is None or self._listener[0] != os.getpid():
+                self._listener = (os.getpid(), EndListener(self.store.engine))
+            return self._listener[1].watch(task_id)
 
     # -- recurring jobs (ax_kombu.recurring) -----------------------------------------------------
 
@@ -398,7 +378,7 @@ class Client(Moving):
 
     def close(self) -> None:
         if self._listener is not None:
-            self._listener.close()
+            self._listener[1].close()
         self.borrowing.close()
         self.ids.release()
         self.store.close()

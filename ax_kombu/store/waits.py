@@ -32,9 +32,10 @@ import asyncio
 import logging
 import select
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import Connection, Engine, text
 
@@ -115,6 +116,30 @@ class Waiters:
             if task_ids is None:
                 return [f for flags in self._by_id.values() for f in flags]
             return [f for i in task_ids for f in self._by_id.get(i, ())]
+
+
+class Flag(Protocol):
+    """What a sync waiter waits on (:meth:`EndListener.watch`, :class:`Polling`)."""
+
+    def clear(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class Polling:
+    """The :class:`Flag` of a store without notifications (SQLite): never set; each wait
+    sleeps, from 10 ms doubling to 0.5 s (at most its ``timeout``)."""
+
+    def __init__(self) -> None:
+        self._pause = 0.01
+
+    def clear(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        time.sleep(max(0.0, min(self._pause, self._pause if timeout is None else timeout)))
+        self._pause = min(self._pause * 2, 0.5)
+        return False
 
 
 class EndListener:

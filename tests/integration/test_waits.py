@@ -131,7 +131,7 @@ def test_each_waiter_is_woken_by_its_own_end_only(client: Counting) -> None:
 def test_a_wait_survives_a_killed_listener_connection(client: Counting) -> None:
     first, second = running(client, 2)
     waiter = Waiter(client, first)
-    listener = client._end_listener()
+    listener = eventually(lambda: client._listener, 5, "the first wait's listener")[1]
     old = eventually(lambda: listener.backend_pid, 5, "the listener connected")
     with client.store.engine.begin() as conn:
         assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": old}).scalar()
