@@ -2,6 +2,8 @@
 
     python -m bench run --scenario burst|spread|steady …
         ax, Celery ETA and 200 ms table polling side by side (bench/run.py)
+    python -m bench async-burst [--n 10000] [--modes async,sync] …
+        async def processors on the worker's event loop vs sync ones (bench/async_burst.py)
 
 The single-system benchmarks keep their own entry points (``python -m bench.e2e``,
 ``python -m bench.scheduler``, …).
@@ -11,13 +13,19 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"run": "ax, Celery ETA and 200 ms table polling side by side (bench.run)"}
+COMMANDS = {"run": "ax, Celery ETA and 200 ms table polling side by side (bench.run)",
+            "async-burst": "10,000 tasks awaiting 100 ms: async def vs sync (bench.async_burst)"}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip() if __doc__ else "", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[0] == "async-burst":
+        from .async_burst import main as async_burst
+
+        async_burst(argv[1:])
+        return 0
     from .run import main as run
 
     run(argv[1:])

@@ -1,5 +1,6 @@
-"""A pool's jobs and its watchdog, which marks them overdue at their deadline and sets their
-cancellation signal (:mod:`ax_kombu.worker.pools` says what a timeout means)."""
+"""A pool's jobs, its threads' waking policy, and its watchdog, which marks jobs overdue at
+their deadline and sets their cancellation signal (:mod:`ax_kombu.worker.pools` says what a
+timeout means)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,66 @@ class Job:
     reported: bool = False
     #: past its deadline, still running; reported as timed out when it returns
     overdue: bool = False
+
+
+#: threads a pool keeps awake beyond its share of sync jobs (enough to start deferred runs)
+SPARE_THREADS = 8
+#: weight of the newest job in a pool's share of sync jobs
+SYNC_EWMA = 0.05
+
+
+class Awake:
+    """How many of a pool's threads wait, run a job or look for one, and how many the pool
+    keeps awake (the pool's lock guards it).
+
+    A sync job blocks its thread for the whole run; a deferred one (an ``async def``
+    processor) only while it starts. A pool of deferred jobs needs few awake threads to start
+    them, and more only take the GIL from the worker's consuming thread, which feeds them.
+    So a pool keeps awake :data:`SPARE_THREADS` plus its measured share of sync jobs times
+    its threads (every thread, for a pool of sync jobs), and always one more while every
+    awake thread is inside a job, so a hung sync job never stalls the others.
+    """
+
+    __slots__ = ("count", "idle", "in_job", "keeper", "sync_share")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        #: threads waiting for work
+        self.idle = 0
+        #: one thread waits for the next staged job's start time; the others wait for work
+        self.keeper = False
+        #: threads that took a job and are not back for the next yet
+        self.in_job = 0
+        #: moving share of jobs that ran on their thread (not deferred); sync until measured
+        self.sync_share = 1.0
+
+    @property
+    def awake(self) -> int:
+        return self.count - self.idle - self.keeper
+
+    def _wanted(self) -> int:
+        return SPARE_THREADS + int(self.sync_share * self.count)
+
+    def back(self, deferred: bool) -> None:
+        """A thread is back from a job (deferred or run on it)."""
+        self.in_job -= 1
+        self.sync_share += ((0.0 if deferred else 1.0) - self.sync_share) * SYNC_EWMA
+
+    def short(self) -> bool:
+        """Whether one more thread should be awake."""
+        awake = self.awake
+        return awake < self._wanted() or self.in_job >= awake
+
+    def surplus(self) -> bool:
+        """Whether a thread looking for a job should wait instead: more are awake than
+        wanted, and another awake thread is not inside a job."""
+        awake = self.awake
+        return awake > self._wanted() and self.in_job < awake - 1
+
+    def to_wake(self, jobs: int) -> int:
+        """How many waiting threads to wake for ``jobs`` new jobs."""
+        least = 1 if self.in_job >= self.awake else 0
+        return min(self.idle, jobs, max(least, self._wanted() - self.awake))
 
 
 class Watched(Protocol):

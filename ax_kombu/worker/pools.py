@@ -28,12 +28,10 @@ Guarantees:
   (:meth:`Pool.abandon`): every unreported job is reported abandoned at
   once and its cancellation signal set; its thread keeps its slot
   (:attr:`Pool.stuck`) until it returns or the process exits.
-* **Deferred runs.** A job whose function returns a
-  :class:`~ax_kombu.worker.executor.Deferred` (an ``async def`` processor, run on the
-  worker's event loop) keeps its slot, and stays running for the watchdog and
-  :meth:`Pool.abandon`, until it reports its end; its thread takes the next job at once.
-  Its cancellation signal cancels the coroutine, so a timed-out or abandoned one
-  usually returns at once. A pool may therefore have fewer threads than slots.
+* **Deferred runs.** A job whose function returns a :class:`~ax_kombu.worker.executor.Deferred`
+  (an ``async def`` processor, on the worker's event loop) keeps its slot, running for the
+  watchdog and :meth:`Pool.abandon`, until it reports its end (its signal cancels it); its
+  thread takes the next job at once, so a pool may have fewer threads than slots.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from typing import Any
 
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
 from ax_kombu.worker.executor import Cancellable, Deferred, Done, Submission, Timeout
-from ax_kombu.worker.jobs import Job, Watchdog, report
+from ax_kombu.worker.jobs import Awake, Job, Watchdog, report
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +90,8 @@ class Pool:
         self._heap: list[tuple[float, int, Job]] = []
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
-        #: threads waiting in _next for a job
-        self._idle = 0
+        #: where the keeper (the thread waiting for the next start time) waits
+        self._timer = threading.Condition(self._lock)
         self._running: set[Job] = set()
         #: how many jobs may wait for a thread beyond the slots (the worker sets it)
         self.stage_max = 0
@@ -107,8 +105,9 @@ class Pool:
         self._closed = False
         self.timeouts = 0
         self.late_returns = 0
+        self._awake = Awake(size if threads is None else min(size, threads))
         self._threads = [threading.Thread(target=self._serve, name=f"ax-{name}-{i}", daemon=True)
-                         for i in range(size if threads is None else min(size, threads))]
+                         for i in range(self._awake.count)]
         for thread in self._threads:
             thread.start()
         self._watchdog = threading.Thread(target=Watchdog(self).run,
@@ -191,7 +190,7 @@ class Pool:
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
             self._stage(job)
-            if self._idle:
+            if self._awake.idle:
                 self._work.notify()
         return True
 
@@ -207,13 +206,16 @@ class Pool:
                 return False
             for job in made:
                 self._stage(job)
-            if self._idle:
-                self._work.notify(min(self._idle, len(made)))
+            if wake := self._awake.to_wake(len(made)):
+                self._work.notify(wake)
         return True
 
     def _stage(self, job: Job) -> None:
-        """Add ``job`` to the stage (the caller has the lock)."""
+        """Add ``job`` to the stage (the caller has the lock); the keeper looks again if it
+        is the first to start."""
         heapq.heappush(self._heap, (job.start_at, next(self._seq), job))
+        if self._awake.keeper and self._heap[0][2] is job:
+            self._timer.notify()
 
     def release_cancelled(self) -> None:
         """Staged jobs whose cancellation signal is set are taken now, not at their start
@@ -225,26 +227,47 @@ class Pool:
             self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
             heapq.heapify(self._heap)
             self._work.notify_all()
+            self._timer.notify_all()
 
-    def _next(self) -> Job | None:
-        """Take the next staged job once it may start (a pool thread); None once closed and
-        empty. Popped and taken under one lock: a job is staged (in the heap) or running,
-        never between, so :meth:`abandon` finds every job."""
+    def _next(self, deferred: bool | None = None) -> Job | None:
+        """Take the next staged job once it may start and a slot is free (a pool thread);
+        None once closed and empty. Popped and taken under one lock: a job is staged (in
+        the heap) or running, never between, so :meth:`abandon` finds every job.
+        ``deferred``: whether the thread's last job was deferred (None: it had none)."""
+        awake = self._awake
         with self._work:
+            if deferred is not None:
+                awake.back(deferred)
             while True:
                 wait: float | None = None
-                if self._heap and len(self._running) < self.size:  # a free slot
+                if self._heap and len(self._running) < self.size and not awake.surplus():
                     now = self._clock()
                     wait = self._heap[0][0] - now
                     if wait <= 0:
-                        return self._take(heapq.heappop(self._heap)[2], now)
-                elif self._closed:
+                        job = self._take(heapq.heappop(self._heap)[2], now)
+                        if self._heap and awake.idle and (awake.short() or (
+                                self._heap[0][0] > now and not awake.keeper)):
+                            self._work.notify()  # more due, or someone must keep the time
+                        return job
+                elif self._closed and not self._heap:
                     return None
-                self._idle += 1
-                try:
-                    self._work.wait(wait)
-                finally:
-                    self._idle -= 1
+                self._sleep(wait)
+
+    def _sleep(self, wait: float | None) -> None:
+        """Wait (with the lock) ``wait`` s as the keeper if none keeps the time, else until woken."""
+        awake = self._awake
+        if wait is not None and not awake.keeper:
+            awake.keeper = True
+            try:
+                self._timer.wait(wait)
+            finally:
+                awake.keeper = False
+            return
+        awake.idle += 1
+        try:
+            self._work.wait()
+        finally:
+            awake.idle -= 1
 
     def _take(self, job: Job, now: float) -> Job:
         """A thread takes a staged job: its clock and deadline start now (the caller has
@@ -253,6 +276,7 @@ class Pool:
         job.started = now
         job.deadline = None if timeout is None else now + timeout
         self._running.add(job)
+        self._awake.in_job += 1
         if job.deadline is not None and (self._wake_at is None or job.deadline < self._wake_at):
             self._cond.notify_all()  # the watchdog must wake earlier than it planned
         return job
@@ -260,13 +284,16 @@ class Pool:
     # -- running --------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        while (job := self._next()) is not None:
+        deferred: bool | None = None
+        while (job := self._next(deferred)) is not None:
+            deferred = False
             try:
                 value = job.fn()
             except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
                 self._ended(job, None, exc)
                 continue
             if type(value) is Deferred:
+                deferred = True
                 self._defer(job, value)
             else:
                 self._finish(job, Outcome(True, value=value,
@@ -293,8 +320,8 @@ class Pool:
             first = not job.reported
             job.reported = True
             self._running.discard(job)
-            if self._heap and self._idle:  # a slot freed: a thread may take a staged job
-                self._work.notify()
+            if self._heap and self._awake.idle and self._awake.short():
+                self._work.notify()  # a slot freed: a thread may take a staged job
             if first:
                 self._reporting += 1
                 if job.overdue:
@@ -370,3 +397,4 @@ class Pool:
             self._closed = True
             self._cond.notify_all()
             self._work.notify_all()
+            self._timer.notify_all()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from ax_kombu.core.backoff import Backoff, RetryPolicy
@@ -166,8 +166,9 @@ def call(func: Callable[..., Any], payload: Any, ctx: Context) -> Any:
     return value
 
 
-async def call_async(func: Callable[..., Any], payload: Any, ctx: Context) -> Any:
-    """Await an ``async def`` ``func(payload, ctx)`` and return its value.
+def call_async(func: Callable[..., Any], payload: Any, ctx: Context) -> Awaitable[Any]:
+    """Call an ``async def`` ``func(payload, ctx)``: what to await for its value (its body
+    runs when it is awaited; a plain function, not one more coroutine per run).
 
     Raises:
         ProcessorRefused: it returned something that cannot be awaited (an async
@@ -178,7 +179,7 @@ async def call_async(func: Callable[..., Any], payload: Any, ctx: Context) -> An
         _close(value)
         raise ProcessorRefused(f"processor {_name(func)} returned {type(value).__name__}, "
                                "which cannot be awaited: nothing ran")
-    return await value
+    return value
 
 
 def _close(value: Any) -> None:
