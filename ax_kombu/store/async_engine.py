@@ -52,9 +52,11 @@ T = TypeVar("T")
 #: millisecond. The store writes more than twenty rows with COPY, which reaches an asyncio
 #: driver through :mod:`ax_kombu.store.async_copy` once ``enqueue._copy`` calls it; where it
 #: does not, slices stay at twenty rows (the INSERT path), slower but correct.
-SLICE = 250 if hasattr(enqueue, "copy_async") else 20
+SLICE = 50 if hasattr(enqueue, "copy_async") else 20
+#: connections of the async engine's pool
+POOL = 3
 #: rows whose lock keys are hashed between two yields to the loop
-_HASHES_PER_YIELD = 500
+_HASHES_PER_YIELD = 250
 
 def async_url(database_url: str) -> URL:
     """The SQLAlchemy URL of the async engine for ``database_url`` (a PostgreSQL one).
@@ -118,7 +120,10 @@ class AsyncStore:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.engine: AsyncEngine = create_async_engine(async_url(settings.database_url),
-                                                       pool_size=5, max_overflow=10)
+                                                       pool_size=POOL, max_overflow=0)
+        #: the calls at work at once: the others wait before doing any of their work, so
+        #: the loop never has more of them ready to run than the pool can serve
+        self.slots = asyncio.Semaphore(POOL)
         event.listen(self.engine.sync_engine, "connect", _no_jit)
         self.clock = DbClock(self._read_clock)
         self.loop_store = LoopStore(settings, self.engine, self.clock)
