@@ -259,16 +259,19 @@ def declare_periodic_jobs(settings: Settings) -> threading.Thread | None:
 
 
 def import_apps(apps: tuple[str, ...], settings: Settings) -> list[str]:
-    """Import the ``-A`` modules (and ``AX_PROCESSOR_MODULES``) from the current directory;
-    returns their names.
+    """Import the ``-A`` modules (and ``AX_PROCESSOR_MODULES``) from the current directory,
+    and register every typed task declared so far (:func:`ax_kombu.tasks.install`); returns
+    the modules' names.
 
     Raises:
         ConfigurationError: a module cannot be imported.
     """
+    from ax_kombu import tasks
     from ax_kombu.worker.processors import load_modules, split_names
 
     if os.getcwd() not in sys.path:  # -A app.tasks names a module of the current directory
         sys.path.insert(0, os.getcwd())
     modules = split_names(settings.processor_modules) + split_names(apps)
     load_modules(modules)
+    tasks.install()  # typed tasks a module declared before the worker's code was loaded
     return modules
