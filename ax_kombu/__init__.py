@@ -182,7 +182,9 @@ def get(task_id: int) -> TaskView:
 
 def wait(task_id: int, timeout: float = 30.0) -> TaskView:
     """Wait until the task has finished; returns it (``.result`` holds what the processor
-    returned). Raises TaskNotFound, or WaitTimeout after ``timeout`` seconds."""
+    returned). On PostgreSQL it is woken by the end's ``NOTIFY ax_ended`` (re-reading the
+    row each second besides); on SQLite it polls. Raises TaskNotFound, or WaitTimeout after
+    ``timeout`` seconds."""
     return client().wait(task_id, timeout)
 
 
