@@ -245,8 +245,8 @@ class Pool:
                     wait = self._heap[0][0] - now
                     if wait <= 0:
                         job = self._take(heapq.heappop(self._heap)[2], now)
-                        if self._heap and awake.idle and (awake.short() or (
-                                self._heap[0][0] > now and not awake.keeper)):
+                        if self._heap and awake.idle and len(self._running) < self.size and (
+                                awake.short() or (self._heap[0][0] > now and not awake.keeper)):
                             self._work.notify()  # more due, or someone must keep the time
                         return job
                 elif self._closed and not self._heap:
