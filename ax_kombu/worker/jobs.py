@@ -38,6 +38,8 @@ class Job:
 SPARE_THREADS = 8
 #: weight of the newest job in a pool's share of sync jobs
 SYNC_EWMA = 0.05
+#: a thread inside one job for longer than this is blocked: the pool wakes another
+BLOCKED_S = 0.2
 
 
 class Awake:
@@ -47,12 +49,13 @@ class Awake:
     A sync job blocks its thread for the whole run; a deferred one (an ``async def``
     processor) only while it starts. A pool of deferred jobs needs few awake threads to start
     them, and more only take the GIL from the worker's consuming thread, which feeds them.
-    So a pool keeps awake :data:`SPARE_THREADS` plus its measured share of sync jobs times
-    its threads (every thread, for a pool of sync jobs), and always one more while every
-    awake thread is inside a job, so a hung sync job never stalls the others.
+    So a pool keeps awake :data:`SPARE_THREADS`, plus its measured share of sync jobs times
+    its threads (every thread, for a pool of sync jobs), plus the threads its watchdog finds
+    inside a job for longer than :data:`BLOCKED_S`: a long or hung sync job never keeps the
+    other runs waiting for long.
     """
 
-    __slots__ = ("count", "idle", "in_job", "keeper", "sync_share")
+    __slots__ = ("blocked", "count", "idle", "keeper", "since", "sync_share")
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -60,8 +63,10 @@ class Awake:
         self.idle = 0
         #: one thread waits for the next staged job's start time; the others wait for work
         self.keeper = False
-        #: threads that took a job and are not back for the next yet
-        self.in_job = 0
+        #: thread → when it took the job it is inside (back for the next: removed)
+        self.since: dict[int, float] = {}
+        #: threads inside a job for longer than BLOCKED_S, at the watchdog's last look
+        self.blocked = 0
         #: moving share of jobs that ran on their thread (not deferred); sync until measured
         self.sync_share = 1.0
 
@@ -70,28 +75,37 @@ class Awake:
         return self.count - self.idle - self.keeper
 
     def _wanted(self) -> int:
-        return SPARE_THREADS + int(self.sync_share * self.count)
+        return SPARE_THREADS + int(self.sync_share * self.count) + self.blocked
+
+    def took(self, now: float) -> None:
+        """The calling thread took a job."""
+        self.since[threading.get_ident()] = now
 
     def back(self, deferred: bool) -> None:
-        """A thread is back from a job (deferred or run on it)."""
-        self.in_job -= 1
+        """The calling thread is back from a job (deferred, or run on it)."""
+        self.since.pop(threading.get_ident(), None)
         self.sync_share += ((0.0 if deferred else 1.0) - self.sync_share) * SYNC_EWMA
+
+    def recount(self, now: float) -> int:
+        """Count the blocked threads again; returns how many more there are than before."""
+        blocked = sum(1 for took in self.since.values() if now - took > BLOCKED_S)
+        grown, self.blocked = blocked - self.blocked, blocked
+        return max(0, grown)
 
     def short(self) -> bool:
         """Whether one more thread should be awake."""
-        awake = self.awake
-        return awake < self._wanted() or self.in_job >= awake
+        return self.awake < self._wanted()
 
     def surplus(self) -> bool:
         """Whether a thread looking for a job should wait instead: more are awake than
         wanted, and another awake thread is not inside a job."""
         awake = self.awake
-        return awake > self._wanted() and self.in_job < awake - 1
+        return awake > self._wanted() and len(self.since) < awake - 1
 
     def to_wake(self, jobs: int) -> int:
-        """How many waiting threads to wake for ``jobs`` new jobs."""
-        least = 1 if self.in_job >= self.awake else 0
-        return min(self.idle, jobs, max(least, self._wanted() - self.awake))
+        """How many waiting threads to wake for ``jobs`` new jobs (one at least if none is
+        awake)."""
+        return min(self.idle, jobs, max(1, self._wanted() - self.awake))
 
 
 class Watched(Protocol):
@@ -101,12 +115,16 @@ class Watched(Protocol):
     name: str
     timeouts: int
     _cond: threading.Condition
+    _awake: Awake
+    _heap: list[Any]
     _closed: bool
     _running: set[Job]
     _overdue: int
     _wake_at: float | None
 
     def _clock(self) -> float: ...
+
+    def _wake(self, count: int) -> None: ...
 
 
 class Watchdog:
@@ -124,7 +142,10 @@ class Watchdog:
             with pool._cond:
                 if pool._closed and not pool._running:
                     return
-                expired = self._expired(pool._clock())
+                now = pool._clock()
+                expired = self._expired(now)
+                if (grown := pool._awake.recount(now)) and pool._heap:
+                    pool._wake(grown)  # threads blocked in jobs: others take the rest
                 if not expired:
                     pool._cond.wait(self._wait_s())
                     continue
@@ -149,9 +170,10 @@ class Watchdog:
         pool = self.pool
         pending = [due for j in pool._running if (due := _deadline_ahead(j)) is not None]
         pool._wake_at = min(pending) if pending else None
+        most = BLOCKED_S if pool._awake.since else 1.0  # look for blocked threads
         if pool._wake_at is None:
-            return 1.0
-        return max(0.0, min(1.0, pool._wake_at - pool._clock()))
+            return most
+        return max(0.0, min(most, pool._wake_at - pool._clock()))
 
 
 def _deadline_ahead(job: Job) -> float | None:

@@ -97,10 +97,8 @@ class Pool:
         self.stage_max = 0
         self._stuck = 0
         self._overdue = 0
-        #: jobs out of _running whose outcome is being reported (still active)
-        self._reporting = 0
-        #: threads waiting in join()
-        self._joiners = 0
+        self._reporting = 0  # jobs out of _running whose outcome is being reported (active)
+        self._joiners = 0  # threads waiting in join()
         self._wake_at: float | None = None
         self._closed = False
         self.timeouts = 0
@@ -190,8 +188,7 @@ class Pool:
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
             self._stage(job)
-            if self._awake.idle:
-                self._work.notify()
+            self._wake(1)
         return True
 
     def submit_reserved(self, jobs: Sequence[Submission]) -> bool:
@@ -206,8 +203,7 @@ class Pool:
                 return False
             for job in made:
                 self._stage(job)
-            if wake := self._awake.to_wake(len(made)):
-                self._work.notify(wake)
+            self._wake(self._awake.to_wake(len(made)))
         return True
 
     def _stage(self, job: Job) -> None:
@@ -226,7 +222,7 @@ class Pool:
                 return
             self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
             heapq.heapify(self._heap)
-            self._work.notify_all()
+            self._wake(self._awake.idle)
             self._timer.notify_all()
 
     def _next(self, deferred: bool | None = None) -> Job | None:
@@ -245,9 +241,9 @@ class Pool:
                     wait = self._heap[0][0] - now
                     if wait <= 0:
                         job = self._take(heapq.heappop(self._heap)[2], now)
-                        if self._heap and awake.idle and len(self._running) < self.size and (
+                        if self._heap and len(self._running) < self.size and (
                                 awake.short() or (self._heap[0][0] > now and not awake.keeper)):
-                            self._work.notify()  # more due, or someone must keep the time
+                            self._wake(1)  # more are due, or someone must keep the time
                         return job
                 elif self._closed and not self._heap:
                     return None
@@ -263,11 +259,15 @@ class Pool:
             finally:
                 awake.keeper = False
             return
-        awake.idle += 1
-        try:
-            self._work.wait()
-        finally:
-            awake.idle -= 1
+        awake.idle += 1  # whoever wakes it takes it off (_wake)
+        self._work.wait()
+
+    def _wake(self, count: int) -> None:
+        """Wake up to ``count`` waiting threads (with the lock): awake at once for the next."""
+        count = min(count, self._awake.idle)
+        if count > 0:
+            self._awake.idle -= count
+            self._work.notify(count)
 
     def _take(self, job: Job, now: float) -> Job:
         """A thread takes a staged job: its clock and deadline start now (the caller has
@@ -276,7 +276,7 @@ class Pool:
         job.started = now
         job.deadline = None if timeout is None else now + timeout
         self._running.add(job)
-        self._awake.in_job += 1
+        self._awake.took(now)
         if job.deadline is not None and (self._wake_at is None or job.deadline < self._wake_at):
             self._cond.notify_all()  # the watchdog must wake earlier than it planned
         return job
@@ -320,8 +320,8 @@ class Pool:
             first = not job.reported
             job.reported = True
             self._running.discard(job)
-            if self._heap and self._awake.idle and self._awake.short():
-                self._work.notify()  # a slot freed: a thread may take a staged job
+            if self._heap and self._awake.short():
+                self._wake(1)  # a slot freed: a thread may take a staged job
             if first:
                 self._reporting += 1
                 if job.overdue:
@@ -396,5 +396,5 @@ class Pool:
                 return
             self._closed = True
             self._cond.notify_all()
-            self._work.notify_all()
+            self._wake(self._awake.idle)
             self._timer.notify_all()

@@ -14,7 +14,7 @@ import pytest
 from ax_kombu.core.context import Cancellation
 from ax_kombu.worker.eventloop import EventLoop, EventLoopStopped
 from ax_kombu.worker.executor import Deferred, Ended
-from ax_kombu.worker.pools import Outcome, Pool
+from ax_kombu.worker.pools import Outcome, Pool, Submission
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -210,3 +210,28 @@ def test_a_hook_registered_after_the_signal_runs_at_once_and_hooks_run_once() ->
 def test_a_pool_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least one thread"):
         Pool("z", 2, threads=0)
+
+
+def test_threads_blocked_in_sync_jobs_do_not_stall_a_pool_of_deferred_runs(
+        loop: EventLoop) -> None:
+    """After many deferred runs the pool keeps few threads awake; sync jobs that block
+    those threads are seen by the watchdog, and other threads take the rest."""
+    pool, bodies = Pool("b", 40, threads=24), Bodies()
+    pool.stage_max = 200
+    warm, warm_done = collect()
+    for _ in range(150):
+        pool.try_submit(deferred(loop, partial(bodies.body, 0.0)), warm_done)
+    eventually(lambda: len(warm) == 150, 10)
+    assert pool._awake.sync_share < 0.01
+    gate, seen = threading.Event(), collect()
+    try:
+        jobs = [Submission(lambda: gate.wait(10), seen[1], None, {}, None, 0.0)
+                for _ in range(12)]  # more than the spare threads, in one batch
+        jobs += [Submission(deferred(loop, partial(bodies.body, 0.0, i)), seen[1], None, {},
+                            None, 0.0) for i in range(5)]
+        assert pool.submit_reserved(jobs)
+        eventually(lambda: len(seen[0]) == 5, 5, "the deferred runs behind the blocked threads")
+        assert {o.value for o in seen[0]} == set(range(5))
+    finally:
+        gate.set()
+    eventually(lambda: len(seen[0]) == 17, 10)
