@@ -58,6 +58,8 @@ from ax_kombu.worker.task import Ended, RunTask
 
 #: how long a staged run waits for the lease before looking at its signal again
 LEASE_WAIT_S = 0.1
+#: processors whose kind (sync or async def) a starter remembers
+ASYNC_KINDS_MAX = 1024
 
 
 class Withdrawn(Exception):
@@ -110,6 +112,7 @@ class Starter:
         self._completed: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
         #: where ``async def`` processors run (started on first use; the node stops it)
         self.loop = EventLoop()
+        self._async_kinds: dict[Callable[..., Any], bool] = {}
 
     def submit(self, runs: list[Run[Lane]]) -> None:
         """FENCED → STAGED, handed to their executors: one call per executor for the batch."""
@@ -217,11 +220,25 @@ class Starter:
         if type(task.payload) is UnreadablePayload:
             raise ProcessorRefused("the stored payload is not JSON")
         func = self._resolver.resolve(task.processor, task.callback_url)
-        if is_async(func):
+        if self._is_async(func):
             body = partial(self._awaited, func, task, ctx, run.lane)
             return Deferred(partial(self.loop.run, body, cancel=ctx.cancelled))
         with entered(self._scopes, task, ctx):
             return call(func, task.payload, ctx)
+
+    def _is_async(self, func: Callable[..., Any]) -> bool:
+        """:func:`~ax_kombu.worker.processors.is_async`, remembered per processor (a run
+        asks it each time; a callback's callable is new each time, so the memory is
+        bounded)."""
+        try:
+            return self._async_kinds[func]
+        except KeyError:
+            if len(self._async_kinds) >= ASYNC_KINDS_MAX:
+                self._async_kinds.clear()
+            kind = self._async_kinds[func] = is_async(func)
+            return kind
+        except TypeError:  # an unhashable callable
+            return is_async(func)
 
     async def _awaited(self, func: Callable[..., Any], task: RunTask, ctx: Context,
                        lane: Lane) -> Any:
