@@ -85,6 +85,14 @@ class Cancellation:
             return await asyncio.wait_for(asyncio.shield(woken), timeout)
         except TimeoutError:
             return self.reason is not None
+        finally:
+            self._discard(wake_soon)  # a loop of short waits keeps no hook per wait
+
+    def _discard(self, hook: Callable[[], None]) -> None:
+        """Forget a hook :meth:`on_set` registered (none: nothing happens)."""
+        with _cancel_lock:
+            if self._hooks is not None and hook in self._hooks:
+                self._hooks.remove(hook)
 
     def is_set(self) -> bool:
         return self.reason is not None

@@ -235,3 +235,14 @@ def test_threads_blocked_in_sync_jobs_do_not_stall_a_pool_of_deferred_runs(
     finally:
         gate.set()
     eventually(lambda: len(seen[0]) == 17, 10)
+
+
+def test_short_waits_in_a_loop_keep_no_hook_each() -> None:
+    cancel = Cancellation()
+
+    async def waits() -> None:
+        for _ in range(20):
+            assert not await cancel.wait_async(0.001)
+
+    asyncio.run(waits())
+    assert not cancel._hooks
