@@ -33,28 +33,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from ax_kombu.api import Client, item_rows, read_task, task_ids
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core import states
-from ax_kombu.core.ids import ReservedIds
 from ax_kombu.exceptions import ValidationError, WaitTimeout
 from ax_kombu.moving import UNCHANGED, Moving
-from ax_kombu.store.async_engine import AsyncStore, LoopStore, libpq_url, write_batch
-from ax_kombu.store.borrowed import Borrowing
+from ax_kombu.store.async_engine import AsyncStore, LoopStore, async_connection, libpq_url
 from ax_kombu.store.enqueue import Written
-from ax_kombu.store.leases import StoreReserver
 from ax_kombu.store.waits import SAFETY_POLL_S, AsyncEndListener
 from ax_kombu.views import TaskId, TaskView
 
@@ -62,9 +56,8 @@ T = TypeVar("T")
 
 #: how long the loop may run an ``enqueue_many``'s validation before yielding to others
 _SLICE_S = 0.0005
-#: ids reserved, or items' results made, per step of a large batch (each step runs
-#: without yielding)
-_IDS_PER_STEP = 250
+#: items' results made per step of a large batch (each step runs without yielding)
+_RESULTS_PER_STEP = 250
 
 
 class _Mover(Moving):
@@ -92,12 +85,8 @@ class AsyncClient:
         self._store: AsyncStore | None = None
         self._listener: AsyncEndListener | None = None
         if not settings.is_sqlite:
-            store = self._store = AsyncStore(settings)
-            owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-            self._ids = ReservedIds(StoreReserver(store.engine.sync_engine), owner,
-                                    settings.id_reservation_s * 1000, store.clock.now_ms)
-            self._mover = _Mover(settings, store.loop_store)
-            self._borrowing = Borrowing(store.engine.sync_engine)
+            self._store = AsyncStore(settings)
+            self._mover = _Mover(settings, self._store.loop_store)
 
     async def __aenter__(self) -> Self:
         return self
@@ -128,7 +117,7 @@ class AsyncClient:
             ValidationError: any item is invalid, or ``connection`` cannot be used;
                 nothing was written.
         """
-        given = _borrowed(connection)
+        given = async_connection(connection)
         if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
             raise ValidationError("enqueue_many takes an iterable of mappings of enqueue "
                                   f"arguments, got {type(items).__name__}")
@@ -145,33 +134,12 @@ class AsyncClient:
         rows = [row for group in groups for row in group]
         if not rows:
             return []
-        for start in range(0, len(rows), _IDS_PER_STEP):
-            step = rows[start:start + _IDS_PER_STEP]
-            ids = await self._store.guarded(self._ids.next_ids, len(step))
-            for row, task_id in zip(step, ids, strict=True):
-                row["task_id"] = task_id
-            await asyncio.sleep(0)  # neither the guard nor a reservation between
-            # measurements yields: the loop's other tasks run here
+        await self._store.assign_ids(rows)
         args = (rows, self.settings.dedup_window_ms, now + self.settings.preload_window_ms, now)
-        if given is None:
-            async with self._store.engine.begin() as conn:
-                written = await write_batch(conn, *args)
-        else:
-            written = await self._write_in(given, *args)
+        written = await self._store.write(given, *args)
         del args
         rows.clear()  # the rows are freed a step at a time, by _results
         return await _results(groups, written)
-
-    async def _write_in(self, given: AsyncConnection | AsyncSession, *args: Any
-                        ) -> list[Written]:
-        """Write in the caller's transaction, once :class:`Borrowing` has checked it."""
-        conn = given if isinstance(given, AsyncConnection) else await given.connection()
-        await conn.run_sync(self._check_borrowed)
-        return await write_batch(conn, *args)
-
-    def _check_borrowed(self, conn: Connection) -> None:
-        with self._borrowing.connection(conn):
-            pass
 
     async def _enqueue_threaded(self, items: list[Any],
                                 given: AsyncConnection | AsyncSession | None) -> list[TaskId]:
@@ -276,26 +244,10 @@ class AsyncClient:
         if self._listener is not None:
             await self._listener.aclose()
         if self._store is not None:
-            await self._store.guarded(self._ids.release)
-            self._borrowing.close()
             await self._store.aclose()
         if self._sync is not None:
             await asyncio.to_thread(self._sync.close)
             self._sync = None
-
-
-def _borrowed(connection: Any) -> AsyncConnection | AsyncSession | None:
-    """``connection=`` as given, if the async client can write through it.
-
-    Raises:
-        ValidationError: anything but None, an AsyncConnection or an AsyncSession.
-    """
-    if connection is None or isinstance(connection, (AsyncConnection, AsyncSession)):
-        return connection
-    raise ValidationError(
-        "connection= on the async client takes a SQLAlchemy AsyncConnection or AsyncSession "
-        f"on the ax database; got {type(connection).__module__}."
-        f"{type(connection).__qualname__} (a sync connection goes to ax_kombu.enqueue)")
 
 
 async def _rows_of(settings: Settings, now: int, items: Iterable[Mapping[str, Any]]
@@ -319,8 +271,8 @@ async def _results(groups: list[list[dict[str, Any]]], written: list[Written]
     rows at once would hold the loop as long as building them."""
     out: list[TaskId] = []
     done = 0
-    for start in range(0, len(groups), _IDS_PER_STEP):
-        step = groups[start:start + _IDS_PER_STEP]
+    for start in range(0, len(groups), _RESULTS_PER_STEP):
+        step = groups[start:start + _RESULTS_PER_STEP]
         size = sum(len(group) for group in step)
         out += task_ids(step, written[done:done + size])
         done += size

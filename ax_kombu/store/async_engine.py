@@ -31,20 +31,26 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import socket
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import URL, event
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy import URL, Connection, event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.util import greenlet_spawn
 
 from ax_kombu.config import Settings
-from ax_kombu.exceptions import ConfigurationError
+from ax_kombu.core.ids import ReservedIds
+from ax_kombu.exceptions import ConfigurationError, ValidationError
 from ax_kombu.observability.redaction import redact_url
 from ax_kombu.store import Store, enqueue
+from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.clock import DbClock
 from ax_kombu.store.engine import db_now_precise_ms, make_engine, migrate, parse_database_url
 from ax_kombu.store.enqueue import _LOCK_KEYS, Written, _biz_ident, _lock_key, write_tasks
+from ax_kombu.store.leases import StoreReserver
 
 T = TypeVar("T")
 
@@ -55,6 +61,8 @@ T = TypeVar("T")
 SLICE = 50 if hasattr(enqueue, "copy_async") else 20
 #: connections of the async engine's pool
 POOL = 3
+#: ids reserved per step of a large batch (each step runs without yielding)
+_IDS_PER_STEP = 250
 #: rows whose lock keys are hashed between two yields to the loop
 _HASHES_PER_YIELD = 250
 
@@ -129,6 +137,10 @@ class AsyncStore:
         self.loop_store = LoopStore(settings, self.engine, self.clock)
         self._guard = asyncio.Lock()
         self._migrated = not settings.auto_migrate
+        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.ids = ReservedIds(StoreReserver(self.engine.sync_engine), owner,
+                               settings.id_reservation_s * 1000, self.clock.now_ms)
+        self.borrowing = Borrowing(self.engine.sync_engine)
 
     def _read_clock(self) -> float:
         with self.engine.sync_engine.connect() as conn:
@@ -152,8 +164,58 @@ class AsyncStore:
         clock's or the id reservation's I/O (read :class:`LoopStore`'s clock instead)."""
         return await greenlet_spawn(fn, *args)
 
+    async def assign_ids(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Give each row its ``task_id``, a few hundred at a time with a yield between
+        (neither the guard nor a reservation between measurements yields)."""
+        for start in range(0, len(rows), _IDS_PER_STEP):
+            step = rows[start:start + _IDS_PER_STEP]
+            ids = await self.guarded(self.ids.next_ids, len(step))
+            for row, task_id in zip(step, ids, strict=True):
+                row["task_id"] = task_id
+            await asyncio.sleep(0)
+
+    async def write(self, given: AsyncConnection | AsyncSession | None,
+                    rows: Sequence[Mapping[str, Any]], window_ms: int,
+                    wake_before_ms: int | None, now_ms: int) -> list[Written]:
+        """:func:`write_batch` in a transaction of its own (``given`` None), committed on
+        return, or in the caller's, once :class:`~ax_kombu.store.borrowed.Borrowing` has
+        checked it.
+
+        Raises:
+            ValidationError: ``given`` is in autocommit mode, in a transaction above READ
+                COMMITTED, or on another database; nothing was written.
+        """
+        if given is None:
+            async with self.engine.begin() as conn:
+                return await write_batch(conn, rows, window_ms, wake_before_ms, now_ms)
+        conn = given if isinstance(given, AsyncConnection) else await given.connection()
+        await conn.run_sync(self._check_borrowed)
+        return await write_batch(conn, rows, window_ms, wake_before_ms, now_ms)
+
+    def _check_borrowed(self, conn: Connection) -> None:
+        with self.borrowing.connection(conn):
+            pass
+
     async def aclose(self) -> None:
+        """Give the id reservation back and close the engine."""
+        if self.ids.slot is not None:
+            await self.guarded(self.ids.release)
+        self.borrowing.close()
         await self.engine.dispose()
+
+
+def async_connection(connection: Any) -> AsyncConnection | AsyncSession | None:
+    """``connection=`` as given, if the async producer can write through it.
+
+    Raises:
+        ValidationError: anything but None, an AsyncConnection or an AsyncSession.
+    """
+    if connection is None or isinstance(connection, (AsyncConnection, AsyncSession)):
+        return connection
+    raise ValidationError(
+        "connection= on the async client takes a SQLAlchemy AsyncConnection or AsyncSession "
+        f"on the ax database; got {type(connection).__module__}."
+        f"{type(connection).__qualname__} (a sync connection goes to ax_kombu.enqueue)")
 
 
 def _migrate(database_url: str) -> None:
