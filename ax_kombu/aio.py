@@ -123,7 +123,7 @@ class AsyncClient:
                                   f"arguments, got {type(items).__name__}")
         if self._store is None:
             return await self._enqueue_threaded(list(items), given)
-        async with self._store.slots:
+        async with self._store.turns:
             return await self._enqueue_on_loop(items, given)
 
     async def _enqueue_on_loop(self, items: Iterable[Mapping[str, Any]],

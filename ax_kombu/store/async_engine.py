@@ -24,7 +24,12 @@ driver's I/O is awaited on the event loop, in no thread.
   work between two awaited round trips stays small. Rows of an earlier slice are in the
   table when a later one checks for duplicates, as earlier rows of one batch are. The
   batch's advisory locks are all taken first, in one sorted statement, as a sync batch's
-  are: slices taking theirs one after another could deadlock with another batch.
+  are: slices taking theirs one after another could deadlock with another batch. Ids are
+  reserved a few hundred at a time, with a yield between.
+* A client's calls take turns (:attr:`AsyncStore.turns`, :data:`POOL` at work at once, the
+  pool's size): between two looks at its timers the loop runs the ready step of every call
+  at work, so their number bounds how long anything else on the loop waits; a call
+  waiting for its turn has done no work yet.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ T = TypeVar("T")
 #: driver through :mod:`ax_kombu.store.async_copy` once ``enqueue._copy`` calls it; where it
 #: does not, slices stay at twenty rows (the INSERT path), slower but correct.
 SLICE = 50 if hasattr(enqueue, "copy_async") else 20
-#: connections of the async engine's pool
+#: connections of the async engine's pool, and calls at work at once: a call's CPU work,
+#: not the round trips, bounds a client's rate on a nearby server, and every call at work
+#: adds its step to each turn of the loop
 POOL = 3
 #: ids reserved per step of a large batch (each step runs without yielding)
 _IDS_PER_STEP = 250
@@ -129,9 +136,8 @@ class AsyncStore:
         self.settings = settings
         self.engine: AsyncEngine = create_async_engine(async_url(settings.database_url),
                                                        pool_size=POOL, max_overflow=0)
-        #: the calls at work at once: the others wait before doing any of their work, so
-        #: the loop never has more of them ready to run than the pool can serve
-        self.slots = asyncio.Semaphore(POOL)
+        #: the calls at work at once (see the module's docstring)
+        self.turns = asyncio.Semaphore(POOL)
         event.listen(self.engine.sync_engine, "connect", _no_jit)
         self.clock = DbClock(self._read_clock)
         self.loop_store = LoopStore(settings, self.engine, self.clock)
