@@ -311,6 +311,7 @@ async def _poll(read: Callable[[], Awaitable[TaskView]], task_id: int, timeout: 
 
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[dict[str, Any], AsyncClient]]
 _clients = weakref.WeakKeyDictionary()
+_closing: set[asyncio.Task[None]] = set()
 
 
 def client() -> AsyncClient:
@@ -328,7 +329,9 @@ def client() -> AsyncClient:
     if found is not None and found[0] == wanted and found[1].pid == os.getpid():
         return found[1]
     if found is not None and found[1].pid == os.getpid():
-        loop.create_task(found[1].aclose())  # settings changed: the old one closes
+        closing = loop.create_task(found[1].aclose())  # settings changed: the old one closes
+        _closing.add(closing)  # kept until done (the loop keeps only a weak reference)
+        closing.add_done_callback(_closing.discard)
     made = AsyncClient(from_env(**wanted))
     _clients[loop] = (wanted, made)
     return made

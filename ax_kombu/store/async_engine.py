@@ -67,7 +67,7 @@ SLICE = 50 if hasattr(enqueue, "copy_async") else 20
 #: connections of the async engine's pool, and calls at work at once: a call's CPU work,
 #: not the round trips, bounds a client's rate on a nearby server, and every call at work
 #: adds its step to each turn of the loop
-POOL = 3
+POOL = 2
 #: ids reserved per step of a large batch (each step runs without yielding)
 _IDS_PER_STEP = 250
 #: rows whose lock keys are hashed between two yields to the loop

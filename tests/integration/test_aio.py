@@ -197,9 +197,8 @@ def test_connection_of_another_kind_is_refused(pg_settings: Settings,
 
 @dataclass
 class Lag:
-    """What a probe on the loop saw: the most time the loop's thread worked between one
-    of its 1 ms sleeps and its wake-up, less the collector's pauses; how often it woke;
-    and the longest collector pause."""
+    """What a probe on the loop saw: its worst wake-up lag (see :func:`_with_probe`), how
+    often it woke, and the longest collector pause."""
 
     worst: float = 0.0
     ticks: int = 0
@@ -207,14 +206,16 @@ class Lag:
 
 
 async def _with_probe(work: Callable[[], Awaitable[T]]) -> tuple[T, Lag]:
-    """``work()`` while a probe sleeps 1 ms at a time, measuring what kept it waiting.
+    """``work()`` while a probe sleeps 1 ms at a time, measuring how late it wakes.
 
-    It counts the loop thread's own CPU time, not the wall clock's: this machine is a
-    shared VM whose host also runs other guests, and an idle loop's wall-clock lag reaches
-    several ms now and then, which says nothing of the producer. The collector's pauses
-    are timed and taken out: a full collection scans every object of the process, pytest's
-    included. A blocking call uses no CPU while it waits:
-    :func:`test_a_producer_waiting_on_the_database_does_not_block_the_loop` catches that.
+    A sleep's lag is how long past its 1 ms the probe waited while the loop's thread was
+    working: at most the wall-clock lag, and at most the CPU time the thread used during
+    the sleep. The wall clock alone would also count the time this shared VM's host ran
+    other guests (an idle loop sees several ms of that now and then), which says nothing
+    of the producer. The collector's pauses are timed and taken out: a full collection
+    scans every object of the process, pytest's included. A blocking call uses no CPU
+    while it waits: :func:`test_a_producer_waiting_on_the_database_does_not_block_the_loop`
+    catches that.
     """
     lag = Lag()
     stop = asyncio.Event()
@@ -222,17 +223,19 @@ async def _with_probe(work: Callable[[], Awaitable[T]]) -> tuple[T, Lag]:
 
     def collector(phase: str, _info: dict[str, Any]) -> None:
         if phase == "start":
-            paused[1] = time.thread_time()
+            paused[1] = time.perf_counter()
         else:
-            pause = time.thread_time() - paused[1]
+            pause = time.perf_counter() - paused[1]
             paused[0] += pause
             lag.collector = max(lag.collector, pause)
 
     async def probe() -> None:
         while not stop.is_set():
-            start, before = time.thread_time(), paused[0]
+            wall, cpu, before = time.perf_counter(), time.thread_time(), paused[0]
             await asyncio.sleep(0.001)
-            lag.worst = max(lag.worst, time.thread_time() - start - (paused[0] - before))
+            collected = paused[0] - before
+            late = min(time.perf_counter() - wall - 0.001, time.thread_time() - cpu)
+            lag.worst = max(lag.worst, late - collected)
             lag.ticks += 1
 
     gc.callbacks.append(collector)
