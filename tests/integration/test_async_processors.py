@@ -85,6 +85,14 @@ async def picky(payload: Any, ctx: Context) -> None:
     raise ValueError("bad phone number")
 
 
+@ax.task("a.typed")
+async def typed(order: int, note: str = "", *, ctx: ax.Context) -> dict[str, Any]:
+    """A typed task whose function is an ``async def``: its adapter is awaited too."""
+    _start(ctx)
+    await asyncio.sleep(0)
+    return {"order": order, "note": note}
+
+
 @pytest.fixture(autouse=True)
 def _ledger() -> Iterator[None]:
     ran.clear()
@@ -183,3 +191,13 @@ def test_retry_and_retry_on_mean_what_they_mean_for_a_sync_processor(
     assert view.retry_count == 0 and "not one of the processor's retry_on" in (
         view.last_error or "")
     assert ran[retried] == 2 and ran[refused] == 1
+
+
+def test_a_typed_async_task_runs_with_its_arguments(settings: Settings,
+                                                    dispatch: Dispatch) -> None:
+    typed.register()  # the worker module was imported after the decorator ran here
+    task_id = dispatch.enqueue("a.typed", {"order": 42, "note": "x"})
+    with running(settings):
+        dispatch.dispatch([task_id])
+        eventually(lambda: dispatch.status(task_id) is Status.SUCCESS)
+    assert ran[task_id] == 1 and dispatch.view(task_id).result == {"order": 42, "note": "x"}
