@@ -58,13 +58,7 @@ class EventLoop:
         self._pending: list[tuple[Body, Ended, Cancellation | None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
-
-    @property
-    def running(self) -> int:
-        """Runs handed over whose end is not reported yet."""
-        return len(self._tasks) + len(self._pending)
 
     def run(self, body: Body, ended: Ended, cancel: Cancellation | None = None) -> None:
         """Run ``body()``'s coroutine on the loop and report its end to ``ended`` (any
@@ -97,9 +91,9 @@ class EventLoop:
         loop = self._loop
         assert loop is not None
         for body, ended, cancel in batch:
+            # asyncio keeps every task (asyncio.all_tasks): no set of ours, and no done
+            # callback, which would cost each run one more turn of the loop
             task = loop.create_task(_guarded(body, ended, cancel))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
             if cancel is not None:
                 cancel.on_set(partial(_cancel_soon, loop, task))
 
@@ -121,14 +115,14 @@ class EventLoop:
     async def _drain(self, timeout_s: float) -> None:
         """Cancel every run, wait (bounded) for their reports, stop the loop."""
         self._launch()  # handed over before the stop: they start and are cancelled
-        tasks = list(self._tasks)
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
-        if self._tasks:
-            log.warning("runs still going when the event loop stopped",
-                        extra={"count": len(self._tasks)})
+            _, going = await asyncio.wait(tasks, timeout=timeout_s)
+            if going:
+                log.warning("runs still going when the event loop stopped",
+                            extra={"count": len(going)})
         asyncio.get_running_loop().stop()
 
 
