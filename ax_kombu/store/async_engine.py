@@ -50,20 +50,19 @@ from ax_kombu.config import Settings
 from ax_kombu.core.ids import ReservedIds
 from ax_kombu.exceptions import ConfigurationError, ValidationError
 from ax_kombu.observability.redaction import redact_url
-from ax_kombu.store import Store, enqueue
+from ax_kombu.store import Store
 from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.clock import DbClock
 from ax_kombu.store.engine import db_now_precise_ms, make_engine, migrate, parse_database_url
-from ax_kombu.store.enqueue import _LOCK_KEYS, Written, _biz_ident, _lock_key, write_tasks
+from ax_kombu.store.enqueue import LOCK_KEYS, Written, row_lock_keys, write_tasks
 from ax_kombu.store.leases import StoreReserver
 
 T = TypeVar("T")
 
 #: rows per ``write_tasks`` call, small enough that a call's CPU work stays around a
 #: millisecond. The store writes more than twenty rows with COPY, which reaches an asyncio
-#: driver through :mod:`ax_kombu.store.async_copy` once ``enqueue._copy`` calls it; where it
-#: does not, slices stay at twenty rows (the INSERT path), slower but correct.
-SLICE = 50 if hasattr(enqueue, "copy_async") else 20
+#: driver through :mod:`ax_kombu.store.async_copy` (``enqueue._copy`` calls it).
+SLICE = 50
 #: connections of the async engine's pool, and calls at work at once: a call's CPU work,
 #: not the round trips, bounds a client's rate on a nearby server, and every call at work
 #: adds its step to each turn of the loop
@@ -237,12 +236,7 @@ async def lock_keys(rows: Sequence[Mapping[str, Any]], window_ms: int) -> list[i
     ``rows``, sorted, hashed with a yield to the loop every few hundred rows."""
     keys: set[int] = set()
     for start in range(0, len(rows), _HASHES_PER_YIELD):
-        for row in rows[start:start + _HASHES_PER_YIELD]:
-            biz = _biz_ident(row)
-            if biz is not None:
-                keys.add(_lock_key("b", f"{biz[0]}\0{biz[1]}"))
-            if window_ms > 0:
-                keys.add(_lock_key("f", row["fingerprint"]))
+        keys |= row_lock_keys(rows[start:start + _HASHES_PER_YIELD], window_ms)
         await asyncio.sleep(0)
     return sorted(keys)
 
@@ -258,7 +252,7 @@ async def write_batch(conn: AsyncConnection, rows: Sequence[Mapping[str, Any]],
     if len(rows) > SLICE:
         keys = await lock_keys(rows, window_ms)
         if keys:
-            await conn.execute(_LOCK_KEYS, {"keys": keys})
+            await conn.execute(LOCK_KEYS, {"keys": keys})
     written: list[Written] = []
     for start in range(0, len(rows), SLICE):
         written += await conn.run_sync(write_tasks, rows[start:start + SLICE], window_ms,

@@ -30,6 +30,7 @@ from sqlalchemy import Connection, Engine, Executable, bindparam, insert, select
 
 from ax_kombu.observability import metrics
 from ax_kombu.store import keys as key_holders
+from ax_kombu.store.async_copy import copy_async, is_async
 from ax_kombu.store.keys import Holder, Verdict
 from ax_kombu.store.schema import PROBE_BUCKET_BITS, PROBE_SQL, fingerprints, tasks
 from ax_kombu.store.tasks import wake_schedulers
@@ -43,7 +44,7 @@ COLUMNS = ("task_id", "task_type", "trigger_time", "status", "priority", "retry_
            "fingerprint", "trace_id", "attempt", "created_at", "order_key", "order_seq", "gate",
            "shard_index", "shard_total", "runner", "traceparent", "tracestate")
 
-_LOCK_KEYS = text("SELECT count(pg_advisory_xact_lock(k)) FROM "
+LOCK_KEYS = text("SELECT count(pg_advisory_xact_lock(k)) FROM "
                   "(SELECT k FROM unnest(CAST(:keys AS BIGINT[])) AS k ORDER BY k) AS s")
 
 #: the unique index leads with task_type: without it in the condition PostgreSQL read the
@@ -196,15 +197,24 @@ def _load_dedup(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: 
 _WRITE_LOCK_SQLITE = text("DELETE FROM ax_fingerprint WHERE 0")
 
 
+def row_lock_keys(rows: Sequence[Mapping[str, Any]], window_ms: int) -> set[int]:
+    """The PostgreSQL advisory lock keys :func:`write_tasks` takes for ``rows``: one per
+    ``(task_type, biz_key)``, and one per fingerprint while the duplicate check is on. A
+    writer of several slices in one transaction takes them all first (:data:`LOCK_KEYS`,
+    sorted), so two such writers cannot deadlock."""
+    locks = {_lock_key("b", f"{b[0]}\0{b[1]}") for r in rows if (b := _biz_ident(r)) is not None}
+    if window_ms > 0:
+        locks |= {_lock_key("f", r["fingerprint"]) for r in rows}
+    return locks
+
+
 def _lock(conn: Connection, rows: Sequence[Mapping[str, Any]], window_ms: int) -> None:
     if conn.dialect.name != "postgresql":
         conn.execute(_WRITE_LOCK_SQLITE)
         return
-    locks = {_lock_key("b", f"{b[0]}\0{b[1]}") for r in rows if (b := _biz_ident(r)) is not None}
-    if window_ms > 0:
-        locks |= {_lock_key("f", r["fingerprint"]) for r in rows}
+    locks = row_lock_keys(rows, window_ms)
     if locks:
-        conn.execute(_LOCK_KEYS, {"keys": sorted(locks)})
+        conn.execute(LOCK_KEYS, {"keys": sorted(locks)})
 
 
 def insert_tasks(engine: Engine, rows: Sequence[Mapping[str, Any]], window_ms: int,
@@ -300,6 +310,9 @@ def _copy(conn: Connection, table: str, columns: Sequence[str],
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows([row.get(c) for c in columns] for row in rows)
     sql = f"COPY {table} ({', '.join(columns)}) FROM STDIN WITH (FORMAT csv)"
+    if is_async(conn.connection.driver_connection):  # ax_kombu.aio's write
+        copy_async(conn.connection.driver_connection, sql, table, columns, buf.getvalue())
+        return
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
         if hasattr(cursor, "copy_expert"):

@@ -13,7 +13,7 @@ listeners honour it (an operator may ``NOTIFY ax_ended``). SQLite has no such ch
 there waits poll.
 
 Cost: PostgreSQL serializes the commits of notifying transactions (one cluster-wide lock,
-held through the commit), listener or not. Ends written in batches (the worker's result
+kept until the commit ends), listener or not. Ends written in batches (the worker's result
 writer) pay one notifying commit per batch, nothing measurable; many concurrent
 transactions of one end each (Celery's per-run ends) lose some of their parallel commits.
 
