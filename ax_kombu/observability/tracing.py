@@ -140,8 +140,11 @@ def batch_span(name: str, size: int) -> AbstractContextManager[Any]:
 
 def run_scopes(queue_for: Callable[[str], str]) -> list[Callable[[Traced, Any],
                                                                  AbstractContextManager[Any]]]:
-    """The worker's tracing run scopes: :func:`run_scope`, or none without the API."""
-    return [run_scope(queue_for)] if available() else []
+    """The worker's tracing run scopes: :func:`run_scope` when an SDK's provider is set
+    as the worker is built (an ``-A`` module, or the app embedding the worker, sets it up
+    first), else none, so an untraced worker pays nothing per run."""
+    otel = _otel()
+    return [run_scope(queue_for)] if otel is not None and otel.tracer() is not None else []
 
 
 def run_scope(queue_for: Callable[[str], str]) -> Callable[[Traced, Any],
