@@ -103,7 +103,7 @@ def _named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
 def test_the_run_span_is_the_producers_child_then_linked_on_the_retry(
         settings: Settings, dispatch: Dispatch, spans: InMemorySpanExporter) -> None:
     with trace.get_tracer("tests").start_as_current_span("P", kind=SpanKind.PRODUCER) as p:
-        task_id = int(dispatch.client.enqueue("order.close", {"fail_once": True}, max_retry=2))
+        task_id = int(dispatch.client.enqueue("traced.close", {"fail_once": True}, max_retry=2))
     producer = p.get_span_context()
     view = dispatch.view(task_id)
     assert view.traceparent is not None
@@ -113,7 +113,7 @@ def test_the_run_span_is_the_producers_child_then_linked_on_the_retry(
     resolver = Resolver(modules=[tracing_app.__name__])
     with running(settings, resolver=resolver), scheduler_running(settings):
         eventually(lambda: dispatch.status(task_id) is Status.SUCCESS, what="run twice")
-    runs = sorted(_named(spans, "ax.run order.close"), key=lambda s: s.start_time or 0)
+    runs = sorted(_named(spans, "ax.run traced.close"), key=lambda s: s.start_time or 0)
     assert len(runs) == 2
     first, retry = runs
     assert first.kind is SpanKind.CONSUMER and first.parent is not None
@@ -142,11 +142,11 @@ def test_the_run_span_is_the_producers_child_then_linked_on_the_retry(
 def test_an_async_processor_runs_inside_its_run_span(
         settings: Settings, dispatch: Dispatch, spans: InMemorySpanExporter) -> None:
     with trace.get_tracer("tests").start_as_current_span("P") as p:
-        task_id = int(dispatch.client.enqueue("order.close_async", {}))
+        task_id = int(dispatch.client.enqueue("traced.close_async", {}))
     with running(settings, resolver=Resolver(modules=[tracing_app.__name__])), \
             scheduler_running(settings):
         eventually(lambda: dispatch.status(task_id) is Status.SUCCESS, what="ran")
-    (run,) = _named(spans, "ax.run order.close_async")
+    (run,) = _named(spans, "ax.run traced.close_async")
     assert run.parent is not None and run.parent.span_id == p.get_span_context().span_id
     assert tracing_app.seen[task_id] == [(run.context.trace_id, run.context.span_id)]
     (body,) = [s for s in _named(spans, "close.body") if s.context.trace_id

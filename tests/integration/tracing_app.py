@@ -22,7 +22,7 @@ seen: dict[int, list[tuple[int, int]]] = {}
 _lock = threading.Lock()
 
 
-@ax.processor("order.close")
+@ax.processor("traced.close")
 def close(payload: Any, ctx: Context) -> None:
     """Records the current span and runs a span of its own; fails its first run when
     ``payload["fail_once"]``."""
@@ -36,7 +36,7 @@ def close(payload: Any, ctx: Context) -> None:
             raise RuntimeError("the first run fails")
 
 
-@ax.processor("order.close_async")
+@ax.processor("traced.close_async")
 async def close_async(payload: Any, ctx: Context) -> None:
     """As :func:`close`, an ``async def`` one (run on the worker's event loop)."""
     import asyncio
