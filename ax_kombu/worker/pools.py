@@ -252,12 +252,17 @@ class Pool:
     def _sleep(self, wait: float | None) -> None:
         """Wait (with the lock) ``wait`` s as the keeper if none keeps the time, else until woken."""
         awake = self._awake
-        if wait is not None and not awake.keeper:
+        if wait is not None and (not awake.keeper or awake.sync_share >= 1.0):
+            # a pool that has only run sync jobs lets every idle thread keep the time, as
+            # before deferred runs: the first awake at the start time takes the job (one
+            # keeper handing the time on to the next added latency to a steady stream)
+            first = not awake.keeper
             awake.keeper = True
             try:
                 self._timer.wait(wait)
             finally:
-                awake.keeper = False
+                if first:
+                    awake.keeper = False
             return
         awake.idle += 1  # whoever wakes it takes it off (_wake)
         self._work.wait()
