@@ -39,7 +39,6 @@ from ax_kombu.broker.celery_wire import CeleryBound, celery_queue, celery_task_i
 from ax_kombu.broker.messages import ClaimedTask
 from ax_kombu.store import Store, gates
 from ax_kombu.store.transitions import execute_batch, storable
-from ax_kombu.store.waits import notify_ended
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,10 @@ def handed(messages: Sequence[ClaimedTask]) -> list[Handed]:
 def record(conn: Connection, hand_offs: Sequence[Handed], now_ms: int) -> list[int]:
     """DISPATCHING → SUCCESS for each hand-off whose row is still at its attempt, in one
     statement; ``finished_at = now_ms``. A gated task's end wakes what waits on its order
-    key or limit (:func:`ax_kombu.store.gates.wake_next`), and the ends are announced to
-    waiters (:func:`ax_kombu.store.waits.notify_ended`), in the same transaction.
+    key or limit (:func:`ax_kombu.store.gates.wake_next`), in the same transaction. The
+    ends are not announced on ``ax_ended``: this is the scheduler's publish path, and
+    PostgreSQL serializes the commits of notifying transactions (producers' wake-ups among
+    them); a waiter on a handed-off task finds it at its next re-read (each second).
 
     Returns:
         The ids that moved.
@@ -84,7 +85,6 @@ def record(conn: Connection, hand_offs: Sequence[Handed], now_ms: int) -> list[i
                               [(h.task_id, h.attempt, storable(h.result)) for h in hand_offs],
                               now=now_ms))
     gates.wake_next(conn, [(r.task_type, r.order_key) for r in rows if r.gated])
-    notify_ended(conn, [r.task_id for r in rows])
     return [r.task_id for r in rows]
 
 
