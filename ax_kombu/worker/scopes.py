@@ -3,9 +3,9 @@
 A scope is entered just before a run's processor is called and left when it returns or
 raises, in the same thread (a sync processor) or the same asyncio task (an ``async def``
 one), so it may set context variables (the current span, the run's log buffer) that the
-processor's own code sees. Scopes never decide an outcome: an exception a scope raises on
-entry fails the run like the processor's own, and one raised on exit is logged and
-dropped. The worker builds its scopes once (:func:`run_scopes`); :class:`~ax_kombu.worker.
+processor's own code sees. A scope must not raise: an exception it raises, on entry or on
+exit, is the run's outcome like one the processor raised (nothing catches it apart). The
+worker builds its scopes once (:func:`run_scopes`); :class:`~ax_kombu.worker.
 starts.Starter` enters them in order and leaves them in reverse.
 """
 
