@@ -288,6 +288,22 @@ run_logs = Table(
 )
 run_log_archive = _cold_copy(run_logs, "ax_run_log_archive")
 
+#: who changed what, when (migration 0023; issue 40): one row per state-changing action of
+#: the console, the CLI or the client. ``at`` epoch ms, ``detail`` JSON text (NULL: none).
+#: Index: ``(at)`` — ``ax audit --since`` and the retention ask by time.
+audit = Table(
+    "ax_audit", metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("at", BigInteger, nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("via", String(16), nullable=False),
+    Column("action", String(64), nullable=False),
+    Column("target", String(256), nullable=False),
+    Column("detail", Text),
+    Index("ix_ax_audit_at", "at"),
+)
+audit_archive = _cold_copy(audit, "ax_audit_archive", Index("ix_ax_audit_archive_at", "at"))
+
 #: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
 #: RUNNING at once (``ax.set_limit``); enforced by the gated claim.
 limits = Table(

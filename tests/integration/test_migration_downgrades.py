@@ -123,7 +123,7 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0022"
+    assert current_revision(engine) == "0023"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
@@ -155,5 +155,5 @@ def test_0022_trace_context_and_run_logs_go_back_and_come_again(empty_store: Eng
     assert _duplicates_found(engine, 10)  # the stored task survived the dropped columns
 
     migrate(engine)
-    assert current_revision(engine) == "0022"
+    assert current_revision(engine) == "0023"
     assert {"traceparent", "tracestate"} <= _columns(engine, "ax_task")
