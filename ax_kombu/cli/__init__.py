@@ -8,8 +8,10 @@ from typing import Any
 
 import click
 
+from ax_kombu.cli.alerts import alerts
 from ax_kombu.cli.archive import archive
-from ax_kombu.cli.base import AxGroup, db_option
+from ax_kombu.cli.audit import audit
+from ax_kombu.cli.base import ACTOR_KEY, AxGroup, db_option
 from ax_kombu.cli.cancel import cancel
 from ax_kombu.cli.daemon import RedactingFormatter
 from ax_kombu.cli.db import db
@@ -30,10 +32,16 @@ from ax_kombu.cli.web import web
 @db_option
 @click.option("-l", "--loglevel", default="WARNING", envvar="AX_LOGLEVEL", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--as", "actor", default=None, envvar="AX_ACTOR", metavar="NAME",
+              help="Who the audit records as acting (default: the OS user) [AX_ACTOR]")
 @click.version_option(package_name="ax_kombu")
 @click.pass_context
-def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
+def main(ctx: click.Context, database_url: str | None, loglevel: str,
+         actor: str | None) -> None:
     """ax: a distributed timed-task scheduler on Kombu."""
+    if actor is not None and not 1 <= len(actor.strip()) <= 128:
+        raise click.BadParameter("must be 1 to 128 characters", param_hint="--as")
+    ctx.meta[ACTOR_KEY] = actor.strip() if actor else None
     handler = logging.StreamHandler()
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=loglevel.upper(), handlers=[handler])
@@ -44,5 +52,6 @@ def main(ctx: click.Context, database_url: str | None, loglevel: str) -> None:
 
 
 for command in (enqueue, inspect, cancel, reschedule, db, status, jobs, limits, plan,
-                list_tasks, retry, purge, archive, web):
+                list_tasks, retry, purge, archive, audit, web):
     main.add_command(command)
+main.add_command(alerts)

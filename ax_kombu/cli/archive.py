@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from ax_kombu.cli.base import settings_from
+from ax_kombu.cli.base import audited, settings_from
 from ax_kombu.config import parse_duration_ms
 from ax_kombu.store import Store
 from ax_kombu.store.admin import BATCH_MAX, check_count
@@ -49,6 +49,9 @@ def archive(ctx: click.Context, older_than: str, to: Path | None, batch: int,
     try:
         done = archive_finished(store.engine, age_ms, batch=batch, limit=limit, to=to,
                                 pace=pace)
+        audited(ctx, store.engine, "archive", "tasks:finished",
+                {"older_than": older_than, "to": str(to) if to else None, "tasks": done.tasks,
+                 "attempts": done.attempts, "audit": done.audit})
     finally:
         store.close()
     seconds = time.monotonic() - started
@@ -56,7 +59,10 @@ def archive(ctx: click.Context, older_than: str, to: Path | None, batch: int,
     if as_json:
         click.echo(json.dumps({"older_than_ms": age_ms, "to": where, "tasks": done.tasks,
                                "attempts": done.attempts, "batches": done.batches,
+                               "audit": done.audit,
                                "seconds": round(seconds, 3)}, indent=2))
         return
     click.echo(f"archived {done.tasks} task(s) and {done.attempts} attempt row(s) to {where} "
                f"in {seconds:.1f} s")
+    if done.audit:
+        click.echo(f"archived {done.audit} audit record(s) to ax_audit_archive")

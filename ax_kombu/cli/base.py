@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,8 +15,12 @@ import click
 
 from ax_kombu.api import Client
 from ax_kombu.config import Settings, from_env, parse_duration_ms
-from ax_kombu.exceptions import AxError, ValidationError
+from ax_kombu.exceptions import AxError, StoreError, ValidationError
 from ax_kombu.observability.redaction import redact_url
+from ax_kombu.store.audit import record
+
+#: where the group's ``--as`` is kept (``ctx.meta`` is shared by every subcommand)
+ACTOR_KEY = "ax_kombu.actor"
 
 
 class OneLineGroup(click.Group):
@@ -58,6 +64,36 @@ def run_guarded(func: Callable[[], Any]) -> Any:
     except AxError as exc:
         click.echo(f"ax: error: {redact_url(str(exc))}", err=True)
         sys.exit(exc.exit_code)
+
+
+def os_user() -> str:
+    """The OS user running the command (``uid:N`` when it has no name)."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return f"uid:{os.getuid()}"
+
+
+def actor_of(ctx: click.Context) -> str:
+    """Who the command acts as: ``ax --as NAME``, else the OS user."""
+    given: str | None = ctx.meta.get(ACTOR_KEY)
+    return given or os_user()
+
+
+def audited(ctx: click.Context, engine: Any, action: str, target: str,
+            detail: dict[str, Any] | None = None) -> None:
+    """Record the action the command just took (:func:`ax_kombu.store.audit.record`,
+    ``via="cli"``).
+
+    Raises:
+        StoreError: the record could not be written; the message says the action was.
+    """
+    try:
+        record(engine, actor=actor_of(ctx), via="cli", action=action, target=target,
+               detail=detail)
+    except StoreError as exc:
+        raise StoreError(f"{action} on {target} was done, but its audit record was not "
+                         f"written: {exc}") from None
 
 
 def db_option(func: Callable[..., Any]) -> Callable[..., Any]:

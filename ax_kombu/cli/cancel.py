@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ax_kombu.cli.base import client_for
+from ax_kombu.cli.base import audited, client_for
 from ax_kombu.cli.list import biz_key_option, since_ms, since_option, status_option, type_option
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.moving import cancel_selection
@@ -71,6 +71,7 @@ def cancel(ctx: click.Context, task_id: int | None, task_type: str | None,
         with client_for(ctx) as client:
             view = (client.cancel(task_id) if task_id is not None
                     else client.cancel(task_type=task_type, biz_key=biz_keys[0]))
+            audited(ctx, client.store.engine, "cancel", f"task:{view.task_id}")
         click.echo(f"{view.task_id} {view.status}")
         return
     _cancel_many(ctx, task_type, biz_keys, status, since, yes)
@@ -88,4 +89,7 @@ def _cancel_many(ctx: click.Context, task_type: str | None, biz_keys: tuple[str,
                       f"{_describe(task_type, biz_keys, status, since)}?", abort=True)
     with client_for(ctx) as client:
         done = client.cancel_many(**filters)
+        audited(ctx, client.store.engine, "cancel", f"tasks:{task_type or '*'}",
+                {"cancelled": done, "status": status, "since": since,
+                 "biz_keys": list(biz_keys) or None})
     click.echo(f"cancelled {done} task(s)")

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from ax_kombu.cli.base import Duration, JsonValue, OneLineGroup, client_for
+from ax_kombu.cli.base import Duration, JsonValue, OneLineGroup, audited, client_for
 from ax_kombu.config import PRIORITIES
 from ax_kombu.core.cron import MISFIRE_POLICIES
 from ax_kombu.core.values import STRATEGIES
@@ -122,6 +122,8 @@ def add(ctx: click.Context, /, name: str, task_type: str, payload: Any, cron_exp
                               every=None if every is None else every / 1000.0,
                               misfire_grace_s=None if grace is None else grace / 1000.0,
                               **options)
+        audited(ctx, client.store.engine, "job_add", f"job:{name}",
+                {"schedule": job.schedule, "task_type": task_type})
     click.echo(_summary(job))
 
 
@@ -132,6 +134,7 @@ def pause(ctx: click.Context, name: str) -> None:
     """Pause NAME: its undispatched occurrences are removed, none is created."""
     with client_for(ctx) as client:
         job = client.pause(name)
+        audited(ctx, client.store.engine, "job_pause", f"job:{name}")
     click.echo(_summary(job))
 
 
@@ -142,6 +145,7 @@ def resume(ctx: click.Context, name: str) -> None:
     """Resume NAME; what it missed goes by its misfire policy."""
     with client_for(ctx) as client:
         job = client.resume(name)
+        audited(ctx, client.store.engine, "job_resume", f"job:{name}")
     click.echo(_summary(job))
 
 
@@ -153,6 +157,7 @@ def run(ctx: click.Context, name: str) -> None:
     scheduled one is (paused or not). Prints the new task's id."""
     with client_for(ctx) as client:
         task_id = client.run_job_now(name)
+        audited(ctx, client.store.engine, "job_run", f"job:{name}", {"task_id": task_id})
     click.echo(f"{name}: task {task_id} due now")
 
 
@@ -163,6 +168,7 @@ def remove(ctx: click.Context, name: str) -> None:
     """Remove NAME and its undispatched occurrences."""
     with client_for(ctx) as client:
         dropped = client.unschedule(name)
+        audited(ctx, client.store.engine, "job_remove", f"job:{name}", {"removed": dropped})
     click.echo(f"{name}: removed ({dropped} undispatched occurrence"
                f"{'' if dropped == 1 else 's'})")
 

@@ -10,7 +10,7 @@ import json
 
 import click
 
-from ax_kombu.cli.base import OneLineGroup, client_for
+from ax_kombu.cli.base import OneLineGroup, audited, client_for
 
 
 @click.group(cls=OneLineGroup)
@@ -42,6 +42,8 @@ def set_limit(ctx: click.Context, task_type: str, max_running: int) -> None:
     """At most MAX_RUNNING tasks of TASK_TYPE running at once, cluster-wide."""
     with client_for(ctx) as client:
         client.set_limit(task_type, max_running)
+        audited(ctx, client.store.engine, "limit_set", f"type:{task_type}",
+                {"max_running": max_running})
     click.echo(f"{task_type}: at most {max_running} at once")
 
 
@@ -52,4 +54,5 @@ def clear(ctx: click.Context, task_type: str) -> None:
     """Remove the limit of TASK_TYPE (waiting tasks start)."""
     with client_for(ctx) as client:
         client.set_limit(task_type, None)
+        audited(ctx, client.store.engine, "limit_clear", f"type:{task_type}")
     click.echo(f"{task_type}: no limit")

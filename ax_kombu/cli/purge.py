@@ -10,7 +10,7 @@ import json
 
 import click
 
-from ax_kombu.cli.base import settings_from
+from ax_kombu.cli.base import audited, settings_from
 from ax_kombu.config import parse_duration_ms
 from ax_kombu.core.states import FINAL, Status
 from ax_kombu.store import Store
@@ -37,6 +37,10 @@ def purge(ctx: click.Context, status: str, older_than: str, batch: int, dry_run:
     store = Store(settings_from(ctx))
     try:
         done = purge_finished(store.engine, final, age_ms, batch=batch, dry_run=dry_run)
+        if not dry_run:
+            audited(ctx, store.engine, "purge", f"tasks:{final}",
+                    {"older_than": older_than, "tasks": done.tasks,
+                     "attempts": done.attempts})
     finally:
         store.close()
     if as_json:

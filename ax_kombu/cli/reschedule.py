@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ax_kombu.cli.base import Duration, IsoTime, client_for
+from ax_kombu.cli.base import Duration, IsoTime, audited, client_for
 from ax_kombu.exceptions import ValidationError
 
 
@@ -62,4 +62,6 @@ def reschedule(ctx: click.Context, task_id: int | None, task_type: str | None,
             view = client.reschedule(task_id, **named, run_at=run_at,
                                      delay=None if delay is None else timedelta(
                                          milliseconds=delay))
+        audited(ctx, client.store.engine, "run_now" if now else "reschedule",
+                f"task:{view.task_id}", {"trigger_time": _iso(view.trigger_time)})
     click.echo(f"{view.task_id} {view.status} {_iso(view.trigger_time)}")

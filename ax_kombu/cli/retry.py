@@ -10,7 +10,7 @@ import json
 
 import click
 
-from ax_kombu.cli.base import settings_from
+from ax_kombu.cli.base import audited, settings_from
 from ax_kombu.config import parse_duration_ms
 from ax_kombu.exceptions import IllegalTransition, ValidationError
 from ax_kombu.store import Store
@@ -26,6 +26,13 @@ from ax_kombu.store.admin import (
 
 def _refused(outcome: Retried) -> str:
     return ", ".join(f"{i} ({why})" for i, why in outcome.refused.items())
+
+
+def _target(task_ids: tuple[int, ...], retried: list[int], task_type: str | None) -> str:
+    """``task:ID`` for one task, else the selection."""
+    if task_ids and len(retried) == 1:
+        return f"task:{retried[0]}"
+    return f"tasks:{','.join(map(str, retried))}" if task_ids else f"tasks:{task_type}"
 
 
 def _check_form(task_ids: tuple[int, ...], task_type: str | None, status: str | None,
@@ -60,6 +67,9 @@ def retry(ctx: click.Context, task_ids: tuple[int, ...], task_type: str | None,
             assert task_type is not None and wanted is not None
             outcome = retry_matching(store.engine, task_type, wanted, since_ms=since_ms,
                                      limit=limit)
+        if outcome.retried:
+            audited(ctx, store.engine, "retry", _target(task_ids, outcome.retried, task_type),
+                    {"retried": len(outcome.retried), "status": status, "since": since})
     finally:
         store.close()
     if task_ids and not outcome.retried:

@@ -54,6 +54,12 @@ cutoff's (``compose(cutoff + 1, 0, 0)``). A run reads each candidate once
 after the cutoff, and needs no ``finished_at`` index on the hot table (one would
 cost every finishing update an index entry). Tasks move oldest-created first.
 
+The record of operator actions (``ax_audit``) follows the same cutoff: after the tasks,
+every record older than it moves to ``ax_audit_archive`` (:func:`ax_kombu.store.audit.
+archive_before`), ``batch`` per transaction, whether the tasks went to the tables or to a
+file (the record stays in the database), unless the run was stopped or reached its
+``limit``.
+
 Every function here raises :class:`~ax_kombu.exceptions.StoreError` when the
 database fails, :class:`~ax_kombu.exceptions.ValidationError` on bad input.
 """
@@ -76,6 +82,7 @@ from ax_kombu.core.states import FINAL
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.store.admin import BATCH_MAX, _guarded, check_count
 from ax_kombu.store.archive_file import JsonlGzFile
+from ax_kombu.store.audit import archive_before
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.moves import forget_moves
 from ax_kombu.store.run_logs import delete_logs
@@ -96,15 +103,17 @@ _FINAL = sorted(str(s) for s in FINAL)
 
 @dataclass(frozen=True)
 class Archived:
-    """What a run moved: tasks, ``ax_attempt`` rows, and the batches it took."""
+    """What a run moved: tasks, ``ax_attempt`` rows, the batches it took, and
+    ``ax_audit`` records."""
 
     tasks: int = 0
     attempts: int = 0
     batches: int = 0
+    audit: int = 0
 
     def __add__(self, other: Archived) -> Archived:
         return Archived(self.tasks + other.tasks, self.attempts + other.attempts,
-                        self.batches + other.batches)
+                        self.batches + other.batches, self.audit + other.audit)
 
 
 @dataclass(frozen=True)
@@ -170,7 +179,23 @@ def _run(engine: Engine, older_than_ms: int, batch: int, limit: int | None,
             moved = _to_file(conn, ids, out) if out is not None else _to_tables(conn, ids)
         done += Archived(len(ids), moved, 1)
         after = ids[-1]
+    if (limit is None or done.tasks < limit) and not pace.stop():
+        done += Archived(audit=_audit(engine, cutoff, batch, pace))
     return done
+
+
+def _audit(engine: Engine, cutoff: int, batch: int, pace: Pace) -> int:
+    """Move the audit records older than ``cutoff`` to their archive; returns how many."""
+    moved = 0
+    while not pace.stop():
+        with engine.begin() as conn:
+            count = archive_before(conn, cutoff, batch)
+        moved += count
+        if count < batch:
+            break
+        if pace.pause_s:
+            pace.wait(pace.pause_s)
+    return moved
 
 
 def _choose(conn: Connection, cutoff: int, after: int, size: int) -> list[int]:

@@ -32,9 +32,10 @@ from ax_kombu.exceptions import (
     TaskNotFound,
 )
 from ax_kombu.observability.redaction import redact_url
-from ax_kombu.web import auth, jobs, limits, overview, tasks
+from ax_kombu.web import audit, auth, jobs, limits, overview, tasks
+from ax_kombu.web.access import Access
 from ax_kombu.web.console import HERE, Console, console_of
-from ax_kombu.web.security import LOOPBACK_HOSTS
+from ax_kombu.web.security import LOOPBACK_HOSTS, Keys
 
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
@@ -72,19 +73,23 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return console_of(request).page(request, "error.html", exc.status_code, message=exc.detail)
 
 
-def create_app(settings: Settings, token: str | None = None) -> Starlette:
-    """The console on ``settings``' store. With ``token``, every page needs it; without,
-    only requests to a loopback host name are answered."""
-    console = Console.open(settings, token)
+def create_app(settings: Settings, token: str | None = None,
+               access: Access | None = None) -> Starlette:
+    """The console on ``settings``' store. With ``token`` (or ``access``: the token, the
+    users file, the trusted header), every page needs credentials; without, only
+    requests to a loopback host name are answered."""
+    access = access if access is not None else Access(Keys(token))
+    console = Console.open(settings, access)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         console.close()
 
-    hosts = ["*"] if token else list(LOOPBACK_HOSTS)
+    hosts = ["*"] if access.guarded else list(LOOPBACK_HOSTS)
     app = Starlette(
         routes=[*auth.ROUTES, *overview.ROUTES, *tasks.ROUTES, *jobs.ROUTES, *limits.ROUTES,
+                *audit.ROUTES,
                 Mount("/static", StaticFiles(directory=HERE / "static"), name="static")],
         middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts),
                     Middleware(SecurityHeaders), Middleware(auth.TokenGate)],
@@ -94,9 +99,9 @@ def create_app(settings: Settings, token: str | None = None) -> Starlette:
     return app
 
 
-def serve(settings: Settings, bind: str, port: int, token: str | None) -> None:
+def serve(settings: Settings, bind: str, port: int, access: Access) -> None:
     """Run the console until SIGINT or SIGTERM (uvicorn's warm shutdown)."""
     import uvicorn
 
-    uvicorn.run(create_app(settings, token), host=bind, port=port, access_log=False,
+    uvicorn.run(create_app(settings, access=access), host=bind, port=port, access_log=False,
                 log_level="info")

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from ax_kombu.api import Client
 from ax_kombu.recurring import JobView
 from ax_kombu.views import TaskView
-from ax_kombu.web.console import back_to, checked_form, console_of
+from ax_kombu.web.console import OPERATE, audited, back_to, checked_form, console_of
 
 NEXT_FIRES = 5
 
@@ -35,16 +35,23 @@ def job_list(request: Request) -> Response:
     return console_of(request).page(request, "jobs.html", jobs=found)
 
 
-def _action(work: Callable[[Client, str], Any], note: str) -> Callable[..., Any]:
-    """A POST endpoint that calls ``work(client, job name)``, then shows the jobs again."""
+def _action(work: Callable[[Client, str], Any], note: str, action: str) -> Callable[..., Any]:
+    """A POST endpoint (an operator's) that calls ``work(client, job name)``, records it,
+    then shows the jobs again."""
     async def endpoint(request: Request) -> Response:
-        await checked_form(request)
-        await run_in_threadpool(work, console_of(request).client, request.path_params["name"])
+        await checked_form(request, OPERATE)
+        name = request.path_params["name"]
+        done = await run_in_threadpool(work, console_of(request).client, name)
+        await audited(request, action, f"job:{name}",
+                      {"task_id": done} if isinstance(done, int) else None)
         return back_to("/jobs", note)
     return endpoint
 
 
 ROUTES = [Route("/jobs", job_list, methods=["GET"]),
-          Route("/jobs/{name}/pause", _action(Client.pause, "paused"), methods=["POST"]),
-          Route("/jobs/{name}/resume", _action(Client.resume, "resumed"), methods=["POST"]),
-          Route("/jobs/{name}/run", _action(Client.run_job_now, "started"), methods=["POST"])]
+          Route("/jobs/{name}/pause", _action(Client.pause, "paused", "job_pause"),
+                methods=["POST"]),
+          Route("/jobs/{name}/resume", _action(Client.resume, "resumed", "job_resume"),
+                methods=["POST"]),
+          Route("/jobs/{name}/run", _action(Client.run_job_now, "started", "job_run"),
+                methods=["POST"])]

@@ -22,7 +22,14 @@ from ax_kombu.store.admin import RETRYABLE, parse_status, retry_ids
 from ax_kombu.store.console import TaskSearch, search_tasks
 from ax_kombu.store.run_logs import logs_of
 from ax_kombu.views import TaskView
-from ax_kombu.web.console import back_to, checked_form, console_of
+from ax_kombu.web.console import (
+    OPERATE,
+    audited,
+    back_to,
+    checked_form,
+    console_of,
+    identity_of,
+)
 
 PAGE = 50
 #: the search form's fields, in the order shown
@@ -88,12 +95,14 @@ def task_list(request: Request) -> Response:
 def _task_page(request: Request, view: TaskView, status_code: int = 200,
                error: str | None = None) -> Response:
     console = console_of(request)
+    me = identity_of(request)
+    live = not view.archived and me is not None and me.may(OPERATE)
     return console.page(
         request, "task.html", status_code, task=view, error=error,
         logs=logs_of(console.engine, view.task_id),
-        can_cancel=view.status not in FINAL and not view.archived,
-        can_retry=view.status in RETRYABLE and not view.archived,
-        can_move=view.status in CLAIMABLE and not view.archived)
+        can_cancel=live and view.status not in FINAL,
+        can_retry=live and view.status in RETRYABLE,
+        can_move=live and view.status in CLAIMABLE)
 
 
 def task_page(request: Request) -> Response:
@@ -102,20 +111,22 @@ def task_page(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    await checked_form(request)
+    await checked_form(request, OPERATE)
     task_id = _int("task id", request.path_params["task_id"])
     await run_in_threadpool(console_of(request).client.cancel, task_id)
+    await audited(request, "cancel", f"task:{task_id}")
     return back_to(f"/tasks/{task_id}", "cancelled")
 
 
 async def retry(request: Request) -> Response:
-    await checked_form(request)
+    await checked_form(request, OPERATE)
     console = console_of(request)
     task_id = _int("task id", request.path_params["task_id"])
     outcome = await run_in_threadpool(retry_ids, console.engine, [task_id])
     if not outcome.retried:
         raise IllegalTransition(f"task {task_id} is {outcome.refused.get(task_id)}; only "
                                 "FAILED or CANCELLED tasks can be retried")
+    await audited(request, "retry", f"task:{task_id}")
     return back_to(f"/tasks/{task_id}", "retried")
 
 
@@ -137,33 +148,35 @@ def _postpone_to(form: Mapping[str, object]) -> tuple[datetime | None, timedelta
         raise ValidationError(f"delay: {exc}") from None
 
 
-async def _move(request: Request, how: Callable[[int], TaskView], note: str) -> Response:
+async def _move(request: Request, how: Callable[[int], TaskView], note: str,
+                action: str) -> Response:
     """Move the task with ``how``; a refusal shows on the task's page (409, or 400 for bad
     input) and changes nothing."""
     task_id = _int("task id", request.path_params["task_id"])
     try:
-        await run_in_threadpool(how, task_id)
+        moved = await run_in_threadpool(how, task_id)
     except (IllegalTransition, ValidationError) as exc:
         view = await run_in_threadpool(console_of(request).client.get, task_id)
         status = 409 if isinstance(exc, IllegalTransition) else 400
         return _task_page(request, view, status, str(exc))
+    await audited(request, action, f"task:{task_id}", {"trigger_time": moved.trigger_time})
     return back_to(f"/tasks/{task_id}", note)
 
 
 async def run_now(request: Request) -> Response:
-    await checked_form(request)
-    return await _move(request, console_of(request).client.run_now, "run-now")
+    await checked_form(request, OPERATE)
+    return await _move(request, console_of(request).client.run_now, "run-now", "run_now")
 
 
 async def postpone(request: Request) -> Response:
-    form = await checked_form(request)
+    form = await checked_form(request, OPERATE)
     client = console_of(request).client
 
     def move(task_id: int) -> TaskView:
         run_at, delay = _postpone_to(form)
         return client.reschedule(task_id, run_at=run_at, delay=delay)
 
-    return await _move(request, move, "rescheduled")
+    return await _move(request, move, "rescheduled", "reschedule")
 
 
 ROUTES = [Route("/tasks", task_list, methods=["GET"]),
