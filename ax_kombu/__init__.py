@@ -65,10 +65,10 @@ __all__ = [
     "AsyncClient", "AttemptView", "AxError", "Backoff", "Context", "Discard",
     "IllegalTransition", "JobNotFound", "JobView", "Move", "Retry", "Settings", "Snooze",
     "Status", "Task", "TaskCall", "TaskId", "TaskNotFound", "TaskView", "TooLateToMove",
-    "ValidationError", "WaitTimeout", "aio", "cancel", "cancel_many", "client", "configure",
-    "enqueue", "enqueue_many", "get", "jobs", "limits", "next_fires", "pause", "periodic",
-    "processor", "reschedule", "resume", "run_now", "schedule", "set_limit", "task",
-    "unschedule", "wait",
+    "ValidationError", "WaitTimeout", "aio", "alerts", "cancel", "cancel_many", "client",
+    "configure", "enqueue", "enqueue_many", "get", "jobs", "limits", "next_fires", "pause",
+    "periodic", "processor", "remove_alert", "reschedule", "resume", "run_now", "schedule",
+    "set_alert", "set_limit", "task", "unschedule", "wait",
 ]
 __version__ = "0.1.0"
 
@@ -366,6 +366,39 @@ def set_limit(task_type: str, max_running: int | None) -> None:
 def limits() -> dict[str, int]:
     """Every cluster-wide limit: task type → most running at once."""
     return client().limits()
+
+
+def set_alert(task_type: str, *, on: Iterable[str] | str = ("failed", "late"),
+              late_after: float | timedelta | str | None = None, webhook: str,
+              secret: str | None = None) -> str:
+    """Alert ``webhook`` when tasks of ``task_type`` fail or start late: one signed message
+    when an incident opens, one when ``AX_ALERT_QUIET_MS`` without a new event closes it
+    (docs/alerts.md). Setting it again changes it (its open incident and secret stay).
+
+    Args:
+        on: ``"failed"`` (a task ended FAILED, retries spent) and/or ``"late"`` (not
+            started ``late_after`` past its trigger time).
+        late_after: with ``"late"``: seconds, a timedelta, or ``"30s"``, ``"5m"``…
+        webhook: the http(s) URL POSTed to.
+        secret: the Standard Webhooks signing key (``whsec_`` + base64); None: a new one
+            (or the alert's current one).
+    Returns:
+        The signing secret, for the receiver's ``standardwebhooks.Webhook(secret)``.
+    Raises:
+        ValidationError: a bad type, event, duration, URL or secret; nothing is written.
+    """
+    return client().set_alert(task_type, on=on, late_after=late_after, webhook=webhook,
+                              secret=secret)
+
+
+def remove_alert(task_type: str) -> bool:
+    """Remove the alert of ``task_type``; False if there was none."""
+    return client().remove_alert(task_type)
+
+
+def alerts() -> list[dict[str, Any]]:
+    """Every per-type alert (without secrets) and its open incident, if any."""
+    return client().alerts()
 
 
 def __getattr__(name: str) -> Any:

@@ -34,6 +34,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from ax_kombu import recurring
+from ax_kombu.alerts import rules as alert_rules
 from ax_kombu.config import Settings
 from ax_kombu.core import cron, states
 from ax_kombu.core.ids import ReservedIds
@@ -47,6 +48,7 @@ from ax_kombu.exceptions import (
 from ax_kombu.moving import Moving
 from ax_kombu.recurring import JobView
 from ax_kombu.store import Store, gates, moves
+from ax_kombu.store import alerts as alert_store
 from ax_kombu.store import jobs as job_store
 from ax_kombu.store.archive import fetch_archived
 from ax_kombu.store.borrowed import Borrowing
@@ -369,6 +371,42 @@ class Client(Moving):
         """Every limit: task type → most DISPATCHING or RUNNING at once."""
         with self.store.engine.connect() as conn:
             return gates.list_limits(conn)
+
+    # -- per-type alerts (ax_kombu.alerts) ------------------------------------------------------
+
+    def set_alert(self, task_type: str, *, on: Iterable[str] | str = ("failed", "late"),
+                  late_after: Any = None, webhook: str, secret: str | None = None) -> str:
+        """Set the alert of ``task_type``; returns its signing secret. See
+        :func:`ax_kombu.set_alert`.
+
+        Raises:
+            ValidationError: a bad argument; nothing was written.
+        """
+        alert = alert_rules.check_alert(task_type, on, late_after, webhook, secret)
+        with self.store.engine.begin() as conn:
+            if secret is None:  # a changed alert keeps its secret: receivers keep verifying
+                alert = alert._replace(secret=alert_store.secret_of(conn, alert.task_type)
+                                       or alert.secret)
+            alert_store.upsert(conn, alert.row(), self.store.now_ms())
+        return alert.secret
+
+    def remove_alert(self, task_type: str) -> bool:
+        """Remove the alert of ``task_type`` (an open incident ends unannounced); False if
+        there was none."""
+        task_type = check_text("task_type", task_type, MAX_TASK_TYPE)
+        with self.store.engine.begin() as conn:
+            return alert_store.remove(conn, task_type)
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Every alert, by task type (without its secret): ``task_type``, ``on``,
+        ``late_after_ms``, ``webhook``, and its open incident, if any: ``opened_at`` (epoch
+        ms; None: none open) and ``events``."""
+        with self.store.engine.connect() as conn:
+            rows = alert_store.list_all(conn)
+        return [{"task_type": r["task_type"],
+                 "on": [e for e in alert_rules.EVENTS if r[f"on_{e}"]],
+                 "late_after_ms": r["late_after_ms"], "webhook": r["webhook"],
+                 "opened_at": r["opened_at"], "events": r["events"]} for r in rows]
 
     def declare_periodic(self) -> list[str]:
         """Write every ``@ax.periodic`` job declared so far; returns their names."""

@@ -16,6 +16,8 @@ from ax_kombu.exceptions import ConfigurationError
 
 #: what ``rabbitmq_queue_type`` may say
 RABBITMQ_QUEUE_TYPES = ("classic", "quorum")
+#: what ``callback_signing`` may say
+CALLBACK_SIGNINGS = ("standard", "legacy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,11 @@ class SchedulerSettings:
     #: the duplicate check's entries (``ax_fingerprint``) of tasks created longer
     #: ago than this, and due before the dedup window, are deleted; 0: never.
     fingerprint_retention_s: float = 86_400.0
+    #: how often a scheduler looks at the per-type alerts (``ax.set_alert``;
+    #: :mod:`ax_kombu.alerts.evaluator`).
+    alert_interval_ms: int = 2000
+    #: an alert's incident closes ("resolved") after this long without a new event.
+    alert_quiet_ms: int = 300_000
 
     def _validate_scheduler(self) -> None:
         _positive(self, "preload_window_ms", "preload_batch", "claim_batch",
@@ -221,6 +228,7 @@ class SchedulerSettings:
         if not 1 <= self.retention_batch <= 10_000:
             raise ConfigurationError("retention_batch must be between 1 and 10000, got "
                                      f"{self.retention_batch}")
+        _positive(self, "alert_interval_ms", "alert_quiet_ms")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +283,10 @@ class WorkerSettings:
     callback_allow_hosts: str = ""
     #: signs every callback request (HMAC-SHA256) when set; never shown or logged.
     callback_secret: str = dataclasses.field(default="", repr=False)
+    #: how a callback request is signed (with ``callback_secret``): ``standard`` (Standard
+    #: Webhooks: ``webhook-id``, ``webhook-timestamp``, ``webhook-signature``) or ``legacy``
+    #: (``X-Ax-Timestamp``, ``X-Ax-Signature``; kept for one release).
+    callback_signing: str = "standard"
     #: each run's own log lines kept with its attempt (``ax inspect ID --logs``): at most
     #: this many lines and bytes per run, its first lines and its last few; 0: none kept.
     run_log_lines: int = 200
@@ -301,6 +313,10 @@ class WorkerSettings:
             raise ConfigurationError("worker_grace_s must be >= 0")
         if self.max_snoozes < 0:
             raise ConfigurationError(f"max_snoozes must be >= 0, got {self.max_snoozes}")
+        if self.callback_signing not in CALLBACK_SIGNINGS:
+            raise ConfigurationError(f"callback_signing must be one of "
+                                     f"{', '.join(CALLBACK_SIGNINGS)}, got "
+                                     f"{self.callback_signing!r}")
         if not 0 <= self.run_log_lines <= 100_000:
             raise ConfigurationError(f"run_log_lines must be 0..100000, got {self.run_log_lines}")
         if not (self.run_log_bytes == 0 or 1024 <= self.run_log_bytes <= 16 << 20):

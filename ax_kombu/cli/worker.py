@@ -173,7 +173,7 @@ def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: 
          overrides: dict[str, Any]) -> int:
     settings, chosen, modules = _settings(queues, apps, concurrency, overrides)
     resolver = Resolver(modules, split_names(settings.callback_allow_hosts),
-                        settings.callback_secret)
+                        settings.callback_secret, settings.callback_signing)
     with pidfile(pid_path):
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
         declare_periodic_jobs(settings)

@@ -93,6 +93,7 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.node.steps import Blueprint, Call, Step
 from ax_kombu.node.supervision import EXIT_CRASHED, CrashFlag, watch_threads
+from ax_kombu.scheduler.alerting import alerting_step
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher, OnPublished
 from ax_kombu.scheduler.heart import Heart
@@ -252,6 +253,7 @@ class Scheduler:
             Call("claimer", self.claimer.start, self.claimer.stop),
             Call("housekeeper", self.housekeeper.start, self.housekeeper.stop),
             Call("retention", self.retention.start, self.retention.stop),
+            alerting_step(self.settings, self.store),  # per-type alerts (ax_kombu.alerts)
         ]
 
     def _probe(self) -> None:

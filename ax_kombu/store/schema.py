@@ -304,6 +304,32 @@ audit = Table(
 )
 audit_archive = _cold_copy(audit, "ax_audit_archive", Index("ix_ax_audit_archive_at", "at"))
 
+#: per-type alerts (migration 0024; issue 40, :mod:`ax_kombu.alerts`): one row per alerted
+#: task type, what to watch (``on_failed``, ``on_late`` after ``late_after_ms``), where to
+#: send it (``webhook``, signed with ``secret``, a Standard Webhooks ``whsec_`` key), and its
+#: incident state: ``checked_until`` (epoch ms) the end of the last window the evaluator
+#: looked at, the compare-and-set token that decides which scheduler sends; ``opened_at``
+#: the open incident's start (NULL: none open), ``last_event_at`` its latest event, and
+#: ``events`` / ``sample_task_id`` what it counted. Index: the primary key (a few rows).
+alerts = Table(
+    "ax_alert", metadata,
+    Column("task_type", String(128), primary_key=True),
+    Column("on_failed", Boolean, nullable=False),
+    Column("on_late", Boolean, nullable=False),
+    Column("late_after_ms", BigInteger),
+    Column("webhook", String(2048), nullable=False),
+    Column("secret", String(128), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    Column("checked_until", BigInteger, nullable=False),
+    Column("opened_at", BigInteger),
+    Column("last_event_at", BigInteger),
+    Column("events", Integer, nullable=False, server_default="0"),
+    Column("sample_task_id", BigInteger),
+    CheckConstraint("on_failed OR on_late", name="ck_ax_alert_watches"),
+    CheckConstraint("NOT on_late OR late_after_ms > 0", name="ck_ax_alert_late_after"),
+)
+
 #: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
 #: RUNNING at once (``ax.set_limit``); enforced by the gated claim.
 limits = Table(

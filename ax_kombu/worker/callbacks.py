@@ -41,8 +41,18 @@ call is made as if the URL were hostile:
 - Connections are pooled (urllib3) per (scheme, checked address, port, host
   name), shared by all threads.
 
-**Signing.** With ``AX_CALLBACK_SECRET`` set, every request carries
-``X-Ax-Timestamp: <unix seconds>`` and ``X-Ax-Signature: sha256=<hex>``, where
+**Signing.** With ``AX_CALLBACK_SECRET`` set, every request is signed per Standard Webhooks
+(:mod:`ax_kombu.alerts.signing`): ``webhook-id`` (``msg_ax_<task id>_<attempt>``, the same
+for every send of one attempt), ``webhook-timestamp`` (unix seconds) and
+``webhook-signature`` (``v1,`` + base64 HMAC-SHA256 of ``id.timestamp.body``). The secret
+is ``whsec_`` + base64 of the key, or any other text, used as its UTF-8 bytes. A receiver
+checks it with a Standard Webhooks library::
+
+    from standardwebhooks import Webhook
+    Webhook(secret).verify(raw_body, headers)   # or Webhook(secret.encode()) for plain text
+
+**Legacy signing** (``AX_CALLBACK_SIGNING=legacy``, kept for one release): the request
+carries ``X-Ax-Timestamp: <unix seconds>`` and ``X-Ax-Signature: sha256=<hex>``, where
 ``<hex>`` is the HMAC-SHA256, keyed with the secret (UTF-8), of the bytes
 ``<timestamp> + "." + <raw request body>``. A receiver checks it with::
 
@@ -52,7 +62,7 @@ call is made as if the URL were hostile:
         fresh = abs(time.time() - int(ts)) <= tolerance_s
         return fresh and hmac.compare_digest("sha256=" + mac, headers["X-Ax-Signature"])
 
-(the body must be the raw bytes received, before any JSON parsing).
+(in both, the body must be the raw bytes received, before any JSON parsing).
 """
 
 from __future__ import annotations
@@ -79,6 +89,7 @@ from urllib3.exceptions import (
     TimeoutError as Urllib3Timeout,
 )
 
+from ax_kombu.alerts import signing
 from ax_kombu.config import redact_url
 from ax_kombu.core.context import Context
 from ax_kombu.exceptions import CallbackFailed, Discard, Retry
@@ -140,23 +151,27 @@ def answer_failure(status: int, retry_after_s: float | None) -> CallbackFailed:
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:
-    """The ``X-Ax-Signature`` value: ``sha256=`` + hex HMAC-SHA256 of ``timestamp.body``."""
+    """Legacy signing: the ``X-Ax-Signature`` value: ``sha256=`` + hex HMAC-SHA256 of ``timestamp.body``."""
     mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
     return f"sha256={mac.hexdigest()}"
 
 
-def _headers(target: Target, body: bytes, trace_id: str, secret: str) -> dict[str, str]:
+def _headers(target: Target, body: bytes, ctx: Context, secret: str,
+             scheme: str) -> dict[str, str]:
     host = f"[{target.host}]" if ":" in target.host else target.host
     default = 443 if target.scheme == "https" else 80
     headers = {"Host": host if target.port == default else f"{host}:{target.port}",
                "Content-Type": "application/json", "Accept-Encoding": "identity",
-               "X-Trace-Id": trace_id}
+               "X-Trace-Id": ctx.trace_id}
     if target.userinfo is not None:
         headers.update(urllib3.util.make_headers(basic_auth=unquote(target.userinfo)))
-    if secret:
+    if secret and scheme == "legacy":
         timestamp = str(int(time.time()))
         headers["X-Ax-Timestamp"] = timestamp
         headers["X-Ax-Signature"] = sign(secret, timestamp, body)
+    elif secret:
+        headers.update(signing.headers(signing.signer(secret),
+                                       f"msg_ax_{ctx.task_id}_{ctx.attempt}", body, time.time()))
     return headers
 
 
@@ -213,13 +228,15 @@ def _failure(exc: BaseException, url: str, timeout_s: float) -> CallbackFailed:
 
 
 def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float, *,
-                  allow_hosts: Iterable[str] = (), secret: str = "") -> int:
+                  allow_hosts: Iterable[str] = (), secret: str = "",
+                  signing_scheme: str = "standard") -> int:
     """POST the task to ``url`` within ``timeout_s`` in all; returns the 2xx status.
 
     Args:
         allow_hosts: AX_CALLBACK_ALLOW_HOSTS; a host on it may be internal, and when it is
             not empty no other host may be called.
         secret: AX_CALLBACK_SECRET; signs the request when not empty.
+        signing_scheme: AX_CALLBACK_SIGNING, ``standard`` or ``legacy`` (module docstring).
 
     Raises:
         ProcessorRefused: not http(s), a host not allowed, or an internal address.
@@ -237,7 +254,7 @@ def post_callback(url: str, payload: Any, ctx: Context, timeout_s: float, *,
     if ctx.job is not None:
         fields.update(job=ctx.job, scheduled_at=ctx.scheduled_at)
     body = json.dumps(fields).encode()
-    headers = _headers(target, body, ctx.trace_id, secret)
+    headers = _headers(target, body, ctx, secret, signing_scheme)
     answer = _call(target, addresses, body, headers, deadline, url, timeout_s)
     if not 200 <= answer.status < 300:
         raise answer_failure(answer.status, retry_after(answer.retry_after, time.time()))
@@ -260,16 +277,18 @@ def _call(target: Target, addresses: list[str], body: bytes, headers: dict[str, 
     raise CallbackFailed("callback failed: no address to call")
 
 
-def callback_processor(url: str, allow_hosts: Iterable[str] = (),
-                       secret: str = "") -> Callable[[Any, Context], int]:
+def callback_processor(url: str, allow_hosts: Iterable[str] = (), secret: str = "",
+                       signing_scheme: str = "standard") -> Callable[[Any, Context], int]:
     """The processor of a task with ``url`` as its callback_url: POSTs within the run's
-    remaining time (``ctx.deadline``, else ``ctx.timeout_ms``)."""
+    remaining time (``ctx.deadline``, else ``ctx.timeout_ms``), signed with ``secret``
+    per ``signing_scheme`` (module docstring)."""
     hosts = tuple(allow_hosts)
 
     def call(payload: Any, ctx: Context) -> int:
         timeout_s = ctx.timeout_ms / 1000.0
         if ctx.deadline is not None:
             timeout_s = max(0.0, min(timeout_s, ctx.deadline - time.monotonic()))
-        return post_callback(url, payload, ctx, timeout_s, allow_hosts=hosts, secret=secret)
+        return post_callback(url, payload, ctx, timeout_s, allow_hosts=hosts, secret=secret,
+                             signing_scheme=signing_scheme)
 
     return call

@@ -86,7 +86,8 @@ class Worker:
         self.store = Store(settings)
         self.resolver = resolver or Resolver(split_names(settings.processor_modules),
                                              split_names(settings.callback_allow_hosts),
-                                             settings.callback_secret)
+                                             settings.callback_secret,
+                                             settings.callback_signing)
         self.stats = Counters()
         self.results = ResultWriter(self.store, settings, self.stats, node=self.node_id)
         self.heartbeat = Heartbeat(self.store, self.node_id, "worker",

@@ -225,13 +225,15 @@ class Resolver:
         allow_hosts: callback hosts allowed (``host`` or ``*.domain``), internal ones
             included; empty: any host whose addresses are all public.
         callback_secret: signs every callback request when not empty.
+        callback_signing: how: ``standard`` or ``legacy`` (:mod:`ax_kombu.worker.callbacks`).
     """
 
     def __init__(self, modules: Iterable[str] = (), allow_hosts: Iterable[str] = (),
-                 callback_secret: str = "") -> None:
+                 callback_secret: str = "", callback_signing: str = "standard") -> None:
         self.modules = frozenset(modules)
         self.allow_hosts = tuple(h.strip().lower() for h in allow_hosts if h.strip())
         self._callback_secret = callback_secret
+        self._callback_signing = callback_signing
 
     def __repr__(self) -> str:
         return (f"Resolver(modules={sorted(self.modules)!r}, allow_hosts={self.allow_hosts!r}, "
@@ -246,7 +248,8 @@ class Resolver:
         """
         if callback_url is not None:
             check_callback_url(callback_url, self.allow_hosts)
-            return callback_processor(callback_url, self.allow_hosts, self._callback_secret)
+            return callback_processor(callback_url, self.allow_hosts, self._callback_secret,
+                                      self._callback_signing)
         if not name:
             raise ProcessorNotFound("the task names no processor and no callback_url")
         func = registered(name)

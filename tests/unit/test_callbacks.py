@@ -24,9 +24,10 @@ from typing import Any, ClassVar
 
 import pytest
 import urllib3.util.connection
+from standardwebhooks import Webhook, WebhookVerificationError
 
 from ax_kombu.config import from_env
-from ax_kombu.exceptions import CallbackFailed, ProcessorRefused
+from ax_kombu.exceptions import CallbackFailed, ConfigurationError, ProcessorRefused
 from ax_kombu.worker import callbacks
 from ax_kombu.worker.callback_targets import address_refusal, host_allowed
 from ax_kombu.worker.callbacks import post_callback
@@ -40,6 +41,7 @@ CTX = Context(task_id=7, attempt=1, trace_id="tr-cb", trigger_time=1000, task_ty
               retry_count=0, max_retry=3, timeout_ms=2000)
 LOCAL = ("127.0.0.1",)
 SECRET = "s3cret-for-tests"
+WHSEC = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "callbacks.md"
 
 
@@ -83,6 +85,23 @@ class _Receiver(BaseHTTPRequestHandler):
         self._answer(500, b"INTERNAL-SECRET-DETAIL " * 10)
 
     def _signed(self, raw: bytes) -> None:
+        """A receiver using the Standard Webhooks library (the default signing)."""
+        try:
+            Webhook(SECRET.encode()).verify(raw, dict(self.headers))
+            ok = True
+        except WebhookVerificationError:
+            ok = False
+        self._answer(200 if ok else 401, b"")
+
+    def _signed_whsec(self, raw: bytes) -> None:
+        try:
+            Webhook(WHSEC).verify(raw, dict(self.headers))
+            ok = True
+        except WebhookVerificationError:
+            ok = False
+        self._answer(200 if ok else 401, b"")
+
+    def _signed_legacy(self, raw: bytes) -> None:
         try:
             ok = _documented_verify()(SECRET.encode(), self.headers, raw)
         except (AttributeError, KeyError, TypeError, ValueError):  # a header is missing
@@ -324,16 +343,40 @@ def test_connections_are_pooled_and_shared_by_threads(server: str) -> None:
 # --- signing --------------------------------------------------------------------------------
 
 
-def test_a_signed_request_passes_the_documented_receiver_check(server: str) -> None:
+def test_a_signed_request_passes_the_standard_webhooks_check(server: str) -> None:
     assert post_callback(f"{server}/signed", {"coupon": "X"}, CTX, 2.0, allow_hosts=LOCAL,
                          secret=SECRET) == 200
     headers = _Receiver.seen[0]["headers"]
-    assert re.fullmatch(r"sha256=[0-9a-f]{64}", headers["X-Ax-Signature"])
-    assert abs(int(headers["X-Ax-Timestamp"]) - time.time()) < 5
+    assert headers["webhook-id"] == "msg_ax_7_1"  # the task and attempt: stable per attempt
+    assert re.fullmatch(r"v1,[A-Za-z0-9+/]{43}=", headers["webhook-signature"])
+    assert abs(int(headers["webhook-timestamp"]) - time.time()) < 5
+    assert "X-Ax-Signature" not in headers and "X-Ax-Timestamp" not in headers
     with pytest.raises(CallbackFailed, match="HTTP 401"):
         post_callback(f"{server}/signed", {}, CTX, 2.0, allow_hosts=LOCAL, secret="wrong")
     with pytest.raises(CallbackFailed, match="HTTP 401"):
         post_callback(f"{server}/signed", {}, CTX, 2.0, allow_hosts=LOCAL)
+
+
+def test_a_whsec_secret_is_the_standard_base64_key(server: str) -> None:
+    assert post_callback(f"{server}/signed_whsec", {"n": 1}, CTX, 2.0, allow_hosts=LOCAL,
+                         secret=WHSEC) == 200
+    with pytest.raises(CallbackFailed, match="HTTP 401"):  # not its text's bytes
+        post_callback(f"{server}/signed", {"n": 1}, CTX, 2.0, allow_hosts=LOCAL, secret=WHSEC)
+
+
+def test_legacy_signing_passes_the_documented_receiver_check(server: str) -> None:
+    assert post_callback(f"{server}/signed_legacy", {"coupon": "X"}, CTX, 2.0,
+                         allow_hosts=LOCAL, secret=SECRET, signing_scheme="legacy") == 200
+    headers = _Receiver.seen[0]["headers"]
+    assert re.fullmatch(r"sha256=[0-9a-f]{64}", headers["X-Ax-Signature"])
+    assert abs(int(headers["X-Ax-Timestamp"]) - time.time()) < 5
+    assert "webhook-signature" not in headers
+    with pytest.raises(CallbackFailed, match="HTTP 401"):
+        post_callback(f"{server}/signed_legacy", {}, CTX, 2.0, allow_hosts=LOCAL,
+                      secret="wrong", signing_scheme="legacy")
+    with pytest.raises(CallbackFailed, match="HTTP 401"):  # the default is not legacy
+        post_callback(f"{server}/signed_legacy", {}, CTX, 2.0, allow_hosts=LOCAL,
+                      secret=SECRET)
 
 
 def test_the_check_in_the_docs_is_the_one_in_the_module() -> None:
@@ -345,9 +388,19 @@ def test_the_check_in_the_docs_is_the_one_in_the_module() -> None:
 def test_the_secret_reaches_the_resolver_and_is_never_shown(server: str) -> None:
     settings = from_env({"AX_CALLBACK_SECRET": SECRET, "AX_CALLBACK_ALLOW_HOSTS": "127.0.0.1"})
     assert SECRET not in repr(settings)
+    assert settings.callback_signing == "standard"
     resolver = Resolver(allow_hosts=["127.0.0.1"], callback_secret=settings.callback_secret)
     assert SECRET not in repr(resolver)
     assert resolver.resolve(None, f"{server}/signed")({}, CTX) == 200
+
+
+def test_the_legacy_setting_reaches_the_resolver(server: str) -> None:
+    settings = from_env({"AX_CALLBACK_SECRET": SECRET, "AX_CALLBACK_SIGNING": "legacy"})
+    resolver = Resolver(allow_hosts=["127.0.0.1"], callback_secret=settings.callback_secret,
+                        callback_signing=settings.callback_signing)
+    assert resolver.resolve(None, f"{server}/signed_legacy")({}, CTX) == 200
+    with pytest.raises(ConfigurationError, match="callback_signing must be one of"):
+        from_env({"AX_CALLBACK_SIGNING": "hmac"})
 
 
 # --- TLS to the checked address -------------------------------------------------------------
