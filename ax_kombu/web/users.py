@@ -141,7 +141,7 @@ class UsersFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._users: dict[str, User] = {}
         self.users()  # a malformed file refuses the console's start
 
@@ -154,9 +154,9 @@ class UsersFile:
         """
         try:
             info = self.path.stat()
-            stamp = (info.st_mtime_ns, info.st_size)
+            stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
         except FileNotFoundError:
-            stamp = (0, 0)
+            stamp = (0, 0, 0)
         if stamp != self._stamp:
             self._users = load(self.path)
             self._stamp = stamp
