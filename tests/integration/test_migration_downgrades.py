@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from alembic import command
 from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from ax_kombu.store.engine import alembic_config, current_revision, migrate
 from ax_kombu.store.enqueue import insert_tasks
@@ -123,7 +124,7 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0023"
+    assert current_revision(engine) == "0024"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
@@ -155,5 +156,32 @@ def test_0022_trace_context_and_run_logs_go_back_and_come_again(empty_store: Eng
     assert _duplicates_found(engine, 10)  # the stored task survived the dropped columns
 
     migrate(engine)
-    assert current_revision(engine) == "0023"
+    assert current_revision(engine) == "0024"
     assert {"traceparent", "tracestate"} <= _columns(engine, "ax_task")
+
+
+def test_0024_alerts_go_back_and_come_again(empty_store: Engine) -> None:
+    engine = empty_store
+    migrate(engine)
+    assert "ax_alert" in inspect(engine).get_table_names()
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO ax_alert (task_type, on_failed, on_late, late_after_ms, webhook, "
+            "secret, created_at, updated_at, checked_until, events) VALUES ('coupon.grant', "
+            "true, false, NULL, 'https://hooks.example/a', 'whsec_x', 1, 1, 1, 0)"))
+    insert_tasks(engine, [task_row(1, 10_000_000, "DELAYED", "a" * 32)], 5_000)
+
+    _downgrade(engine, "0023")
+    assert current_revision(engine) == "0023"
+    assert "ax_alert" not in inspect(engine).get_table_names()
+    assert _duplicates_found(engine, 10)  # the tasks are untouched
+
+    migrate(engine)
+    assert current_revision(engine) == "0024"
+    with engine.connect() as conn:  # back, empty, and its checks in force
+        assert conn.execute(text("SELECT count(*) FROM ax_alert")).scalar() == 0
+    with pytest.raises(IntegrityError, match="(?i)check"), engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO ax_alert (task_type, on_failed, on_late, webhook, secret, "
+            "created_at, updated_at, checked_until) VALUES ('t', false, false, 'https://h', "
+            "'whsec_x', 1, 1, 1)"))
