@@ -105,7 +105,7 @@ def test_an_operators_cancel_shows_in_audit_but_limits_need_an_admin(
     waiting = make(client, "t", "DELAYED")
     with console(web_settings, users_env) as web:
         log_in(web, "otto")
-        assert 'action="/tasks/{}/cancel"'.format(waiting) in web.get(f"/tasks/{waiting}").text
+        assert f'action="/tasks/{waiting}/cancel"' in web.get(f"/tasks/{waiting}").text
         assert post(web, f"/tasks/{waiting}/cancel").status_code == 303
         assert post(web, "/limits/set", task_type="t", max_running="3").status_code == 403
         page = web.get("/audit").text
