@@ -11,7 +11,10 @@ Guarantees:
   cancels its task: the ``await`` in progress raises ``CancelledError``, which is reported
   with the signal's reason. A coroutine that swallows it goes on until it returns.
 * **Cheap hand-over.** Runs handed over from pool threads are queued, and the loop is
-  woken once per batch, not once per run.
+  woken once per batch, not once per run. A pool may be *fed* to the loop instead
+  (:meth:`EventLoop.feed`): the loop itself takes the pool's due ``on_loop`` jobs, as many as
+  its slots allow, and starts their runs on its own thread (:meth:`EventLoop.run_here`), with
+  no pool thread between the stage and the coroutine.
 * The slots that bound how many runs go on at once are the pool's (each run keeps its
   slot until its end is reported), not this loop's.
 
@@ -30,7 +33,7 @@ from functools import partial
 from typing import Any
 
 from ax_kombu.core.context import Cancellation
-from ax_kombu.worker.executor import Ended
+from ax_kombu.worker.executor import Ended, Feedable
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,41 @@ class EventLoop:
             ended(None, EventLoopStopped("the worker's event loop is stopped"))
         elif wake:
             loop.call_soon_threadsafe(self._launch)
+
+    def run_here(self, body: Body, ended: Ended, cancel: Cancellation | None = None) -> None:
+        """:meth:`run` from the loop's own thread (a fed pool's job): the task is made now."""
+        loop = self._loop
+        assert loop is not None  # a feed's call: the loop runs
+        task = loop.create_task(_guarded(body, ended, cancel))
+        if cancel is not None:
+            cancel.on_set(partial(_cancel_soon, loop, task))
+
+    def feed(self, source: Feedable) -> Callable[[], None]:
+        """Let the loop take ``source``'s ``on_loop`` jobs; returns what wakes it to look
+        (any thread; a burst of pokes costs one turn of the loop)."""
+        return _Feed(self, source).poke
+
+    def call_soon(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` on the loop's thread soon (any thread; the loop starts on first
+        use); False once the loop is stopped."""
+        with self._lock:
+            if self._stopped:
+                return False
+            loop = self._loop or self._start()
+        try:
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # closed meanwhile
+            return False
+        return True
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` on the loop's thread after ``delay_s`` (from the loop's thread);
+        False once the loop is stopped."""
+        loop = self._loop
+        if self._stopped or loop is None:
+            return False
+        loop.call_later(delay_s, callback)
+        return True
 
     def _start(self) -> asyncio.AbstractEventLoop:
         """Make the loop and its thread (the caller has the lock)."""
@@ -124,6 +162,46 @@ class EventLoop:
                 log.warning("runs still going when the event loop stopped",
                             extra={"count": len(going)})
         asyncio.get_running_loop().stop()
+
+
+class _Feed:
+    """Takes a pool's due ``on_loop`` jobs on the loop's thread (:meth:`EventLoop.feed`):
+    when poked (jobs staged, a slot freed, a signal set) and at the next one's start time."""
+
+    __slots__ = ("_at", "_owner", "_poked", "_source", "_timer")
+
+    def __init__(self, owner: EventLoop, source: Feedable) -> None:
+        self._owner = owner
+        self._source = source
+        self._poked = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = 0.0
+
+    def poke(self) -> None:
+        """Any thread: look at the pool soon (once for every poke until then)."""
+        if not self._poked:
+            self._poked = True
+            if not self._owner.call_soon(self._take):
+                self._poked = False  # stopped: the pool's abandon reports what is left
+
+    def _take(self) -> None:
+        """The loop's thread: start what is due, and wait for the next start time."""
+        self._poked = False
+        source = self._source
+        jobs, next_at = source.take_loop()
+        for job in jobs:
+            source.launch(job)
+        if next_at is None or (self._timer is not None and self._at <= next_at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._at = next_at
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(max(0.0, next_at - source.clock()), self._on_time)
+
+    def _on_time(self) -> None:
+        self._timer = None
+        self._take()
 
 
 async def _guarded(body: Body, ended: Ended, cancel: Cancellation | None) -> None:

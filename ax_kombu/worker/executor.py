@@ -63,9 +63,29 @@ class Submission(NamedTuple):
     cancel: Cancellable | None
     #: not taken to run before this (the executor's monotonic clock; 0: at once)
     start_at: float
+    #: taken by the executor's feed (its event loop: the job only starts a deferred run,
+    #: and must not block), not by one of its threads; see :meth:`Executor.attach_feed`
+    on_loop: bool = False
 
 
-class Executor(Protocol):
+class Feedable(Protocol):
+    """What a feed (:meth:`ax_kombu.worker.eventloop.EventLoop.feed`) takes ``on_loop`` jobs
+    from: an :class:`Executor` seen from the feed's thread."""
+
+    def take_loop(self) -> tuple[list[Any], float | None]:
+        """The ``on_loop`` jobs that may start now (their slots taken), and when the next
+        waiting one may (the executor's clock; None: none waits, or no slot is free: the
+        executor pokes the feed when that changes)."""
+        ...
+
+    def launch(self, job: Any) -> None:
+        """Call a job taken by :meth:`take_loop` (the feed's thread; it must not block)."""
+        ...
+
+    def clock(self) -> float: ...
+
+
+class Executor(Feedable, Protocol):
     """Runs submitted jobs; the contract the intake relies on:
 
     * :meth:`submit_reserved` takes every job (its room was counted before) or, once the
@@ -74,9 +94,14 @@ class Executor(Protocol):
       in ``start_at`` order;
     * each job's ``done`` is called exactly once, and only after ``fn`` returned or raised,
       or without calling ``fn`` if the job was abandoned first;
-    * after :meth:`release_cancelled`, waiting jobs whose signal is set are taken now.
+    * after :meth:`release_cancelled`, waiting jobs whose signal is set are taken now;
+    * a job submitted ``on_loop`` is taken by the feed attached with :meth:`attach_feed`
+      (by a thread of the executor's if none is), under the same slots, and its function
+      is called on the feed's thread.
     """
 
     def submit_reserved(self, jobs: Sequence[Submission]) -> bool: ...
 
     def release_cancelled(self) -> None: ...
+
+    def attach_feed(self, poke: Callable[[], None]) -> None: ...

@@ -159,7 +159,7 @@ class Worker:
             Call("stop connection", stop=self.shutdown.close),
             Call("receipts", stop=self.receipts.close),
             Call("listing", start=self.listing.start, stop=self._stop_listing),
-            Call("event loop", stop=self.intake.starter.loop.stop),  # after the pools
+            Call("event loop", stop=self.intake.starter.stop),  # after the pools
             Call("pools", stop=self._close_pools),
             Call("registration", start=self._register, stop=self._unregister),
             Timers("housekeeping", [

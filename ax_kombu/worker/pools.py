@@ -32,7 +32,14 @@ Guarantees:
   (an ``async def`` processor, on the worker's event loop) keeps its slot, running for the
   watchdog and :meth:`Pool.abandon`, until it reports its end (its signal cancels it); its
   thread takes the next job at once, so a pool may have fewer threads than slots.
+* **Runs started on the loop.** A job submitted ``on_loop`` (the start of an ``async def``
+  processor's run) is staged apart and taken by the feed attached with :meth:`Pool.attach_feed`
+  (the worker's event loop), not by a thread: its slot is taken the same way, and its
+  function is called on the loop's thread, where it hands the run's coroutine to the loop
+  without a hop through a pool thread (and so without waking one). Without a feed, a
+  thread takes it like any job.
 """
+
 
 from __future__ import annotations
 
@@ -88,6 +95,10 @@ class Pool:
         #: may start, then submission order: a thread takes the head once it is due, so a
         #: job waiting for its start time takes no thread
         self._heap: list[tuple[float, int, Job]] = []
+        #: the staged jobs the feed takes (submitted ``on_loop``), in the same order
+        self._loop_heap: list[tuple[float, int, Job]] = []
+        #: wakes the feed (any thread; cheap, coalesced): None until one is attached
+        self._poke: Callable[[], None] | None = None
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
         #: where the keeper (the thread waiting for the next start time) waits
@@ -117,24 +128,24 @@ class Pool:
     @property
     def busy(self) -> int:
         """Jobs taken: running (including timed-out threads that keep a slot) and staged."""
-        return len(self._running) + len(self._heap)
+        return len(self._running) + len(self._heap) + len(self._loop_heap)
 
     @property
     def free(self) -> int:
         """Threads no running or staged job has taken."""
-        return 0 if self._closed else max(0, self.size - len(self._running) - len(self._heap))
+        return 0 if self._closed else max(0, self.size - self.busy)
 
     @property
     def room(self) -> int:
         """How many more jobs :meth:`try_submit` accepts now (free slots and stage room)."""
         if self._closed:
             return 0
-        return max(0, self.size + self.stage_max - len(self._running) - len(self._heap))
+        return max(0, self.size + self.stage_max - self.busy)
 
     @property
     def staged(self) -> int:
-        """Jobs accepted and waiting for a thread."""
-        return len(self._heap)
+        """Jobs accepted and waiting for a thread (or the feed)."""
+        return len(self._heap) + len(self._loop_heap)
 
     def running_for_s(self) -> float:
         """How long the shortest run in progress has been running (0: a thread is free or
@@ -158,7 +169,7 @@ class Pool:
     @property
     def active(self) -> int:
         """Running or staged jobs whose outcome has not been reported yet."""
-        return len(self._running) + len(self._heap) - self._stuck + self._reporting
+        return self.busy - self._stuck + self._reporting
 
     # -- submitting -----------------------------------------------------------------------
 
@@ -184,7 +195,7 @@ class Pool:
         job = Job(fn=fn, done=done, timeout=timeout_s, start_at=start_at, labels=labels or {},
                   cancel=cancel)
         with self._lock:
-            taken = len(self._running) + len(self._heap)
+            taken = self.busy
             if self._closed or (taken >= self.size + self.stage_max and not reserved):
                 return False
             self._stage(job)
@@ -198,13 +209,60 @@ class Pool:
         lock and one wake-up for them all, not one each, while the threads take work.)"""
         made = [Job(fn=j.fn, done=j.done, timeout=j.timeout_s, start_at=j.start_at,
                     labels=j.labels, cancel=j.cancel) for j in jobs]
+        poke = self._poke
+        looped = 0
         with self._lock:
             if self._closed:
                 return False
-            for job in made:
-                self._stage(job)
-            self._wake(self._awake.to_wake(len(made)))
+            for job, submitted in zip(made, jobs, strict=True):
+                if submitted.on_loop and poke is not None:
+                    heapq.heappush(self._loop_heap, (job.start_at, next(self._seq), job))
+                    looped += 1
+                else:
+                    self._stage(job)
+            if looped < len(made):
+                self._wake(self._awake.to_wake(len(made) - looped))
+        if looped and poke is not None:
+            poke()
         return True
+
+    # -- the feed (the event loop) ----------------------------------------------------------
+
+    def attach_feed(self, poke: Callable[[], None]) -> None:
+        """Jobs submitted ``on_loop`` from now on are taken by the feed ``poke`` wakes
+        (:meth:`take_loop`, then :meth:`launch` on the feed's thread)."""
+        self._poke = poke
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def take_loop(self) -> tuple[list[Job], float | None]:
+        """The feed's thread: the ``on_loop`` jobs due now, as many as slots are free, taken
+        (running, their timeouts started); and the start time of the next one waiting
+        (None: none waits, or no slot is free — a slot that frees up pokes the feed)."""
+        taken: list[Job] = []
+        with self._lock:
+            heap = self._loop_heap
+            if not heap:
+                return taken, None
+            now = self._clock()
+            while heap and heap[0][0] <= now and len(self._running) < self.size:
+                taken.append(self._take(heapq.heappop(heap)[2], now, thread=False))
+            nxt = heap[0][0] if heap and len(self._running) < self.size else None
+        return taken, nxt
+
+    def launch(self, job: Job) -> None:
+        """The feed's thread calls a job :meth:`take_loop` took: its function starts the run
+        (a :class:`Deferred` whose launch hands it on without blocking), or ends it."""
+        try:
+            value = job.fn()
+        except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
+            self._ended(job, None, exc)
+            return
+        if type(value) is Deferred:
+            self._defer(job, value)
+        else:
+            self._finish(job, Outcome(True, value=value, duration_s=self._clock() - job.started))
 
     def _stage(self, job: Job) -> None:
         """Add ``job`` to the stage (the caller has the lock); the keeper looks again if it
@@ -218,12 +276,18 @@ class Pool:
         time (their run ends at once without starting: the caller's ``fn`` sees the
         signal), so their slots free up."""
         with self._lock:
-            if not any(job.cancel for _, _, job in self._heap):
-                return
-            self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
-            heapq.heapify(self._heap)
-            self._wake(self._awake.idle)
-            self._timer.notify_all()
+            looped = any(job.cancel for _, _, job in self._loop_heap)
+            if looped:
+                self._loop_heap = [(0.0 if job.cancel else at, seq, job)
+                                   for at, seq, job in self._loop_heap]
+                heapq.heapify(self._loop_heap)
+            if any(job.cancel for _, _, job in self._heap):
+                self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
+                heapq.heapify(self._heap)
+                self._wake(self._awake.idle)
+                self._timer.notify_all()
+        if looped and self._poke is not None:
+            self._poke()
 
     def _next(self, deferred: bool | None = None) -> Job | None:
         """Take the next staged job once it may start and a slot is free (a pool thread);
@@ -274,14 +338,16 @@ class Pool:
             self._awake.idle -= count
             self._work.notify(count)
 
-    def _take(self, job: Job, now: float) -> Job:
-        """A thread takes a staged job: its clock and deadline start now (the caller has
-        the lock; a job's timeout function is called here, and must not block)."""
+    def _take(self, job: Job, now: float, *, thread: bool = True) -> Job:
+        """A thread (or the feed: not ``thread``) takes a staged job: its clock and deadline
+        start now (the caller has the lock; a job's timeout function is called here, and
+        must not block)."""
         timeout = job.timeout() if callable(job.timeout) else job.timeout
         job.started = now
         job.deadline = None if timeout is None else now + timeout
         self._running.add(job)
-        self._awake.took(now)
+        if thread:
+            self._awake.took(now)
         if job.deadline is not None and (self._wake_at is None or job.deadline < self._wake_at):
             self._cond.notify_all()  # the watchdog must wake earlier than it planned
         return job
@@ -327,6 +393,7 @@ class Pool:
             self._running.discard(job)
             if self._heap and self._awake.short():
                 self._wake(1)  # a slot freed: a thread may take a staged job
+            poke = self._poke if self._loop_heap else None
             if first:
                 self._reporting += 1
                 if job.overdue:
@@ -335,6 +402,8 @@ class Pool:
             else:
                 self._stuck -= 1
                 self.late_returns += 1
+        if poke is not None:
+            poke()  # a slot freed: the feed may take a staged job
         if first and job.overdue:
             log.warning("a timed-out job returned; recording it as timed out",
                         extra={"pool": self.name, "ran_s": round(outcome.duration_s, 3),
@@ -380,10 +449,12 @@ class Pool:
                 self._stuck += 1
                 if job.overdue:
                     self._overdue -= 1
-            staged = [job for _, _, job in self._heap]  # never started: no thread takes one
+            # never started: no thread (nor the feed) takes one
+            staged = [job for _, _, job in self._heap] + [job for _, _, job in self._loop_heap]
             for job in staged:
                 job.reported = True
             self._heap.clear()
+            self._loop_heap.clear()
             jobs += staged
             if jobs and self._joiners:
                 self._cond.notify_all()  # no longer active: join() may return

@@ -246,3 +246,79 @@ def test_short_waits_in_a_loop_keep_no_hook_each() -> None:
 
     asyncio.run(waits())
     assert not cancel._hooks
+
+
+# -- runs started on the loop (a pool fed to the event loop) -------------------------------
+
+def on_loop(loop: EventLoop, body: Callable[[], Any], threads: set[str],
+            cancel: Cancellation | None = None) -> Callable[[], Deferred]:
+    """A job function for the feed: records which thread called it, and starts ``body``
+    from there (``run_here``: the loop's own thread)."""
+    def fn() -> Deferred:
+        threads.add(threading.current_thread().name)
+        return Deferred(lambda ended: loop.run_here(body, ended, cancel))
+    return fn
+
+
+def test_a_fed_pool_starts_on_loop_jobs_on_the_loops_thread_within_its_slots(
+        loop: EventLoop) -> None:
+    pool, bodies, threads = Pool("fed", 5, threads=2), Bodies(), set[str]()
+    pool.attach_feed(loop.feed(pool))
+    seen, done = collect()
+    jobs = [Submission(on_loop(loop, partial(bodies.body, 0.05, i), threads), done, None, {},
+                       None, 0.0, True) for i in range(40)]
+    assert pool.submit_reserved(jobs)  # 40 on 5 slots: the rest staged, reserved
+    eventually(lambda: len(seen) == 40, timeout=10)
+    assert threads == {"test-loop"}  # no pool thread called a job
+    assert bodies.started == 40 and bodies.most == 5  # the slots bound them, and were used
+    assert sorted(o.value for o in seen) == list(range(40)) and all(o.ok for o in seen)
+    assert pool.busy == 0 and pool.active == 0 and pool.staged == 0
+
+
+def test_a_fed_job_waits_for_its_start_time_and_a_cancelled_one_leaves_at_once(
+        loop: EventLoop) -> None:
+    pool, bodies, threads = Pool("fed", 4), Bodies(), set[str]()
+    pool.attach_feed(loop.feed(pool))
+    seen, done = collect()
+    later, cancel = pool.clock() + 0.3, Cancellation()
+    jobs = [Submission(on_loop(loop, partial(bodies.body, 0.0, "late"), threads), done, None,
+                       {}, None, later, True),
+            Submission(on_loop(loop, partial(bodies.body, 0.0, "far"), threads, cancel), done,
+                       None, {}, cancel, pool.clock() + 60, True)]
+    assert pool.submit_reserved(jobs)
+    assert pool.staged == 2 and bodies.started == 0
+    eventually(lambda: len(seen) == 1, timeout=5)
+    assert seen[0].value == "late" and pool.clock() >= later  # not before its start time
+    cancel.set("cancelled")
+    pool.release_cancelled()  # taken now, not in 60 s: its function sees the signal
+    eventually(lambda: len(seen) == 2, timeout=5)
+    assert pool.staged == 0 and pool.busy == 0
+
+
+def test_abandon_reports_the_fed_jobs_still_staged_and_none_starts_after(
+        loop: EventLoop) -> None:
+    pool, bodies, threads = Pool("fed", 1), Bodies(), set[str]()
+    pool.attach_feed(loop.feed(pool))
+    seen, done = collect()
+    jobs = [Submission(on_loop(loop, partial(bodies.body, 10.0, i), threads), done, None, {},
+                       None, 0.0, True) for i in range(3)]
+    assert pool.submit_reserved(jobs)
+    eventually(lambda: bodies.started == 1, timeout=5)
+    assert pool.abandon("test") == 3  # the running one and the two staged
+    assert len(seen) == 3 and all(o.abandoned == "test" for o in seen)
+    assert pool.staged == 0
+    pool.close()
+    loop.stop()  # the running body is cancelled; the staged two never start
+    assert bodies.started == 1
+
+
+def test_without_a_feed_an_on_loop_job_is_taken_by_a_thread(loop: EventLoop) -> None:
+    pool, bodies, threads = Pool("unfed", 2), Bodies(), set[str]()
+    seen, done = collect()
+
+    def fn() -> Deferred:
+        threads.add(threading.current_thread().name)
+        return Deferred(lambda ended: loop.run(partial(bodies.body, 0.0, "ok"), ended))
+    assert pool.submit_reserved([Submission(fn, done, None, {}, None, 0.0, True)])
+    eventually(lambda: len(seen) == 1, timeout=5)
+    assert seen[0].value == "ok" and threads and all(t.startswith("ax-unfed") for t in threads)

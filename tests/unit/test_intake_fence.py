@@ -3,6 +3,7 @@ receipt batch comes back after the worker withdrew its stage (the race a SIGSTOP
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -28,9 +29,14 @@ class Message:
 
 
 class Calls:
-    def __init__(self) -> None:
+    """The result writer and the resolver; ``kind`` "async": the processor is an ``async
+    def`` (its runs start on the worker's event loop, not on a pool thread)."""
+
+    def __init__(self, kind: str = "sync") -> None:
         self.runs: list[tuple[int, int]] = []
         self.results: list[int] = []
+        self.kind = kind
+        self.threads: set[str] = set()
 
     def put(self, task: TaskMessage, outcome: Any,
             on_durable: Any = None) -> None:  # the result writer: durable at once
@@ -39,7 +45,14 @@ class Calls:
             on_durable()
 
     def resolve(self, processor: str | None, url: str | None) -> Any:  # the resolver
-        return lambda payload, ctx: self.runs.append((ctx.task_id, ctx.attempt))
+        return self._async_run if self.kind == "async" else self._run
+
+    def _run(self, payload: Any, ctx: Any) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.runs.append((ctx.task_id, ctx.attempt))
+
+    async def _async_run(self, payload: Any, ctx: Any) -> None:
+        self._run(payload, ctx)
 
 
 class Receipts:
@@ -74,8 +87,9 @@ def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int) -> Batch:
                  started={task_id: fenced}, incarnation=incarnation)
 
 
-def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> None:
-    calls, lease = Calls(), Lease(5.0)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started(kind: str) -> None:
+    calls, lease = Calls(kind), Lease(5.0)
     lease.confirm(time.monotonic(), incarnation=1)
     intake, lane = _intake(calls, lease)
     late = _batch(intake, lane, 42, incarnation=1)  # committed before the pause
@@ -92,14 +106,18 @@ def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started() -> 
         time.sleep(0.01)
     assert calls.runs == [(43, 1)]  # the old incarnation's run never started ...
     assert calls.results == [43]    # ... and recorded nothing (the row is recovered)
+    if kind == "async":  # started on the event loop, without a pool thread
+        assert calls.threads == {"ax-event-loop"}
     lane.pool.close()
+    intake.starter.stop()
 
 
-def test_a_run_whose_timeout_passes_while_it_waits_is_kept_for_hand_back() -> None:
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_run_whose_timeout_passes_while_it_waits_is_kept_for_hand_back(kind: str) -> None:
     """The lease stays uncertain (heartbeats failing) past the run's timeout: the run never
     starts and records no outcome, and it is not dropped either: the node hands its row
     back (before, it stayed RUNNING on a live node for good)."""
-    calls, lease = Calls(), Lease(5.0)  # never confirmed: covers() stays undecided
+    calls, lease = Calls(kind), Lease(5.0)  # never confirmed: covers() stays undecided
     intake, lane = _intake(calls, lease)
     batch = _batch(intake, lane, 44, incarnation=1)
     waiting = batch.start[0]
@@ -114,6 +132,28 @@ def test_a_run_whose_timeout_passes_while_it_waits_is_kept_for_hand_back() -> No
     assert calls.runs == [] and calls.results == []  # never started, nothing recorded
     assert intake.starter.take_expired() == [waiting]
     assert intake.starter.take_expired() == []
+    intake.starter.stop()
+
+
+def test_an_async_run_waits_for_an_uncertain_lease_off_the_loop_then_starts() -> None:
+    """On the loop, a run whose lease is not known yet waits on a thread of the starter's
+    (the loop goes on), and starts once a beat confirms the lease."""
+    calls, lease = Calls("async"), Lease(5.0)
+    intake, lane = _intake(calls, lease)
+    intake.planner.receipted(_batch(intake, lane, 45, incarnation=1))
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+    assert calls.runs == []  # the lease is not known: not started
+    lease.confirm(time.monotonic(), incarnation=1)
+    deadline = time.monotonic() + 10
+    while intake.stage.runs and time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+    assert calls.runs == [(45, 1)] and calls.results == [45]
+    lane.pool.close()
+    intake.starter.stop()
 
 
 class RecordedMessage(Message):
