@@ -27,7 +27,7 @@ def probe_url(env: dict[str, str]) -> str | None:
 def check(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
     """Whether ``url`` answered 200, and its first line (or why it could not be read)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:  # noqa: S310
+        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
             return answer.status == 200, answer.read(512).decode(errors="replace").strip()
     except urllib.error.HTTPError as exc:  # 503 and any other status
         return False, f"{exc.code} {exc.read(512).decode(errors='replace').strip()}"
