@@ -9,6 +9,11 @@ its attempts and error, retries it and sees it SUCCESS, runs a task due in an ho
 login form, and a POST without the CSRF token is refused with 403 and changes nothing. It
 saves the screenshots the README shows (docs/img/console-*.png).
 
+With users from an ``AX_WEB_USERS`` file (issue 40): a viewer logs in with their password,
+sees no Cancel button, and their POST cancel (with the page's CSRF token) is refused with
+403 and changes nothing; an operator cancels the same task from its page and finds the
+cancel under their name on ``/audit``.
+
 Run it alone: ``bash scripts/test.sh -m browser`` (the main run deselects it). Without
 chromium it is skipped, with the reason; with ``AX_REQUIRE_SERVICES=1`` it fails.
 """
@@ -26,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from ax_kombu.web.users import add_user
+
 from ..e2e.system import REPO, Daemon, System, stop_all
 from ..faults.servers import free_port
 from ..services import unavailable
@@ -39,6 +46,8 @@ JOB = "web.heartbeat"
 SHOTS = REPO / "docs" / "img"
 #: how long a paused job must stay silent (s)
 QUIET_S = 3.0
+#: the users file's users: name → (role, password)
+USERS = {"vera": ("viewer", "vera-password"), "otto": ("operator", "otto-password")}
 
 
 def chromium() -> str:
@@ -67,13 +76,18 @@ def system(pg_url: str, redis_broker: dict[str, str], tmp_path: Path) -> Iterato
 
 @pytest.fixture
 def console(system: System, tmp_path: Path) -> Iterator[str]:
-    """``python -m ax_kombu web`` on a free port, with the token; yields its base URL."""
+    """``python -m ax_kombu web`` on a free port, with the token and a users file of
+    :data:`USERS`; yields its base URL."""
     port = free_port()
     log = tmp_path / "web.log"
+    users = tmp_path / "web-users"
+    for name, (role, password) in USERS.items():
+        add_user(users, name, role, password)
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "ax_kombu", "web", "--port", str(port)],
                                 cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
-                                env={**system.daemon_env(), "AX_WEB_TOKEN": TOKEN})
+                                env={**system.daemon_env(), "AX_WEB_TOKEN": TOKEN,
+                                     "AX_WEB_USERS": str(users)})
     web = Daemon("web", "web", proc, log)  # not a node: System.wait_ready does not wait for it
     base = f"http://127.0.0.1:{port}"
     try:
@@ -200,3 +214,50 @@ def test_console_in_a_browser(system: System, console: str, browser: Any) -> Non
     expect(page.locator("#live tr[data-node='worker-web']")).to_be_visible()
     page.screenshot(path=str(SHOTS / "console-overview.png"), full_page=True)
     context.close()
+
+
+def log_in_as(browser: Any, console: str, name: str) -> Any:
+    """A new browser context logged in as user ``name``; returns its page."""
+    from playwright.sync_api import expect
+
+    page = browser.new_context().new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto(console)
+    page.fill("input[name=user]", name)
+    page.fill("input[name=password]", USERS[name][1])
+    page.click("button:text('Log in')")
+    expect(page).to_have_url(f"{console}/")
+    expect(page.locator("#me")).to_contain_text(f"{name} ({USERS[name][0]})")
+    return page
+
+
+def test_roles_and_the_audit_in_a_browser(system: System, console: str, browser: Any) -> None:
+    from playwright.sync_api import expect
+
+    waiting = int(system.client.enqueue("web.tick", {"roles": True}, delay=3600,
+                                        processor="web.tick"))
+
+    # -- a viewer: reads the task, has no Cancel button, and a POST cancel is refused -------
+    viewer = log_in_as(browser, console, "vera")
+    viewer.goto(f"{console}/tasks/{waiting}")
+    expect(viewer.locator("#status")).to_have_text("DELAYED")
+    expect(viewer.locator("button:text('Cancel')")).to_have_count(0)
+    token = viewer.locator("input[name=csrf]").first.get_attribute("value")
+    refused = viewer.request.post(f"{console}/tasks/{waiting}/cancel", form={"csrf": token})
+    assert refused.status == 403 and "needs the operator role" in refused.text()
+    assert system.client.get(waiting).status == "DELAYED"
+    viewer.context.close()
+
+    # -- an operator: cancels it from its page, and /audit shows the cancel under their name -
+    operator = log_in_as(browser, console, "otto")
+    operator.goto(f"{console}/tasks/{waiting}")
+    operator.click("button:text('Cancel')")
+    expect(operator.locator(".note")).to_contain_text("Cancelled")
+    expect(operator.locator("#status")).to_have_text("CANCELLED")
+    assert system.client.get(waiting).status == "CANCELLED"
+    operator.click("nav >> text=Audit")
+    entry = operator.locator(f"tr.audit-entry[data-target='task:{waiting}']")
+    expect(entry).to_have_count(1)
+    expect(entry.locator(".actor")).to_have_text("otto")
+    expect(entry.locator(".action")).to_have_text("cancel")
+    operator.context.close()
