@@ -5,7 +5,7 @@ these configured — the loopback client (``local``, admin).
 A user's session is an opaque random id (the ``ax_session`` cookie, HttpOnly,
 SameSite=Strict) that this process maps to the user's name; their role is looked up in
 the users file at every request, so a user removed from the file or given a weaker role
-is held to it at once. Sessions live in this process only: a restart logs users out
+loses that access at once. Sessions live in this process only: a restart logs users out
 (the token's cookie, an HMAC of the token, survives it as before). Logging out forgets
 the session.
 
