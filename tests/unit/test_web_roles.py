@@ -148,3 +148,15 @@ def test_ax_web_adduser_from_stdin_and_its_refusals(tmp_path: Path) -> None:
     assert nowhere.stderr.strip() == ("ax: error: name the users file: --file PATH or "
                                       "AX_WEB_USERS")
     assert set(load(path)) == {"alice"}
+
+
+def test_ax_web_refuses_a_malformed_users_file_or_role_map_in_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "users"
+    broken.write_text("alice:root:$argon2id$v=19$x\n")
+    for env, says in (({"AX_WEB_USERS": str(broken)}, "line 1: unknown role 'root'"),
+                      ({"AX_WEB_TRUSTED_HEADER": "X-User", "AX_WEB_ROLE_MAP": "bob=boss"},
+                       "AX_WEB_ROLE_MAP: unknown role 'boss'")):
+        done = CliRunner().invoke(main, ["web", "--port", "0"], env=env, prog_name="ax")
+        assert done.exit_code == 2, done.output
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith("ax: error: ") and says in line
