@@ -34,7 +34,7 @@ FAILED_LOOKBACK_MS = 86_400_000
 
 _FAILED = text(
     "SELECT count(*) AS n, min(task_id) AS sample, max(finished_at) AS last FROM ax_task "
-    "WHERE status = 'FAILED' AND trigger_time > :lookback AND trigger_time <= :until "
+    "WHERE status = 'FAILED' AND trigger_time > :lookback "
     "AND task_type = :t AND finished_at > :since AND finished_at <= :until")
 # lateness crossed in the window: trigger_time + late in (since, until]
 _LATE_WAITING_OR_DONE = text(
