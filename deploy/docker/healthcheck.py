@@ -24,15 +24,28 @@ def probe_url(env: dict[str, str]) -> str | None:
     return f"http://127.0.0.1:{int(port)}/healthz"
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a pass: a console's login page must not count as healthy."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
 def check(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """Whether ``url`` answered 200, and its first line (or why it could not be read)."""
+    """Whether ``url`` answered 200 itself, and its first line (or why it could not be read)."""
+    opener = urllib.request.build_opener(_NoRedirect)
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
-            return answer.status == 200, answer.read(512).decode(errors="replace").strip()
+        with opener.open(url, timeout=timeout_s) as answer:
+            return answer.status == 200, first_line(answer.read(512))
     except urllib.error.HTTPError as exc:  # 503 and any other status
-        return False, f"{exc.code} {exc.read(512).decode(errors='replace').strip()}"
+        return False, f"{exc.code} {first_line(exc.read(512))}"
     except (OSError, ValueError) as exc:
         return False, f"{url}: {exc}"
+
+
+def first_line(body: bytes) -> str:
+    lines = body.decode(errors="replace").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def main() -> int:

@@ -225,7 +225,11 @@ def probe_server() -> Iterator[tuple[int, dict[str, int]]]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             body = b'{"ok": true}\n' if state["status"] == 200 else b'{"ok": false}\n'
-            self.send_response(state["status"] if self.path == "/healthz" else 404)
+            if self.path == "/login-first":  # a console answering before its login
+                self.send_response(303)
+                self.send_header("Location", "/healthz")
+            else:
+                self.send_response(state["status"] if self.path == "/healthz" else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -252,6 +256,7 @@ def test_the_health_check_passes_on_200_only(probe_server: tuple[int, dict[str, 
     monkeypatch.delenv("AX_HEALTH_URL", raising=False)
     monkeypatch.setenv("AX_METRICS_PORT", str(port))
     assert health.main() == 0
+    assert capsys.readouterr().out == '{"ok": true}\n'  # the answer's one line
     state["status"] = 503
     assert health.main() == 1
     assert '503 {"ok": false}' in capsys.readouterr().out
@@ -260,6 +265,8 @@ def test_the_health_check_passes_on_200_only(probe_server: tuple[int, dict[str, 
     monkeypatch.setenv("AX_HEALTH_URL", f"http://127.0.0.1:{port}/healthz")
     state["status"] = 200
     assert health.main() == 0
+    monkeypatch.setenv("AX_HEALTH_URL", f"http://127.0.0.1:{port}/login-first")
+    assert health.main() == 1, "a redirect (to a 200 page) is not a pass"
 
 
 def test_the_health_check_fails_without_a_port_or_a_server() -> None:
