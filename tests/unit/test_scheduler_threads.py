@@ -158,7 +158,7 @@ def test_a_stage_thread_that_dies_stops_the_node_with_exit_code_70(
 
 
 STEPS = ["store", "registration", "broker probe", "heart", "dispatcher", "loops ended",
-         "claimer", "housekeeper", "retention"]
+         "claimer", "housekeeper", "retention", "alerts"]
 
 
 def test_the_node_starts_its_steps_in_the_listed_order_and_stops_them_in_reverse(
