@@ -70,7 +70,7 @@ def pg_url(pg_database: str, _pg_cleaner: Engine) -> str:
     with _pg_cleaner.begin() as conn:
         conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_attempt, "
                           "ax_task_archive, ax_attempt_archive, ax_fingerprint, ax_due, ax_move, "
-                          "ax_run_log, ax_run_log_archive, ax_audit, ax_audit_archive, ax_alert"))
+                          "ax_run_log, ax_run_log_archive, ax_audit, ax_audit_archive, ax_alert, ax_pause"))
         conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
     return pg_database
 

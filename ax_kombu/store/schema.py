@@ -330,6 +330,18 @@ alerts = Table(
     CheckConstraint("NOT on_late OR late_after_ms > 0", name="ck_ax_alert_late_after"),
 )
 
+#: paused task types (``kind`` "type") and queues ("queue"), cluster-wide (migration 0025;
+#: issue 40): the schedulers leave their tasks unclaimed until the row is deleted. A handful
+#: of rows, read whole: no index beyond the primary key.
+pauses = Table(
+    "ax_pause", metadata,
+    Column("kind", String(8), primary_key=True),
+    Column("name", String(128), primary_key=True),
+    Column("paused_at", BigInteger, nullable=False),
+    Column("actor", String(128), nullable=False),
+    CheckConstraint("kind IN ('type', 'queue')", name="ck_ax_pause_kind"),
+)
+
 #: cluster-wide concurrency limits: at most ``max_running`` tasks of the type DISPATCHING or
 #: RUNNING at once (``ax.set_limit``); enforced by the gated claim.
 limits = Table(
@@ -404,4 +416,7 @@ nodes = Table(
     #: later write without them (``,id,id,``; :mod:`ax_kombu.worker.listing`): they never
     #: started (migration 0013; named so by 0020)
     Column("listed_runs", Text),
+    #: an operator asked this worker to be quiet (``ax workers quiet``) at this time (epoch
+    #: ms; NULL: not asked, or resumed): it starts nothing new (migration 0025)
+    Column("quiet_at", BigInteger),
 )

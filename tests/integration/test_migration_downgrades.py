@@ -124,7 +124,7 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0024"
+    assert current_revision(engine) == "0025"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
@@ -156,7 +156,7 @@ def test_0022_trace_context_and_run_logs_go_back_and_come_again(empty_store: Eng
     assert _duplicates_found(engine, 10)  # the stored task survived the dropped columns
 
     migrate(engine)
-    assert current_revision(engine) == "0024"
+    assert current_revision(engine) == "0025"
     assert {"traceparent", "tracestate"} <= _columns(engine, "ax_task")
 
 
@@ -177,7 +177,7 @@ def test_0024_alerts_go_back_and_come_again(empty_store: Engine) -> None:
     assert _duplicates_found(engine, 10)  # the tasks are untouched
 
     migrate(engine)
-    assert current_revision(engine) == "0024"
+    assert current_revision(engine) == "0025"
     with engine.connect() as conn:  # back, empty, and its checks in force
         assert conn.execute(text("SELECT count(*) FROM ax_alert")).scalar() == 0
     with pytest.raises(IntegrityError, match="(?i)check"), engine.begin() as conn:
@@ -185,3 +185,26 @@ def test_0024_alerts_go_back_and_come_again(empty_store: Engine) -> None:
             "INSERT INTO ax_alert (task_type, on_failed, on_late, webhook, secret, "
             "created_at, updated_at, checked_until) VALUES ('t', false, false, 'https://h', "
             "'whsec_x', 1, 1, 1)"))
+
+
+def test_0025_pauses_and_quiet_workers_go_back_and_come_again(empty_store: Engine) -> None:
+    engine = empty_store
+    migrate(engine)
+    assert "ax_pause" in inspect(engine).get_table_names()
+    assert "quiet_at" in _columns(engine, "ax_node")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO ax_pause (kind, name, paused_at, actor) "
+                          "VALUES ('type', 'sms.send', 1, 'ops')"))
+    insert_tasks(engine, [task_row(1, 10_000_000, "DELAYED", "a" * 32)], 5_000)
+
+    _downgrade(engine, "0024")
+    assert current_revision(engine) == "0024"
+    assert "ax_pause" not in inspect(engine).get_table_names()
+    assert "quiet_at" not in _columns(engine, "ax_node")
+    assert _duplicates_found(engine, 10)  # the tasks are untouched
+
+    migrate(engine)
+    assert current_revision(engine) == "0025"
+    with pytest.raises(IntegrityError, match="(?i)check"), engine.begin() as conn:
+        conn.execute(text("INSERT INTO ax_pause (kind, name, paused_at, actor) "
+                          "VALUES ('lane', 'x', 1, 'ops')"))
