@@ -368,7 +368,7 @@ def limits() -> dict[str, int]:
     return client().limits()
 
 
-def set_alert(task_type: str, *, on: Iterable[str] | str = ("failed", "late"),
+def set_alert(task_type: str, *, on: Iterable[str] | str | None = None,
               late_after: float | timedelta | str | None = None, webhook: str,
               secret: str | None = None) -> str:
     """Alert ``webhook`` when tasks of ``task_type`` fail or start late: one signed message
@@ -377,7 +377,8 @@ def set_alert(task_type: str, *, on: Iterable[str] | str = ("failed", "late"),
 
     Args:
         on: ``"failed"`` (a task ended FAILED, retries spent) and/or ``"late"`` (not
-            started ``late_after`` past its trigger time).
+            started ``late_after`` past its trigger time); None: ``failed``, and ``late``
+            too when ``late_after`` is given.
         late_after: with ``"late"``: seconds, a timedelta, or ``"30s"``, ``"5m"``…
         webhook: the http(s) URL POSTed to.
         secret: the Standard Webhooks signing key (``whsec_`` + base64); None: a new one

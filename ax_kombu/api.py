@@ -374,7 +374,7 @@ class Client(Moving):
 
     # -- per-type alerts (ax_kombu.alerts) ------------------------------------------------------
 
-    def set_alert(self, task_type: str, *, on: Iterable[str] | str = ("failed", "late"),
+    def set_alert(self, task_type: str, *, on: Iterable[str] | str | None = None,
                   late_after: Any = None, webhook: str, secret: str | None = None) -> str:
         """Set the alert of ``task_type``; returns its signing secret. See
         :func:`ax_kombu.set_alert`.

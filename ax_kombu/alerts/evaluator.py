@@ -4,7 +4,9 @@ Every pass (``alert_interval_ms``) looks at each alert's window of time since it
 pass, up to the database clock less :data:`SETTLE_MS` (so that an end committed a moment
 after the time it records is not missed), and counts the window's events
 (:mod:`ax_kombu.store.alerts`). Then one compare-and-set on the alert's row
-(:func:`ax_kombu.store.alerts.advance`) moves the window and the incident state:
+(:func:`ax_kombu.store.alerts.advance`) moves the window and the incident state (a pass
+that finds no event and closes nothing writes nothing, up to :data:`IDLE_WRITE_MS`: its
+window is looked at again, longer, by the next pass):
 
 * events, no incident open: an incident opens; the winner sends **firing** (the type,
   the events counted, a sample task id);
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 #: the window ends this long before the database clock: an end or a start is stamped
 #: with a time before its commit, and a window must not close before it is visible
 SETTLE_MS = 1000
+#: a pass that finds nothing to report leaves the row alone (its next window starts
+#: where this one did) until the window is this long: a quiet alert costs one write a minute
+IDLE_WRITE_MS = 60_000
 
 
 def _iso(ms: int) -> str:
@@ -93,6 +98,8 @@ class Evaluator:
         with self.store.engine.begin() as conn:
             found = alert_store.events(conn, alert, since, until)
             changes, message = self._decide(alert, found, until)
+            if message is None and not found.total and until - since < IDLE_WRITE_MS:
+                return 0
             won = alert_store.advance(conn, alert["task_type"], since, changes)
         if won and message is not None:
             log.info("alert", extra={"task_type": alert["task_type"],

@@ -113,13 +113,16 @@ def check_secret(secret: Any) -> str:
 
 def check_alert(task_type: Any, on: Any, late_after: Any, webhook: Any,
                 secret: Any) -> Alert:
-    """The alert these arguments describe (``secret`` None: a new one is made).
+    """The alert these arguments describe (``on`` None: ``failed``, and ``late`` with a
+    ``late_after``; ``secret`` None: a new one is made).
 
     Raises:
         ValidationError: a bad type, event, duration, URL or secret; ``late`` without
             ``late_after``, or ``late_after`` without ``late``.
     """
     task_type = check_text("task_type", task_type, MAX_TASK_TYPE)
+    if on is None:
+        on = ("failed",) if late_after is None else ("failed", "late")
     events = check_events(on)
     if "late" in events and late_after is None:
         raise ValidationError("an alert on 'late' needs late_after (e.g. '30s')")

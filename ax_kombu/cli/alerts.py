@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import click
 
-from ax_kombu.cli.base import OneLineGroup, client_for
+from ax_kombu.cli.base import OneLineGroup, audited, client_for
 from ax_kombu.exceptions import ValidationError
 
 
@@ -46,24 +46,29 @@ def list_alerts(ctx: click.Context, as_json: bool) -> None:
 
 @alerts.command("set")
 @click.argument("task_type")
-@click.option("--on", "on", default="failed,late", show_default=True,
-              help="What to alert on: failed, late, or both (comma separated).")
+@click.option("--on", "on", default=None,
+              help="What to alert on: failed, late, or both (comma separated); default: "
+                   "failed, and late with --late-after.")
 @click.option("--late-after", default=None, metavar="DURATION",
               help="With 'late': a task not started this long past its time (30s, 5m).")
 @click.option("--webhook", required=True, metavar="URL", help="The http(s) URL POSTed to.")
 @click.option("--secret", default=None, envvar="AX_ALERT_SECRET", metavar="WHSEC",
               help="The signing key (whsec_…); default: the alert's, or a new one.")
 @click.pass_context
-def set_alert(ctx: click.Context, task_type: str, on: str, late_after: str | None,
+def set_alert(ctx: click.Context, task_type: str, on: str | None, late_after: str | None,
               webhook: str, secret: str | None) -> None:
     """Alert WEBHOOK when TASK_TYPE's tasks fail or start late; prints the signing secret."""
-    events = [e.strip() for e in on.split(",") if e.strip()]
-    if not events:
+    events = None if on is None else [e.strip() for e in on.split(",") if e.strip()]
+    if events == []:
         raise ValidationError("--on needs failed, late or both")
     with client_for(ctx) as client:
         key = client.set_alert(task_type, on=events, late_after=late_after, webhook=webhook,
                                secret=secret)
-    click.echo(f"{task_type}: alerting on {','.join(events)} to {webhook}")
+        alert = next(a for a in client.alerts() if a["task_type"] == task_type)
+        audited(ctx, client.store.engine, "alert_set", f"type:{task_type}",
+                {"on": alert["on"], "late_after_ms": alert["late_after_ms"],
+                 "webhook": webhook})
+    click.echo(f"{task_type}: alerting on {','.join(alert['on'])} to {webhook}")
     click.echo(f"signing secret (give it to the receiver): {key}")
 
 
@@ -74,4 +79,6 @@ def remove(ctx: click.Context, task_type: str) -> None:
     """Remove the alert of TASK_TYPE."""
     with client_for(ctx) as client:
         removed = client.remove_alert(task_type)
+        if removed:
+            audited(ctx, client.store.engine, "alert_remove", f"type:{task_type}")
     click.echo(f"{task_type}: alert removed" if removed else f"{task_type}: no alert")

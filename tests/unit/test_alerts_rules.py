@@ -10,12 +10,15 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from standardwebhooks import Webhook
 
 from ax_kombu.alerts import rules
 from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.exceptions import ValidationError
+from ax_kombu.store.engine import make_engine
+from ax_kombu.store.schema import audit
 
 from ..integration.ax_cli import run_ax
 
@@ -78,6 +81,11 @@ def test_set_returns_a_standard_secret_list_hides_it_and_a_change_keeps_it(
                             secret=mine) == mine
     assert client.set_alert("sms.send", on="failed", webhook=HOOK) != mine  # one per alert
     assert [a["task_type"] for a in client.alerts()] == ["coupon.grant", "sms.send"]
+    client.set_alert("sms.send", webhook=HOOK)  # on: failed only, without late_after
+    client.set_alert("mail.send", late_after="1m", webhook=HOOK)  # and late with it
+    assert {a["task_type"]: a["on"] for a in client.alerts()} == {
+        "coupon.grant": ["late"], "mail.send": ["failed", "late"], "sms.send": ["failed"]}
+    client.remove_alert("mail.send")
     assert client.remove_alert("coupon.grant") is True
     assert client.remove_alert("coupon.grant") is False
     assert [a["task_type"] for a in client.alerts()] == ["sms.send"]
@@ -97,10 +105,16 @@ def test_the_cli_sets_lists_and_removes_and_refuses_in_one_line(sqlite_url: str)
     assert bad.returncode != 0
     assert bad.stderr.strip() == ("ax: error: an alert on 'late' needs late_after "
                                   "(e.g. '30s')")
-    bad = run_ax("alerts", "set", "sms.send", "--on", "failed", "--webhook", "nope", env=env)
+    bad = run_ax("alerts", "set", "sms.send", "--webhook", "nope", env=env)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
     assert "webhook must be an http:// or https:// URL" in bad.stderr
     assert "sms.send" not in run_ax("alerts", "list", env=env).stdout
     assert run_ax("alerts", "rm", "coupon.grant", env=env).stdout.strip() == \
         "coupon.grant: alert removed"
     assert run_ax("alerts", "list", env=env).stdout.strip() == "(no alerts)"
+    engine = make_engine(sqlite_url)
+    with engine.connect() as conn:  # each change is in the record of operator actions
+        done_rows = conn.execute(select(audit.c.action, audit.c.target).order_by(audit.c.id))
+        assert [tuple(r) for r in done_rows] == [("alert_set", "type:coupon.grant"),
+                                                 ("alert_remove", "type:coupon.grant")]
+    engine.dispose()
