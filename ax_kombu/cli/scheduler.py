@@ -67,7 +67,7 @@ def main(node_id: str | None, loglevel: str, log_format: str, apps: tuple[str, .
                                                   publish_hooks=(CeleryHandOff,)))
         install_stop_signals(lambda cold: scheduler.request_stop(cold))
         declare_periodic_jobs(settings)
-        metrics.serve(metrics_port, metrics_addr)
+        metrics.serve(metrics_port, metrics_addr, probe=scheduler.probe)
         metrics.node_up.labels(kind="scheduler").set(1)
         freeze_start_up_objects()
         log.info("ax-scheduler ready", extra={"node": scheduler.node_id,

@@ -2,7 +2,8 @@
 
 Every flag can also be given as an ``AX_*`` variable (shown in ``--help``).
 SIGTERM or SIGINT stops warmly (exit 0); a second one, or SIGQUIT, stops
-cold (exit 1). See :mod:`ax_kombu.worker.node`.
+cold (exit 1). SIGTSTP makes the worker quiet (it takes no new work; ``ax workers
+resume NAME`` undoes it): :mod:`ax_kombu.worker.quiet`. See :mod:`ax_kombu.worker.node`.
 
 ``--processes`` is ``auto`` by default: one worker process per CPU core this
 process may run on (each has its own GIL; a burst of short tasks is bounded by
@@ -42,11 +43,18 @@ from ax_kombu.cli.daemon import (
 from ax_kombu.config import PRIORITIES, Settings, from_env
 from ax_kombu.exceptions import ConfigurationError
 from ax_kombu.observability import metrics
+from ax_kombu.observability.probes import REPORTS_ENV, Probe, Reporter, watch_reports
 from ax_kombu.store.nodes import default_node_id
 from ax_kombu.worker.lanes import parse_queues
 from ax_kombu.worker.node import Worker
 from ax_kombu.worker.processors import Resolver, split_names
-from ax_kombu.worker.supervisor import SharedMetrics, Supervisor, obey_supervisor
+from ax_kombu.worker.quiet import install_quiet_signal
+from ax_kombu.worker.supervisor import (
+    SharedMetrics,
+    Supervisor,
+    child_name,
+    obey_supervisor,
+)
 
 
 def parse_concurrency(text: str | None) -> dict[str, int]:
@@ -177,11 +185,16 @@ def _run(queues: str, apps: tuple[str, ...], concurrency: str | None, hostname: 
     with pidfile(pid_path):
         worker = Worker(settings, queues=chosen, node_id=node_name(hostname), resolver=resolver)
         declare_periodic_jobs(settings)
+        install_quiet_signal(worker.request_quiet)
         if supervised:
-            obey_supervisor(worker.request_stop, lambda: worker.stopping)
+            obey_supervisor(worker.request_stop, lambda: worker.stopping,
+                            request_quiet=worker.request_quiet)
         else:
             install_stop_signals(lambda cold: worker.request_stop(cold))
-        metrics.serve(metrics_port, metrics_addr)
+        metrics.serve(metrics_port, metrics_addr, probe=worker.probe)
+        if supervised and os.environ.get(REPORTS_ENV):  # the supervisor's probes read it
+            Reporter(worker.probe, os.environ[REPORTS_ENV], worker.node_id,
+                     settings.heartbeat_interval_s).start()
         metrics.node_up.labels(kind="worker").set(1)
         freeze_start_up_objects()
         return worker.run()
@@ -231,7 +244,7 @@ def _supervise(processes: int, argv: list[str], queues: str, apps: tuple[str, ..
                concurrency: str | None, hostname: str | None, pid_path: str | None,
                metrics_port: int, metrics_addr: str, overrides: dict[str, Any]) -> int:
     """Check the settings once, then run ``processes`` workers under a supervisor."""
-    _settings(queues, apps, concurrency, overrides)  # a bad setting fails here, once
+    settings = _settings(queues, apps, concurrency, overrides)[0]  # a bad one fails here, once
     base = node_name(hostname) or default_node_id("worker")
     env = child_env(dict(os.environ), overrides)
     shared = SharedMetrics() if metrics_port else None
@@ -239,17 +252,27 @@ def _supervise(processes: int, argv: list[str], queues: str, apps: tuple[str, ..
         with pidfile(pid_path):
             if shared is not None:
                 env.update(shared.env)
-                shared.serve(metrics_port, metrics_addr)
+                shared.serve(metrics_port, metrics_addr, _children_probe(
+                    shared, [child_name(base, i) for i in range(1, processes + 1)], settings))
             supervisor = Supervisor(
                 lambda name: [sys.executable, "-m", "ax_kombu.cli.worker", *argv,
                               "-n", name, "--supervised"],
                 base, processes, env=env,
                 on_exit=shared.process_dead if shared is not None else lambda pid: None)
             install_stop_signals(supervisor.request_stop)
+            install_quiet_signal(supervisor.request_quiet)
             return supervisor.run()
     finally:
         if shared is not None:
             shared.close()
+
+
+def _children_probe(shared: SharedMetrics, names: list[str], settings: Settings) -> Probe:
+    """The supervisor's probes: healthy while every child's heartbeat is fresh, ready while
+    every child is ready (from the reports the children write)."""
+    probe = Probe()
+    watch_reports(probe, shared.reports, lambda: names, settings.silence_ms / 1000.0)
+    return probe
 
 
 if __name__ == "__main__":

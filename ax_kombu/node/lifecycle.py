@@ -50,6 +50,12 @@ def _took(_: TakeOver) -> None:
     """The default ``on_registered``: nothing to do."""
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of a failure's text (the driver's, if wrapped), for a probe's reason."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
 class NodeLifecycle:
     """A node's registration, its beats and its lease (see the module docstring).
 
@@ -80,6 +86,10 @@ class NodeLifecycle:
         self._on_failed = on_failed
         #: beats that landed (tests and the node's info read it)
         self.beats = 0
+        #: monotonic time the last landed beat (or registration) was sent; None before
+        self.landed_at: float | None = None
+        #: why the last beat failed (the database unreachable…); None once one lands
+        self.failure: str | None = None
 
     @property
     def node_id(self) -> str:
@@ -104,6 +114,7 @@ class NodeLifecycle:
         sent = time.monotonic()
         took = self.heartbeat.register(self._info(), keep_running=sorted(self._keep_running()))
         self.lease.confirm(sent, self.heartbeat.incarnation)
+        self.landed_at, self.failure = sent, None
         self._on_registered(took)
         return took
 
@@ -118,11 +129,13 @@ class NodeLifecycle:
         try:
             if self.heartbeat.beat(self._info()):
                 self.lease.confirm(sent, self.heartbeat.incarnation)
+                self.landed_at, self.failure = sent, None
             else:
                 self._refused()
         except NodeNameInUse:
             raise
         except Exception as exc:  # the one policy: nothing but a name clash ends the beats
+            self.failure = _first_line(exc)
             self._on_failed()
             metrics.housekeeping_errors_total.labels("beat").inc()
             log.warning("heartbeat failed; beating again in one interval", exc_info=True,

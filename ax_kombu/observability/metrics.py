@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+import threading
 from bisect import bisect_left
 from collections.abc import Iterable
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     REGISTRY,
@@ -32,8 +36,10 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
+    make_wsgi_app,
 )
+
+from ax_kombu.observability.probes import Probe, wsgi_app
 
 _FINE = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
          60.0, 300.0)
@@ -124,6 +130,11 @@ pool_prefetched = Gauge(
     "Messages this worker has received from the broker for a queue and not acked yet "
     "(running, or waiting in the lane's backlog for a slot).", ["queue"],
     multiprocess_mode="livesum")
+paused = Gauge(
+    "ax_paused",
+    "1 for each task type (kind=\"type\") and queue (kind=\"queue\") paused cluster-wide, "
+    "as this scheduler last read them (ax pause-type, ax queues pause); their tasks wait, "
+    "and count in ax_oldest_overdue_seconds.", ["kind", "name"], multiprocess_mode="livemax")
 queue_waiting_without_consumer = Gauge(
     "ax_queue_waiting_without_consumer",
     "Tasks READY or DISPATCHING for a queue that no live worker consumes (0 when some worker "
@@ -181,10 +192,41 @@ def observe_many(histogram: Any, values: Iterable[float]) -> None:
             bucket.inc(count)
 
 
-def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> Any:
-    """Expose ``registry`` (this process's metrics by default) as /metrics on ``addr:port``
-    (0 disables). Returns the HTTP server, or None when disabled."""
+def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY,
+          probe: Probe | None = None) -> WSGIServer | None:
+    """Serve ``registry`` (this process's metrics by default) on ``addr:port`` (0 disables),
+    and ``probe``'s ``/healthz`` and ``/readyz`` (:mod:`ax_kombu.observability.probes`;
+    without a probe both say the process is serving).
+
+    The metrics answer at ``/metrics`` and, as prometheus_client's own server did, at any
+    other path. Each request runs on a thread of its own (daemon threads).
+
+    Returns:
+        The running server (``shutdown()`` then ``server_close()`` stops it), or None when
+        disabled.
+    """
     if not port:
         return None
-    served = start_http_server(port, addr=addr, registry=registry)
-    return served[0] if isinstance(served, tuple) else None
+    app = wsgi_app(probe if probe is not None else Probe(), make_wsgi_app(registry))
+
+    class Server(_ThreadingServer):
+        # IPv4 or IPv6, as the address is (``::`` binds every interface of both)
+        address_family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                            flags=socket.AI_PASSIVE)[0][0]
+
+    server = make_server(addr, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="ax-metrics-http", daemon=True).start()
+    return server
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per request; the threads do not keep the process alive."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Logs no line per request (a scrape or a probe every few seconds)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing."""

@@ -93,6 +93,7 @@ from ax_kombu.core.lease import Lease
 from ax_kombu.core.wheel import TriggerTimer
 from ax_kombu.node.steps import Blueprint, Call, Step
 from ax_kombu.node.supervision import EXIT_CRASHED, CrashFlag, watch_threads
+from ax_kombu.observability.probes import Probe, watch_beats
 from ax_kombu.scheduler.alerting import alerting_step
 from ax_kombu.scheduler.claimer import Claimer
 from ax_kombu.scheduler.dispatcher import Dispatcher, OnPublished
@@ -106,6 +107,7 @@ from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.leases import StoreReserver
+from ax_kombu.store.pauses import PauseWatch
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +152,13 @@ class Scheduler:
                                      hooks, self.lease)
         self.ids = ReservedIds(StoreReserver(self.store.engine), f"{self.node_id}:{os.getpid()}",
                              settings.id_reservation_s * 1000, self.store.now_ms)
+        paused = PauseWatch()  # read by the housekeeper's preload, honoured by the claim
         self.claimer = Claimer(settings, self.store, self.node_id, fired, self.timing,
-                               self.dispatcher, self.ids, self.lease)
+                               self.dispatcher, self.ids, self.lease, paused)
         self.housekeeper = Housekeeper(settings, self.store, self.heartbeat, self.timing,
                                        self._info, self._fenced,
                                        Materialiser(settings, self.store, self.ids,
-                                                    self.node_id))
+                                                    self.node_id), paused)
         self.heart = Heart(self.housekeeper.liveness, self.heartbeat, settings.heartbeat_interval_s,
                            self.store.clock.local_ms, self.lease, self._info)
         self.retention = Retention(settings, self.store)  # AX_RETENTION; idle when off
@@ -165,6 +168,10 @@ class Scheduler:
             heartbeat=self.heartbeat, ids=self.ids, node_id=self.node_id,
             stopping=lambda: self._stop is not None)
         self.blueprint = Blueprint("scheduler", self.steps())
+        #: /healthz and /readyz (served on the metrics port): beating, registered, claiming
+        self.probe = Probe()
+        watch_beats(self.probe, self.heart.lifecycle, settings.silence_ms / 1000.0)
+        self.probe.ready("claiming", self._claiming)
 
     @property
     def timer(self) -> TriggerTimer[int]:
@@ -259,6 +266,16 @@ class Scheduler:
     def _probe(self) -> None:
         """Try the broker once (a failure is logged; the dispatcher keeps trying)."""
         self.dispatcher.probe()
+
+    def _claiming(self) -> tuple[bool, str]:
+        """The readiness check: the claimer runs and the broker answers."""
+        if self._stop is not None:
+            return False, f"stopping ({self._stop})"
+        if not self.claimer.is_alive():
+            return False, "the claimer is not running"
+        if not self.dispatcher.broker_ok.is_set():
+            return False, "not claiming: the broker is unreachable"
+        return True, "claiming"
 
     def _fenced(self) -> None:
         """Declared dead: publish nothing more under this incarnation, drop the wheel."""

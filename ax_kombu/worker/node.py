@@ -31,6 +31,9 @@ Guarantees:
   ``worker_grace_s``; record the rest as abandoned (a failure that may retry); write every
   result; mark the heartbeat stopped; exit 0. Cold shutdown (a second signal, or
   SIGQUIT): the same without waiting for running tasks; exit 1.
+* Quiet (SIGTSTP, or ``ax workers quiet``, :meth:`Worker.request_quiet`): stop consuming,
+  hand received and staged work back, let running tasks finish, keep heartbeating;
+  ``ax workers resume`` consumes again (:mod:`~ax_kombu.worker.quiet`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ax_kombu.exceptions import StoreError
 from ax_kombu.node.lifecycle import NodeLifecycle
 from ax_kombu.node.steps import Blueprint, Call, Job, Step, Timers
 from ax_kombu.node.supervision import EXIT_CRASHED, CrashFlag, watch_threads
+from ax_kombu.observability.probes import Probe, watch_beats
 from ax_kombu.store import Store
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.nodes import Heartbeat, default_node_id
@@ -120,6 +124,10 @@ class Worker:
             engine=self.store.engine, clock=self.store.clock, lanes=self.lanes,
             stage=self.intake.stage, starter=self.intake.starter, shutdown=self.shutdown)
         self.blueprint = Blueprint("worker", self.steps())
+        #: /healthz and /readyz (served on the metrics port): beating, registered, consuming
+        self.probe = Probe()
+        watch_beats(self.probe, self.lifecycle, settings.silence_ms / 1000.0)
+        self.probe.ready("consuming", self._consuming)
 
     def _intake(self, wakeup: Wakeup) -> Intake:
         return Intake(self.lanes, receipts=self.receipts, results=self.results,
@@ -170,7 +178,7 @@ class Worker:
                 Job("listing scan", SCAN_S, ListingScan(self.intake.stage, self.lanes,
                                                         self.listing))],
                 tolerated=(SQLAlchemyError,), final=house.hand_back_expired),
-            Timers("heartbeat", [Job("beat", beat_s, self.lifecycle.beat)]),
+            Timers("heartbeat", [Job("beat", beat_s, self._beat)]),
             Call("results", start=self.results.start, stop=self._stop_results),
             Call("runs", stop=lambda: self.shutdown.finish_running(connected=False)),
         ]
@@ -180,6 +188,10 @@ class Worker:
     def request_stop(self, cold: bool = False) -> None:
         """Warm stop; cold if ``cold`` or if a stop was already requested."""
         self.flags.request(cold)
+
+    def request_quiet(self) -> None:
+        """Stop taking new work (:mod:`~ax_kombu.worker.quiet`); only sets a flag."""
+        self.consumer.quiet.request()
 
     @property
     def stopping(self) -> bool:
@@ -191,6 +203,14 @@ class Worker:
         """The stop requested is cold (running tasks are not waited for)."""
         return self.flags.cold
 
+    def _consuming(self) -> tuple[bool, str]:
+        """The readiness check: connected to the broker and consuming, not stopping."""
+        if self.flags.stopping:
+            return False, "stopping (cold)" if self.flags.cold else "stopping (warm)"
+        if not self.ready.is_set():
+            return False, "not consuming: connecting to the broker"
+        return True, "consuming"
+
     def info(self) -> dict[str, Any]:
         """What the heartbeat publishes about this worker."""
         lanes = {lane.priority: lane.info() for lane in self.lanes}
@@ -201,6 +221,7 @@ class Worker:
                 "stuck": {p: i["stuck"] for p, i in lanes.items()},
                 "overdue": {p: i["overdue"] for p, i in lanes.items()},
                 "running": sum(i["running"] for i in lanes.values()),
+                "quiet": self.consumer.quiet.active,
                 "counts": self.stats.snapshot()}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -248,6 +269,12 @@ class Worker:
                                           "broker": redact_url(self.settings.broker_url),
                                           "queues": [lane.queue.name for lane in self.lanes],
                                           "recovered_from_earlier_run": took.running})
+
+    def _beat(self) -> None:
+        """One beat; it carries a quiet asked by signal, and reads back the row's quiet."""
+        quiet = self.consumer.quiet
+        quiet.before_beat(self.heartbeat)
+        quiet.after_beat(self.heartbeat, self.lifecycle.beat())
 
     def _unregister(self) -> None:
         """Mark the heartbeat stopped (a clean exit)."""

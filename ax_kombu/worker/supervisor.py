@@ -23,6 +23,11 @@ as one endpoint. Contracts:
   ``warm`` to every child, a second one or SIGQUIT sends ``cold``; it waits for
   every child, and exits 0 after a warm stop, 1 after a cold one, as a
   standalone worker does.
+* **Quiet.** SIGTSTP to the supervisor sends ``quiet`` to every child running then
+  (:mod:`ax_kombu.worker.quiet`: each stops taking work and stores its quiet, so ``ax
+  workers`` shows it); a child also takes SIGTSTP itself. ``ax workers quiet NAME`` and
+  ``resume NAME`` with the supervisor's name act on its children ``NAME.1`` …
+  ``NAME.N`` through their rows. A child started later (a restart) starts consuming.
 * **No secret on a command line.** A child's argv repeats the flags given to the
   supervisor except the connection URLs, which it gets as ``AX_DATABASE_URL`` and
   ``AX_BROKER_URL`` in its environment (:func:`ax_kombu.cli.worker.child_env`):
@@ -54,6 +59,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ax_kombu.observability.probes import REPORTS_ENV, Probe
 from ax_kombu.worker.control import StopFlags
 
 log = logging.getLogger(__name__)
@@ -67,7 +73,7 @@ STABLE_S = 60.0
 #: how often the supervisor looks at its children and its stop flags
 POLL_S = 0.1
 #: the lines a child reads on its stdin
-WARM, COLD = b"warm\n", b"cold\n"
+WARM, COLD, QUIET = b"warm\n", b"cold\n", b"quiet\n"
 
 
 def child_name(base: str, index: int) -> str:
@@ -126,11 +132,18 @@ class Supervisor:
         self.children = [Child(i, child_name(base, i)) for i in range(1, count + 1)]
         self.flags = StopFlags()
         self._sent: bytes | None = None
+        #: SIGTSTP asked for quiet and the children were not told yet
+        self._quiet_asked = False
 
     def request_stop(self, cold: bool = False) -> None:
         """Warm stop; cold if ``cold`` or if a stop was already requested. Only sets flags
         (safe from a signal handler); the supervisor's loop forwards it."""
         self.flags.request(cold)
+
+    def request_quiet(self) -> None:
+        """Have every child running go quiet. Only sets a flag (safe from a signal handler);
+        the supervisor's loop forwards it."""
+        self._quiet_asked = True
 
     def run(self) -> int:
         """Start the children and supervise them until they all stopped after a stop request.
@@ -141,6 +154,7 @@ class Supervisor:
         for child in self.children:
             self._start(child)
         while True:
+            self._forward_quiet()
             self._forward_stop()
             self._reap()
             if self.flags.stopping:
@@ -170,6 +184,16 @@ class Supervisor:
         for child in self.children:
             if child.proc is not None:
                 _tell(child.proc, order)
+
+    def _forward_quiet(self) -> None:
+        """Send ``quiet`` to every child running, once per request."""
+        if not self._quiet_asked or self.flags.stopping:
+            return
+        self._quiet_asked = False
+        log.info("asking the worker processes to be quiet")
+        for child in self.children:
+            if child.proc is not None:
+                _tell(child.proc, QUIET)
 
     def _reap(self) -> None:
         for child in self.children:
@@ -225,11 +249,13 @@ def _close_quietly(stream: IO[bytes]) -> None:
 
 
 def obey_supervisor(request_stop: Callable[[bool], None], stopping: Callable[[], bool],
-                    fd: int = 0) -> threading.Thread:
+                    fd: int = 0, request_quiet: Callable[[], None] | None = None
+                    ) -> threading.Thread:
     """Make this worker process a supervisor's child: stop orders come on ``fd`` (stdin).
 
     SIGTERM and SIGINT are ignored (the supervisor forwards them), SIGQUIT is
-    a cold stop; a thread reads ``warm`` / ``cold`` lines, and takes end of
+    a cold stop; a thread reads ``warm`` / ``cold`` lines (and ``quiet``: calls
+    ``request_quiet``), and takes end of
     file (the supervisor is gone) as a warm stop. A warm order while a stop is
     already under way changes nothing. The thread reads the descriptor with
     ``os.read``, not through ``sys.stdin``: a daemon thread blocked inside a
@@ -252,6 +278,8 @@ def obey_supervisor(request_stop: Callable[[bool], None], stopping: Callable[[],
                     request_stop(True)
                 elif line == WARM.strip() and not stopping():
                     request_stop(False)
+                elif line == QUIET.strip() and request_quiet is not None:
+                    request_quiet()
         if not stopping():
             log.warning("the supervisor's pipe closed; stopping warmly")
             request_stop(False)
@@ -288,18 +316,27 @@ class SharedMetrics:
     @property
     def env(self) -> dict[str, str]:
         """What to add to each child's environment."""
-        return {self.VARIABLE: self.path}
+        return {self.VARIABLE: self.path, REPORTS_ENV: self.reports}
 
-    def serve(self, port: int, addr: str) -> None:
-        """Serve the children's merged metrics at ``http://addr:port/metrics``."""
+    @property
+    def reports(self) -> str:
+        """Where the children write their probes' answers
+        (:class:`ax_kombu.observability.probes.Reporter`), inside the directory."""
+        return os.path.join(self.path, "probes")
+
+    def serve(self, port: int, addr: str, probe: Probe | None = None) -> None:
+        """Serve the children's merged metrics at ``http://addr:port/metrics``, and
+        ``probe``'s ``/healthz`` and ``/readyz`` (the supervisor's checks of its children:
+        :func:`ax_kombu.observability.probes.watch_reports` on :attr:`reports`)."""
         from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
 
         from ax_kombu.observability import metrics
 
+        os.makedirs(self.reports, exist_ok=True)
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.path)  # type: ignore[no-untyped-call]
-        self._server = metrics.serve(port, addr, registry)
+        self._server = metrics.serve(port, addr, registry, probe)
 
     def process_dead(self, pid: int) -> None:
         """Drop the live gauges of a child that exited (its counters stay in the sums)."""

@@ -1,0 +1,293 @@
+"""Health probes: ``GET /healthz`` and ``GET /readyz`` for an orchestrator.
+
+A daemon keeps one :class:`Probe` and registers named checks into it, each a callable
+answering ``(ok, reason)``:
+
+* **live** checks decide ``/healthz``: the process is serving and its last heartbeat
+  is fresh (younger than the silence window; :func:`watch_beats`). A process whose
+  liveness fails should be restarted.
+* **ready** checks decide ``/readyz``, after the live ones: registered under a live
+  incarnation (its lease covers now), the database reachable (the last beat landed),
+  and consuming (a worker) or claiming (a scheduler). A process that is not ready
+  should get no traffic, but may recover alone.
+
+Each probe answers 200 or 503 with one line of JSON: ``{"ok": false, "reason":
+"heartbeat 4.2 s old (silence window 3 s)", "check": "heartbeat"}`` (the first check
+that failed, in the order registered; all passed: their reasons joined). A check that
+raises fails with its exception's text. Checks read what the daemon already keeps in
+memory (no database round trip), so a probe answers at once even while the database hangs.
+
+Under ``ax-worker --processes N`` the supervisor serves the port while its children
+beat: each child writes its answers to a file every interval (:class:`Reporter`), and
+the supervisor's checks read them (:func:`watch_reports`): it is healthy while every
+child's heartbeat is fresh, and ready while every child is ready.
+
+:func:`wsgi_app` routes the two paths to a probe and everything else to another WSGI
+application (the Prometheus metrics, :func:`ax_kombu.observability.metrics.serve`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+#: a check: ``(ok, reason)``, the reason one short line
+Check = Callable[[], tuple[bool, str]]
+#: a WSGI application (PEP 3333)
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+#: the variable naming the directory where a supervisor's children write their answers
+REPORTS_ENV = "AX_PROBE_DIR"
+PATHS = ("/healthz", "/readyz")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One probe's answer: ok (200) or not (503), why, and which check decided."""
+
+    ok: bool
+    reason: str
+    check: str | None = None
+
+    @property
+    def status(self) -> int:
+        return 200 if self.ok else 503
+
+    def body(self) -> bytes:
+        """The answer as one line of JSON, ending with a newline."""
+        fields: dict[str, Any] = {"ok": self.ok, "reason": self.reason}
+        if self.check is not None:
+            fields["check"] = self.check
+        return json.dumps(fields, ensure_ascii=False).encode() + b"\n"
+
+
+class Probe:
+    """The live and ready checks of one process (see the module docstring).
+
+    Checks may be added while the probe is served; each is called on the HTTP server's
+    thread, so it only reads (a flag, a time, a thread's state).
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[str, Check] = {}
+        self._ready: dict[str, Check] = {}
+        #: monotonic time of the last landed heartbeat, when one is watched (for reports)
+        self.beat_at: Callable[[], float | None] = lambda: None
+
+    def live(self, name: str, check: Check) -> None:
+        """Add (or replace) a check of ``/healthz`` (and so of ``/readyz``)."""
+        self._live[name] = check
+
+    def ready(self, name: str, check: Check) -> None:
+        """Add (or replace) a check of ``/readyz`` only."""
+        self._ready[name] = check
+
+    def healthz(self) -> Answer:
+        return _decide(list(self._live.items()))
+
+    def readyz(self) -> Answer:
+        return _decide([*self._live.items(), *self._ready.items()])
+
+
+def _decide(checks: Sequence[tuple[str, Check]]) -> Answer:
+    """The first failed check's answer, else ok with every reason."""
+    reasons = []
+    for name, check in checks:
+        try:
+            ok, reason = check()
+        except Exception as exc:  # noqa: BLE001 (a broken check is a failed one, never a 500)
+            ok, reason = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            return Answer(False, reason, name)
+        reasons.append(reason)
+    return Answer(True, "; ".join(r for r in reasons if r) or "serving")
+
+
+# -- the checks a node registers -----------------------------------------------------------
+
+
+class _Lease(Protocol):
+    def valid(self) -> bool: ...
+
+
+class Beating(Protocol):
+    """What :func:`watch_beats` reads of a node's lifecycle
+    (:class:`ax_kombu.node.lifecycle.NodeLifecycle`)."""
+
+    @property
+    def landed_at(self) -> float | None: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    @property
+    def incarnation(self) -> int: ...
+
+    @property
+    def lease(self) -> _Lease: ...
+
+
+def watch_beats(probe: Probe, node: Beating, silence_s: float,
+                clock: Callable[[], float] = time.monotonic) -> None:
+    """Add a node's heartbeat checks to ``probe``: live while its last landed beat is younger
+    than ``silence_s``; ready while its lease covers its incarnation and its last beat did
+    not fail (the database is reachable)."""
+    probe.beat_at = lambda: node.landed_at
+    probe.live("heartbeat", lambda: beat_fresh(node.landed_at, silence_s, clock()))
+    probe.ready("registered", lambda: _registered(node))
+    probe.ready("database", lambda: (node.failure is None, _database(node.failure)))
+
+
+def beat_fresh(landed_at: float | None, silence_s: float, now: float) -> tuple[bool, str]:
+    """Is a heartbeat that landed at ``landed_at`` (None: none yet) fresh at ``now``?"""
+    if landed_at is None:
+        return False, "not registered yet"
+    age = max(0.0, now - landed_at)
+    if age >= silence_s:
+        return False, f"heartbeat {age:.1f} s old (silence window {silence_s:g} s)"
+    return True, f"heartbeat {age:.1f} s old"
+
+
+def _registered(node: Beating) -> tuple[bool, str]:
+    if node.incarnation == 0:
+        return False, "not registered yet"
+    if not node.lease.valid():
+        return False, f"the lease of incarnation {node.incarnation} has run out"
+    return True, f"incarnation {node.incarnation}"
+
+
+def _database(failure: str | None) -> str:
+    return "database reachable" if failure is None else f"database unreachable: {failure}"
+
+
+# -- a supervisor's children ------------------------------------------------------------------
+
+
+class Reporter(threading.Thread):
+    """Writes ``probe``'s answers to ``directory/name.json`` every ``interval_s`` (a child
+    of a supervisor; :func:`watch_reports` reads them). A write that fails is logged and
+    tried again next interval."""
+
+    def __init__(self, probe: Probe, directory: str, name: str, interval_s: float) -> None:
+        super().__init__(name="ax-probe-report", daemon=True)
+        self._probe = probe
+        self._path = os.path.join(directory, f"{name}.json")
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.write()
+            except OSError as exc:
+                log.warning("cannot write the probe report", extra={"error": str(exc)})
+            if self._stopped.wait(self._interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def write(self) -> None:
+        """Write the answers now (atomically: readers see the old file or the new one)."""
+        wall, mono = time.time(), time.monotonic()
+        beat = self._probe.beat_at()
+        health, ready = self._probe.healthz(), self._probe.readyz()
+        report = {"at": wall, "beat_at": None if beat is None else wall - (mono - beat),
+                  "healthz": [health.ok, health.reason], "readyz": [ready.ok, ready.reason]}
+        temporary = f"{self._path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as out:
+            json.dump(report, out)
+        os.replace(temporary, self._path)
+
+
+def watch_reports(probe: Probe, directory: str, names: Callable[[], Sequence[str]],
+                  silence_s: float, clock: Callable[[], float] = time.time) -> None:
+    """Add a supervisor's checks to ``probe``: live while every child named by ``names``
+    has a heartbeat younger than ``silence_s`` (from its latest report), ready while every
+    child's latest report is that fresh and says it is ready."""
+    def each(judge: Callable[[str, dict[str, Any], float], tuple[bool, str]]) -> Check:
+        def check() -> tuple[bool, str]:
+            reasons = []
+            for name in names():
+                ok, reason = judge(name, _report(directory, name), clock())
+                if not ok:
+                    return False, f"{name}: {reason}"
+                reasons.append(f"{name}: {reason}")
+            return True, ", ".join(reasons)
+        return check
+
+    probe.live("children", each(lambda _, report, now: _child_live(report, silence_s, now)))
+    probe.ready("children ready",
+                each(lambda _, report, now: _child_ready(report, silence_s, now)))
+
+
+def _report(directory: str, name: str) -> dict[str, Any]:
+    """A child's latest report ({} if it has written none, or none readable)."""
+    try:
+        with open(os.path.join(directory, f"{name}.json"), encoding="utf-8") as answers:
+            report = json.load(answers)
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+def _child_live(report: dict[str, Any], silence_s: float, now: float) -> tuple[bool, str]:
+    if not report:
+        return False, "no report yet (starting)"
+    beat = report.get("beat_at")
+    return beat_fresh(None if beat is None else float(beat), silence_s, now)
+
+
+def _child_ready(report: dict[str, Any], silence_s: float, now: float) -> tuple[bool, str]:
+    if not report:
+        return False, "no report yet (starting)"
+    age = now - float(report.get("at", 0.0))
+    if age >= silence_s:
+        return False, f"no report for {age:.1f} s (silence window {silence_s:g} s)"
+    ok, reason = report.get("readyz", [False, "no answer"])
+    return bool(ok), str(reason)
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+
+def wsgi_app(probe: Probe, other: WsgiApp) -> WsgiApp:
+    """``/healthz`` and ``/readyz`` (GET or HEAD) answered by ``probe``; every other path
+    by ``other``."""
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in PATHS:
+            return other(environ, start_response)
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"),
+                                                      ("Content-Length", "0")])
+            return [b""]
+        answer = probe.healthz() if path == "/healthz" else probe.readyz()
+        body = answer.body()
+        start_response("200 OK" if answer.ok else "503 Service Unavailable",
+                       [("Content-Type", "application/json"),
+                        ("Content-Length", str(len(body))), ("Cache-Control", "no-store")])
+        return [b""] if method == "HEAD" else [body]
+    return app
+
+
+__all__ = [
+    "REPORTS_ENV",
+    "Answer",
+    "Beating",
+    "Check",
+    "Probe",
+    "Reporter",
+    "beat_fresh",
+    "watch_beats",
+    "watch_reports",
+    "wsgi_app",
+]
