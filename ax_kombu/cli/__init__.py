@@ -26,6 +26,7 @@ from ax_kombu.cli.reschedule import reschedule
 from ax_kombu.cli.retry import retry
 from ax_kombu.cli.status import status
 from ax_kombu.cli.web import web
+from ax_kombu.cli.workers import workers
 
 
 @click.group(cls=AxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,3 +56,4 @@ for command in (enqueue, inspect, cancel, reschedule, db, status, jobs, limits, 
                 list_tasks, retry, purge, archive, audit, web):
     main.add_command(command)
 main.add_command(alerts)
+main.add_command(workers)

@@ -26,6 +26,13 @@ incarnation is live. Contracts:
   (``heartbeat_misses × heartbeat_interval_s``) and did not stop cleanly.
   Whoever notices first marks it stopped with a compare-and-set
   (:func:`claim_dead`), so its tasks are recovered exactly once.
+* **Quiet is stored on the row** (``quiet_at``, :func:`set_quiet`): ``ax workers quiet``
+  sets it, ``resume`` clears it, and each beat of the worker reads it back in the same
+  statement (``RETURNING``), so a worker goes quiet or resumes within one heartbeat at no
+  extra round trip. A new process of the name starts consuming (registration writes the
+  process's own quiet state, none at start): quiet drains one process, e.g. before a
+  deploy. A quiet worker is not counted as consuming its queues (:func:`consumed_queues`,
+  :func:`workers_consuming`).
 * **Rows of stopped nodes are pruned** (:func:`prune_stopped`) once they have been
   stopped (cleanly, or declared dead) for ``node_retention_s``: default node names are
   new in every process, so without it the table, which every beat and recovery scans,
@@ -45,10 +52,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, Row, delete, insert, select, text, update
+from sqlalchemy import Connection, Engine, Row, delete, func, insert, select, text, update
 
 from ax_kombu.config import worker_queue
-from ax_kombu.exceptions import NodeNameInUse
+from ax_kombu.exceptions import NodeNameInUse, ValidationError
 from ax_kombu.store import Store
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.recovery import recover_running
@@ -145,6 +152,10 @@ class Heartbeat:
         self.silence_ms = silence_ms
         #: this process's live incarnation (0 until registered)
         self.incarnation = 0
+        #: the row's ``quiet_at`` as the last beat read it back (None: not quiet)
+        self.quiet_at: int | None = None
+        #: this process asks to be quiet (SIGTSTP): the next beat sets ``quiet_at`` unless set
+        self.ask_quiet = False
 
     def register(self, info: Mapping[str, Any], keep_running: Sequence[int] = ()) -> TakeOver:
         """Become the live incarnation of the name, taking over from the earlier one.
@@ -186,17 +197,27 @@ class Heartbeat:
                 info: Mapping[str, Any]) -> None:
         values = {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
                   "incarnation": incarnation, "started_at": now, "heartbeat_at": now,
-                  "stopped_at": None, "info": _info_json(info), "listed_runs": None}
+                  "stopped_at": None, "info": _info_json(info), "listed_runs": None,
+                  "quiet_at": self.quiet_at}
         moved = conn.execute(update(nodes).where(nodes.c.node_id == self.node_id)
                              .values(**values)).rowcount
         if not moved:
             conn.execute(insert(nodes).values(node_id=self.node_id, **values))
 
     def beat(self, info: Mapping[str, Any]) -> bool:
-        """Refresh the heartbeat; False if this incarnation is no longer the live one."""
+        """Refresh the heartbeat and read ``quiet_at`` back into :attr:`quiet_at` (setting
+        it first if :attr:`ask_quiet`); False if this incarnation is no longer the live one."""
         with self.engine.begin() as conn:
-            return self._set_if_live(conn, self.incarnation, heartbeat_at=db_now_ms(conn),
-                                     info=_info_json(info))
+            now = db_now_ms(conn)
+            values: dict[str, Any] = {"heartbeat_at": now, "info": _info_json(info)}
+            if self.ask_quiet:
+                values["quiet_at"] = func.coalesce(nodes.c.quiet_at, now)
+            row = conn.execute(self._if_live(self.incarnation).values(**values)
+                               .returning(nodes.c.quiet_at)).first()
+        if row is None:
+            return False
+        self.quiet_at = row.quiet_at
+        return True
 
     def write_listed_runs(self, conn: Connection, incarnation: int, listed: str) -> bool:
         """Set this node's listed runs (``,id,id,``; see :mod:`ax_kombu.worker.listing`) if
@@ -206,11 +227,13 @@ class Heartbeat:
     def _set_if_live(self, conn: Connection, incarnation: int, **values: Any) -> bool:
         """Update this node's row if ``incarnation`` is its live one (not stopped or
         declared dead, not replaced); whether it was."""
-        return bool(conn.execute(
-            update(nodes).where(nodes.c.node_id == self.node_id,
-                                nodes.c.incarnation == incarnation,
-                                nodes.c.stopped_at.is_(None))
-            .values(**values)).rowcount)
+        return bool(conn.execute(self._if_live(incarnation).values(**values)).rowcount)
+
+    def _if_live(self, incarnation: int) -> Any:
+        """An UPDATE of this node's row if ``incarnation`` is its live one."""
+        return update(nodes).where(nodes.c.node_id == self.node_id,
+                                   nodes.c.incarnation == incarnation,
+                                   nodes.c.stopped_at.is_(None))
 
     def stop(self, conn: Connection | None = None) -> None:
         """Mark this incarnation stopped (a clean exit); in ``conn``'s transaction if given."""
@@ -282,7 +305,7 @@ def _worker_queues(conn: Connection, max_silence_ms: int) -> dict[str, set[str]]
     """Each live worker's queues (from the ``queues`` in its heartbeat)."""
     found: dict[str, set[str]] = {}
     for row in live_nodes(conn, max_silence_ms):
-        if row.kind != "worker":
+        if row.kind != "worker" or row.quiet_at is not None:
             continue
         try:
             queues = json.loads(row.info or "{}").get("queues", [])
@@ -290,6 +313,35 @@ def _worker_queues(conn: Connection, max_silence_ms: int) -> dict[str, set[str]]
             continue
         found[row.node_id] = {q for q in queues if isinstance(q, str)}
     return found
+
+
+def set_quiet(conn: Connection, name: str, quiet: bool, max_silence_ms: int) -> list[str]:
+    """Ask the worker ``name`` to be quiet (``quiet_at`` set, kept if already set), or to
+    resume (cleared); returns the names of the workers asked, sorted.
+
+    ``name`` is a live worker's node name, or a supervisor's (``ax-worker --processes N
+    -n NAME``): the supervisor has no row of its own, so its live children ``NAME.1`` …
+    ``NAME.N`` are asked. A worker takes the change at its next heartbeat.
+
+    Raises:
+        ValidationError: no live worker of that name (unknown, stopped, silent past
+            ``max_silence_ms``, or a scheduler), nor children of a supervisor of it.
+    """
+    now = db_now_ms(conn)
+    live = {r.node_id: r.kind for r in live_nodes(conn, max_silence_ms)}
+    if name in live:
+        if live[name] != "worker":
+            raise ValidationError(f"{name!r} is a {live[name]}, not a worker")
+        names = [name]
+    else:
+        names = sorted(n for n, kind in live.items() if kind == "worker"
+                       and n.startswith(f"{name}.") and n[len(name) + 1:].isdigit())
+    if not names:
+        raise ValidationError(f"no live worker named {name!r} (see ax workers)")
+    quiet_at: Any = func.coalesce(nodes.c.quiet_at, now) if quiet else None
+    conn.execute(update(nodes).where(nodes.c.node_id.in_(names), nodes.c.stopped_at.is_(None))
+                 .values(quiet_at=quiet_at))
+    return names
 
 
 def consumed_queues(conn: Connection, max_silence_ms: int) -> set[str]:
@@ -305,4 +357,4 @@ def workers_consuming(conn: Connection, queue: str, max_silence_ms: int) -> list
 
 __all__ = ["HOST_ID_KEY", "Heartbeat", "TakeOver", "claim_dead", "consumed_queues",
            "default_node_id", "host_identity", "live_names", "live_nodes", "pid_running", "prune_stopped",
-           "same_pid_space", "workers_consuming"]
+           "same_pid_space", "set_quiet", "workers_consuming"]

@@ -17,7 +17,9 @@ well-formed task message is refused before it reaches the intake
 (``malformed``, and ``ax_rejected_messages_total{reason}``), removed from the
 broker without requeue, and its room in the lane freed at once. When a stop
 is requested the consumers are cancelled and the :mod:`~ax_kombu.worker.shutdown` steps run
-while the connection is still up, so their acks land.
+while the connection is still up, so their acks land. A quiet worker
+(:mod:`~ax_kombu.worker.quiet`) stays connected and receives nothing new: each loop hands
+back whatever still arrives, and settles and acks the runs that end.
 
 Broker loss: the connection is dropped, its unacked messages are the
 broker's again (:meth:`~ax_kombu.worker.intake.Intake.connection_lost`), and
@@ -47,6 +49,7 @@ from ax_kombu.worker.control import TICK_S, StopFlags, Wakeup
 from ax_kombu.worker.counters import Counters
 from ax_kombu.worker.intake import Intake
 from ax_kombu.worker.lanes import Lane
+from ax_kombu.worker.quiet import Quiet
 from ax_kombu.worker.shutdown import ConnectedStop, Shutdown
 
 log = logging.getLogger(__name__)
@@ -125,11 +128,12 @@ class Consumer:
         shutdown: its connected step (:class:`~ax_kombu.worker.shutdown.ConnectedStop`)
             runs, still connected, when a stop is requested.
         ready: set while consuming, cleared when the connection is dropped.
+        quiet: followed once per loop (default: never quiet).
     """
 
     def __init__(self, settings: Settings, lanes: list[Lane], *, intake: Intake,
                  shutdown: Shutdown, stats: Counters, wakeup: Wakeup, flags: StopFlags,
-                 ready: Event) -> None:
+                 ready: Event, quiet: Quiet | None = None) -> None:
         self._settings = settings
         self._lanes = lanes
         self._intake = intake
@@ -144,6 +148,7 @@ class Consumer:
         self.ready = ready
         self._puller: redis_pull.Puller | None = None
         self._outage = Outage()
+        self.quiet = quiet or Quiet(intake, shutdown, intake.receipts.node_id)
 
     def run(self) -> None:
         """Consume until a stop is requested, reconnecting whenever the broker is lost."""
@@ -167,6 +172,7 @@ class Consumer:
         try:
             ensure_connected(conn)
             self._attach(conn)
+            self.quiet.attached(self._lanes)
             self._outage.recovered()
             self.ready.set()
             self._loop(conn)
@@ -177,12 +183,16 @@ class Consumer:
             self._detach(conn)
 
     def _loop(self, conn: Any) -> None:
-        intake, wakeup, flags = self._intake, self._wakeup, self._flags
+        intake, wakeup, flags, quiet = self._intake, self._wakeup, self._flags, self.quiet
         while not flags.stopping:
             wakeup.clear()
+            quiet.follow(self._lanes)
             intake.settle()
             intake.acks.give_room()
-            self._receive(conn)
+            if quiet.active:
+                self._receive_quietly()
+            else:
+                self._receive(conn)
             intake.planner.dispatch()
 
     def _attach(self, conn: Any) -> None:
@@ -273,6 +283,14 @@ class Consumer:
                 self._admission.refuse(None, None, Rejected("not_kombu", f"not a Kombu message: "
                                                                f"{type(exc).__name__}"))
             timeout = POLL_S
+
+    def _receive_quietly(self) -> None:
+        """Quiet: wait a tick, take what the puller still popped, and hand it back."""
+        if self._puller is not None:
+            self._take_pulled(self._puller)
+        else:
+            self._wakeup.wait(TICK_S)
+        self.quiet.hand_back()
 
     def _take_pulled(self, puller: redis_pull.Puller) -> None:
         """Take what the puller popped (see :mod:`ax_kombu.broker.redis_pull`); wait if nothing."""

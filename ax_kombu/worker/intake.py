@@ -19,7 +19,8 @@ acked, their room in the lane's prefetch freed).
 the recovery gives them another attempt (they never ran, so nothing ran twice); those
 listed (:mod:`ax_kombu.worker.listing`) get it without a retry counted. ``ax cancel``
 stops a waiting run before it starts; a stopping worker (warm or cold) withdraws the runs
-that have not started (:meth:`Intake.withdraw`) and hands them back.
+that have not started (:meth:`Intake.withdraw`) and hands them back, and so does a quiet
+one (:mod:`~ax_kombu.worker.quiet`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Intake:
                  stage: Stage | None = None, scopes: Sequence[RunScope] = ()) -> None:
         self.lanes = lanes
         self._flags = flags
+        #: the worker is quiet (:mod:`~ax_kombu.worker.quiet`): lanes' prefetch is left as it
+        #: is (consumers stay cancelled, the puller without room)
+        self.quiet = False
         self.stage = stage or Stage()
         #: received and not planned yet; the consumer appends, this list object stays the same
         self.pending: list[Run[Lane]] = []
@@ -116,7 +120,7 @@ class Intake:
         for run in ended:
             if run.acked:
                 run.lane.acked_running -= 1
-        if not self._flags.stopping:
+        if not (self._flags.stopping or self.quiet):
             for lane in self.lanes:  # before the acks: a stuck slot lowers the prefetch
                 lane.apply(self.acks.global_qos)
         for run in ended:
