@@ -21,6 +21,7 @@ Both hold across concurrent producers in many processes (see
 
 from __future__ import annotations
 
+import getpass
 import os
 import socket
 import threading
@@ -35,7 +36,7 @@ from sqlalchemy import Connection
 
 from ax_kombu import recurring
 from ax_kombu.alerts import rules as alert_rules
-from ax_kombu.config import Settings
+from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.core import cron, states
 from ax_kombu.core.ids import ReservedIds
 from ax_kombu.core.values import MAX_TASK_TYPE, check_text, show
@@ -50,7 +51,9 @@ from ax_kombu.recurring import JobView
 from ax_kombu.store import Store, gates, moves
 from ax_kombu.store import alerts as alert_store
 from ax_kombu.store import jobs as job_store
+from ax_kombu.store import pauses as pause_store
 from ax_kombu.store.archive import fetch_archived
+from ax_kombu.store.audit import record as audit_record
 from ax_kombu.store.borrowed import Borrowing
 from ax_kombu.store.enqueue import KEY_POLICY, Written, insert_tasks, write_tasks
 from ax_kombu.store.leases import StoreReserver
@@ -64,6 +67,14 @@ _TASK_ARGS = frozenset({"task_type", "payload", "run_at", "delay", "priority", "
                         "order_key", "order_policy", "shards", "unique", "on_conflict"})
 _UNIQUE = ("always", "pending")
 _ON_CONFLICT = ("keep", "replace")
+def _os_user() -> str:
+    """Who a pause made through the API is recorded as: the OS user."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return f"uid:{os.getuid()}"
+
+
 def _key_policy(unique: Any, on_conflict: Any, biz_key: Any,
                 shards: Any) -> tuple[str, str] | None:
     """An item's :data:`~ax_kombu.store.enqueue.KEY_POLICY`, None for the default.
@@ -371,6 +382,57 @@ class Client(Moving):
         """Every limit: task type → most DISPATCHING or RUNNING at once."""
         with self.store.engine.connect() as conn:
             return gates.list_limits(conn)
+
+    # -- paused types and queues (ax_kombu.store.pauses) ----------------------------------------
+
+    def pause_type(self, task_type: str, *, actor: str | None = None,
+                   via: str = "api") -> bool:
+        """Pause ``task_type`` cluster-wide; see :func:`ax_kombu.pause_type`. ``actor``
+        (default: the OS user) and ``via`` go to the pause and its audit record.
+
+        Returns:
+            False when it was paused already (nothing changed).
+        Raises:
+            ValidationError: not a task type name; nothing was written.
+        """
+        return self._set_pause("type", task_type, True, actor, via)
+
+    def resume_type(self, task_type: str, *, actor: str | None = None,
+                    via: str = "api") -> bool:
+        """Lift the pause of ``task_type``; False when it was not paused."""
+        return self._set_pause("type", task_type, False, actor, via)
+
+    def pause_queue(self, queue: str, *, actor: str | None = None, via: str = "api") -> bool:
+        """Pause the queue named ``queue`` (as configured: ``AX_QUEUE_SLOW``…) cluster-wide.
+
+        Raises:
+            ValidationError: not one of the configured queue names; nothing was written.
+        """
+        return self._set_pause("queue", queue, True, actor, via)
+
+    def resume_queue(self, queue: str, *, actor: str | None = None, via: str = "api") -> bool:
+        """Lift the pause of the queue named ``queue``; False when it was not paused."""
+        return self._set_pause("queue", queue, False, actor, via)
+
+    def pauses(self) -> list[pause_store.Pause]:
+        """Every paused type and queue, with when and by whom."""
+        with self.store.engine.connect() as conn:
+            return pause_store.list_pauses(conn)
+
+    def _set_pause(self, kind: str, name: str, on: bool, actor: str | None,
+                   via: str) -> bool:
+        """Store or delete one pause, then write its audit record."""
+        queues = [self.settings.queue_for(p) for p in PRIORITIES]
+        name = pause_store.check(kind, name, queues)
+        who = check_text("actor", actor, 128) if actor is not None else _os_user()
+        now = self.store.now_ms()
+        with self.store.engine.begin() as conn:
+            changed = (pause_store.pause(conn, kind, name, who, now) if on
+                       else pause_store.resume(conn, kind, name, now))
+        audit_record(self.store.engine, actor=who, via=via,
+                     action=f"{'pause' if on else 'resume'}_{kind}", target=f"{kind}:{name}",
+                     detail={"changed": changed})
+        return changed
 
     # -- per-type alerts (ax_kombu.alerts) ------------------------------------------------------
 

@@ -40,6 +40,11 @@ Contracts:
 * **Broker down → no claims**: while the dispatcher reports the broker
   unreachable, fired ids go back to the wheel for ``republish_delay_ms`` and
   nothing is claimed, so no task is moved to DISPATCHING that cannot be sent.
+* **Paused types and queues** (:mod:`ax_kombu.store.pauses`): while something is paused,
+  the claim statement and the check of skipped ids leave its tasks (the pauses the
+  housekeeper's last preload round read: no query of its own); a paused task loaded
+  before its pause landed is refused and dropped from memory. A resume (a lost reply)
+  repeats its claim as it was.
 * Each claim statement runs in an ``ax.claim`` span when an OpenTelemetry SDK is configured
   (:func:`ax_kombu.observability.tracing.batch_span`; nothing otherwise).
 * On :meth:`~ax_kombu.scheduler.loop.Loop.stop` the claimer ends after the
@@ -66,6 +71,7 @@ from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes
 from ax_kombu.store.claims import claim, still_claimable
 from ax_kombu.store.gates import Broadcast, claim_gated
+from ax_kombu.store.pauses import NONE, PauseWatch
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +103,12 @@ class Claimer(Loop):
         lease: each batch goes to the dispatcher with the incarnation its lease had
             confirmed before the claim: the dispatcher publishes it only while the lease
             covers that incarnation (see :mod:`ax_kombu.scheduler.dispatcher`).
+        paused: the pauses the housekeeper last read (its own, empty, if None).
     """
 
     def __init__(self, settings: Settings, store: Store, node_id: str, fired: Mailbox[int],
                  timing: TimingLoop, dispatcher: Dispatcher, ids: ReservedIds,
-                 lease: Lease | None = None) -> None:
+                 lease: Lease | None = None, paused: PauseWatch | None = None) -> None:
         super().__init__("ax-claimer", fired.ready)
         self._batch = settings.claim_batch
         self._lead_ms = settings.claim_lead_ms
@@ -116,6 +123,7 @@ class Claimer(Loop):
         self._conn: Connection | None = None  # PostgreSQL: this stage's own, in autocommit
         self._ids = ids
         self._lease = lease
+        self._paused = paused or PauseWatch()
         #: the claim time of this claimer's last claim (each is later: see _claim_now)
         self._last_now = 0
         #: a claim whose outcome is unknown, to be resumed before anything else
@@ -187,14 +195,15 @@ class Claimer(Loop):
     def _claim_rows(self, batch: _Claim) -> list[Any]:
         """One claim statement: autocommit on the claimer's own connection (PostgreSQL)."""
         args = (batch.ids, self._node_id, batch.now, batch.due_before)
+        paused = NONE if batch.resume else self._paused.current
         if not self._pg:
             with self._store.engine.begin() as conn:
-                return claim(conn, *args, resume=batch.resume)
+                return claim(conn, *args, resume=batch.resume, paused=paused)
         if self._conn is None:
             conn = self._store.engine.connect()
             self._conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         try:
-            return claim(self._conn, *args, resume=batch.resume)
+            return claim(self._conn, *args, resume=batch.resume, paused=paused)
         except SQLAlchemyError:
             self._drop_connection()  # a new one next time
             raise
@@ -224,12 +233,13 @@ class Claimer(Loop):
         """Ids the claim skipped that are still claimable: gated and due → the gated claim;
         others fire again soon, a Celery-bound one not due yet at its trigger time (its
         time here is ``claim_lead_ms`` late, see :func:`ax_kombu.store.claims.fire_time`);
-        the rest (claimed elsewhere, cancelled, parked) are dropped."""
+        the rest (claimed elsewhere, cancelled, parked, paused) are dropped."""
         claimed = {r.task_id for r in rows}
         missing = [t for t in batch if t not in claimed]
         try:
             with self._store.engine.connect() as conn:
-                ours = still_claimable(conn, missing, claim_lead_ms=self._lead_ms)
+                ours = still_claimable(conn, missing, claim_lead_ms=self._lead_ms,
+                                       paused=self._paused.current)
         except SQLAlchemyError as exc:
             self._timing.retry_later(missing)  # the next claim sorts out which are still ours
             self.db_failed("claim", exc)

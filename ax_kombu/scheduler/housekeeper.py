@@ -20,13 +20,17 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   window and ``max_loaded``, never by how many future tasks exist (a round may
   overshoot ``max_loaded`` by the tasks tied at its last instant and those that
   became claimable again); no preload starts before the last one is in the
-  wheel, nor while the wheel is being dropped.
+  wheel, nor while the wheel is being dropped. The same transaction reads ``ax_pause``
+  (a handful of rows): paused types' and queues' tasks are not loaded, and the claimer
+  refuses those loaded before (:mod:`ax_kombu.store.pauses`); when a pause is lifted
+  the node reads its share's whole window again, so they are loaded at once.
 * **Recurring jobs** — every ``job_interval_ms``, before the preload: the
   occurrences due within ``job_lookahead_ms`` are written as tasks
   (:mod:`ax_kombu.scheduler.recurrence`), and the preload that follows takes
   them at once. The first pass of a starting node comes before its first
   preload, so a misfire is settled before anything overdue is fired.
-* **Judging** — every ``heartbeat_interval_s``: the clock skew is checked (a
+* **Judging** — every half ``heartbeat_interval_s`` (so a node is judged dead at most half
+  an interval after its silence window ends): the clock skew is checked (a
   skew above ``clock_skew_warn_ms`` is logged once per excursion; the gauge
   always shows it), and nodes silent for ``heartbeat_misses`` intervals are
   claimed dead exactly once — but only by a node whose own beats have been
@@ -74,7 +78,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ax_kombu.config import Settings
+from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.core.ids import compose
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
@@ -82,7 +86,7 @@ from ax_kombu.scheduler.loop import MAX_SLEEP_S, Loop
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.strays import Strays
 from ax_kombu.scheduler.timing import TimingLoop
-from ax_kombu.store import Store, nodes, preload, recovery
+from ax_kombu.store import Store, nodes, pauses, preload, recovery
 from ax_kombu.store import tasks as task_store
 from ax_kombu.store.notify import WakeListener
 
@@ -124,18 +128,23 @@ class Housekeeper(Loop):
         info: what the heartbeat publishes about the node.
         on_fenced: called when the node learns it was declared dead.
         jobs: writes recurring jobs' occurrences as tasks.
+        paused: where each preload round leaves the pauses it read, for the claimer.
     """
 
     def __init__(self, settings: Settings, store: Store, heartbeat: nodes.Heartbeat,
                  timing: TimingLoop, info: Callable[[], dict[str, Any]],
-                 on_fenced: Callable[[], None], jobs: Materialiser) -> None:
+                 on_fenced: Callable[[], None], jobs: Materialiser,
+                 paused: pauses.PauseWatch | None = None) -> None:
         super().__init__("ax-housekeeper", threading.Event())
         self._settings = settings
         self._store = store
         self._node_id = heartbeat.node_id
         self._timing = timing
         self._jobs = jobs
-        self._strays = Strays(settings, store, timing, self._node_id)
+        self._paused = paused or pauses.PauseWatch()
+        #: the stored pauses as last read, ``(kind, name)``
+        self._pause_rows: frozenset[tuple[str, str]] = frozenset()
+        self._strays = Strays(settings, store, timing, self._node_id, self._paused)
         self._on_fenced = on_fenced
         self.liveness = Liveness(settings, store, heartbeat, info, self._fenced, self.wake)
         self._wake_pending = True
@@ -290,27 +299,42 @@ class Housekeeper(Loop):
             with self._store.engine.begin() as conn:
                 live = nodes.live_names(conn, "scheduler", now - settings.silence_ms)
                 share = preload.Share.among(live, self._node_id)
-                moved = share != self._share
+                pause_rows = frozenset(pauses.read_rows(conn))
+                paused = pauses.resolve(pause_rows, self._settings.queue_for, PRIORITIES)
+                moved = share != self._share or paused.lifted_since(self._paused.current)
                 rows, loaded = preload.preload(conn, preload.Loaded() if moved else loaded,
-                                                horizon, room, share, lag)
+                                                horizon, room, share, lag, paused)
         except BaseException:
             self._wake_pending = True  # try again after the back-off
             if reread:
                 self._reread.set()
             raise
-        if moved:
+        if share != self._share:
             log.info("the live schedulers changed; reading this node's new share",
                      extra={"node": self._node_id, "schedulers": share.of,
                             "share": share.part})
             self._share = share
+        if pause_rows != self._pause_rows:
+            self._pauses_changed(pause_rows)
+        self._paused.current = paused
         self._loaded = loaded
         self._timing.hand(rows)
         metrics.preload_total.inc(len(rows))
         self._next["preload"] = now if loaded.until < horizon else now + self._poll_ms
 
+    def _pauses_changed(self, rows: frozenset[tuple[str, str]]) -> None:
+        """The stored pauses changed: log it, show it in ``ax_paused``."""
+        log.info("the paused task types and queues changed", extra={
+            "node": self._node_id, "paused": sorted(f"{k}:{n}" for k, n in rows)})
+        for kind, name in self._pause_rows - rows:
+            metrics.paused.remove(kind, name)
+        for kind, name in rows:
+            metrics.paused.labels(kind, name).set(1)
+        self._pause_rows = rows
+
     def _judge(self, now: int) -> None:
         """Declare silent nodes dead and recover their tasks (if this node is trusted)."""
-        self._next["judge"] = now + int(self._settings.heartbeat_interval_s * 1000)
+        self._next["judge"] = now + int(self._settings.heartbeat_interval_s * 500)
         self.liveness.judge(now)
 
     def _recover(self, now: int) -> None:

@@ -3,7 +3,7 @@
 The live schedulers split the claimable tasks between them by id
 (:class:`ax_kombu.store.preload.Share`), and a scheduler killed, paused or unable to
 preload still counts as live for its silence window (``heartbeat_misses ×
-heartbeat_interval_s``, 15 s by default): until then nobody else reads its share. Its
+heartbeat_interval_s``, 3 s by default): until then nobody else reads its share. Its
 tasks are not left to wait for that window. A scheduler looks, on the housekeeper's
 thread, for the claimable tasks of the *other* shares that are overdue
 (:func:`ax_kombu.store.preload.overdue_elsewhere`) and hands them to its timing loop;
@@ -33,6 +33,7 @@ from ax_kombu.config import Settings
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, preload
+from ax_kombu.store.pauses import PauseWatch
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,13 @@ class Strays:
         store: the task store.
         timing: where the strays are handed.
         node_id: this node's name (for the log).
+        paused: the pauses the last preload round read: their tasks are no strays.
     """
 
     def __init__(self, settings: Settings, store: Store, timing: TimingLoop,
-                 node_id: str) -> None:
+                 node_id: str, paused: PauseWatch | None = None) -> None:
         self._settings = settings
+        self._paused = paused or PauseWatch()
         self._store = store
         self._timing = timing
         self._node_id = node_id
@@ -91,7 +94,8 @@ class Strays:
             return 0
         with self._store.engine.begin() as conn:
             strays = preload.overdue_elsewhere(conn, now - after_ms, share, room,
-                                                settings.claim_lead_ms, since)
+                                                settings.claim_lead_ms, since,
+                                                self._paused.current)
         if strays:
             log.log(logging.INFO if quiet else logging.WARNING,
                     "took tasks of another scheduler's share that were overdue",

@@ -28,11 +28,13 @@ A message that cannot be built (:mod:`ax_kombu.broker.celery_wire`) ends its tas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, text
+from sqlalchemy import Connection, Row, TextClause, bindparam, text
 
 from ax_kombu.core.runners import FIXED_LEADS, OFF_AX_QUEUES
+from ax_kombu.store.pauses import NONE, Paused, bind, task_filter
 from ax_kombu.store.schema import CLAIMABLE, UNPARKED
 
 
@@ -107,9 +109,20 @@ _CLAIM_GENERIC = {k: text(_CLAIM.format(ids="IN :ids", **f)).bindparams(
     bindparam("ids", expanding=True)) for k, f in _FORMS.items()}
 
 
+@lru_cache(maxsize=64)
+def _claim_paused(pg: bool, form: tuple[bool, bool], paused: Paused) -> TextClause:
+    """The claim statement of ``form`` refusing ``paused``'s tasks (only while something
+    is paused: the statements above stay as they are)."""
+    f = _FORMS[form]
+    sql = _CLAIM.format(ids="= ANY(:ids)" if pg else "IN :ids",
+                        **{**f, "gate": f["gate"] + task_filter(paused)})
+    stmt = bind(text(sql), paused)
+    return stmt if pg else stmt.bindparams(bindparam("ids", expanding=True))
+
+
 def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
           due_before: int | None = None, *, gated: bool = False,
-          resume: bool = False) -> list[Row[Any]]:
+          resume: bool = False, paused: Paused = NONE) -> list[Row[Any]]:
     """Claim due tasks for dispatch by ``node``: DELAYED/READY → DISPATCHING, attempt + 1.
 
     One conditional statement for the whole batch: a row moves only if it is
@@ -124,6 +137,9 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
     Gated tasks (:mod:`ax_kombu.store.gates`) are left alone unless ``gated``: the gated
     claim passes it for the tasks it decided may start, and marks them.
 
+    Tasks of ``paused`` types and priorities (:mod:`ax_kombu.store.pauses`) are left alone:
+    one the scheduler loaded before the pause landed is refused here.
+
     Args:
         resume: this repeats, with the same ``node``, ``now_ms`` and ``due_before``, a call
             whose outcome is unknown (its reply was lost): the rows that call moved are
@@ -136,7 +152,11 @@ def claim(conn: Connection, task_ids: Sequence[int], node: str, now_ms: int,
         return []
     params = {"ids": list(task_ids), "node": node, "now": now_ms,
               "due_before": now_ms if due_before is None else due_before}
-    stmt = (_CLAIM_PG if conn.dialect.name == "postgresql" else _CLAIM_GENERIC)[gated, resume]
+    pg = conn.dialect.name == "postgresql"
+    if paused.any:
+        params.update(paused.params())
+        return list(conn.execute(_claim_paused(pg, (gated, resume), paused), params))
+    stmt = (_CLAIM_PG if pg else _CLAIM_GENERIC)[gated, resume]
     return list(conn.execute(stmt, params))
 
 
@@ -149,14 +169,26 @@ _STILL_CLAIMABLE = """
 _STILL_CLAIMABLE_SQL = text(_STILL_CLAIMABLE).bindparams(bindparam("ids", expanding=True))
 
 
-def still_claimable(conn: Connection, task_ids: Sequence[int], *,
-                    claim_lead_ms: int = 0) -> list[tuple[int, int, bool]]:
-    """Of ``task_ids`` (ids a claim skipped), those still claimable and not parked:
+@lru_cache(maxsize=16)
+def _still_claimable_paused(paused: Paused) -> TextClause:
+    return bind(text(_STILL_CLAIMABLE + task_filter(paused)), paused).bindparams(
+        bindparam("ids", expanding=True))
+
+
+def still_claimable(conn: Connection, task_ids: Sequence[int], *, claim_lead_ms: int = 0,
+                    paused: Paused = NONE) -> list[tuple[int, int, bool]]:
+    """Of ``task_ids`` (ids a claim skipped), those still claimable, not parked and not
+    ``paused`` (a paused one is dropped from the scheduler's memory: the preload reads it
+    again when its pause is lifted):
     ``(task_id, trigger_time, gated)`` — gated ones go to the gated claim
     (:mod:`ax_kombu.store.gates`), the others were locked by a racing claim that
     failed, or have a runner's fixed lead and are not due yet. Such a task's time is the
     one :func:`fire_time` gives it with ``claim_lead_ms``."""
     if not task_ids:
         return []
-    params = {"ids": list(task_ids), "claim_lead": claim_lead_ms}
-    return [(r.task_id, r.fire, bool(r.gated)) for r in conn.execute(_STILL_CLAIMABLE_SQL, params)]
+    params: dict[str, Any] = {"ids": list(task_ids), "claim_lead": claim_lead_ms}
+    stmt = _STILL_CLAIMABLE_SQL
+    if paused.any:
+        params.update(paused.params())
+        stmt = _still_claimable_paused(paused)
+    return [(r.task_id, r.fire, bool(r.gated)) for r in conn.execute(stmt, params)]

@@ -47,6 +47,11 @@ task. :func:`prune_due` deletes the entries whose time has passed and whose task
 moved on (never one whose task is still due then, however late). A row read twice is
 harmless for the same reasons. The recovery scans (a task a worker or a broker lost) are
 in :mod:`ax_kombu.store.recovery`.
+
+**Pauses** (:mod:`ax_kombu.store.pauses`): while a task type or queue is paused, every read
+here leaves its tasks out (on ``ax_task`` by its columns; on ``ax_due`` by a primary-key
+probe of the entry's task, which costs a round only while something is paused). Nothing
+is filtered, and no statement changes, while nothing is paused.
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, TextClause, text
 
 from ax_kombu.store.claims import fire_time
+from ax_kombu.store.pauses import NONE, Paused, bind, due_filter, task_filter
 from ax_kombu.store.schema import CLAIMABLE, UNPARKED
 
 
@@ -124,6 +130,7 @@ def _band_one(status: str, share: str, alias: str) -> str:
 
 
 def _band(share: str) -> str:
+    """``share``: the share's SQL, and the pause filter while something is paused."""
     # three ordered ranges of (status, trigger_time), merged: an IN list would sort them all
     parts = " UNION ALL ".join(_band_one(s, share, a) for s, a in
                                (("CREATED", "c"), ("DELAYED", "d"), ("READY", "r")))
@@ -133,6 +140,11 @@ def _band(share: str) -> str:
 def _tied(share: str) -> str:
     return (f"SELECT task_id, trigger_time, {fire_time()} FROM ax_task WHERE {CLAIMABLE} "
             f"AND trigger_time = :at AND {UNPARKED}{share}")
+
+
+def _text(sql: str, paused: Paused) -> TextClause:
+    """``sql`` as executed, with the paused lists bound while something is paused."""
+    return bind(text(sql), paused) if paused.any else text(sql)
 
 
 #: a steady round's reads of ``ax_due``: the band, the rest of its last instant, the changes
@@ -177,7 +189,7 @@ def read_mark(conn: Connection) -> Mark:
 
 
 def preload(conn: Connection, loaded: Loaded, horizon_ms: int, limit: int,
-            share: Share = ALL, celery_lag_ms: int = 0
+            share: Share = ALL, celery_lag_ms: int = 0, paused: Paused = NONE
             ) -> tuple[list[tuple[int, int]], Loaded]:
     """One preload round for ``share``: the band ``[loaded.until, horizon_ms)`` (at most
     ``limit`` tasks and those tied with the last) and, below it, what was armed since
@@ -190,31 +202,34 @@ def preload(conn: Connection, loaded: Loaded, horizon_ms: int, limit: int,
         the scheduler passes ``claim_lead_ms``, so such a task fires when due, unstaged)
         — and how far the share is now read. After the first round a pair may be out of
         date (the claim refuses it). On PostgreSQL, ``conn`` must be in a transaction
-        (planner settings are made for it alone).
+        (planner settings are made for it alone). ``paused``'s tasks are left out.
     """
     dialect = _dialect(conn)
     mark = read_mark(conn)
     where = share.sql()
     params: dict[str, Any] = {"lo": loaded.until, "hi": horizon_ms, "n": limit,
-                              "claim_lead": celery_lag_ms}
+                              "claim_lead": celery_lag_ms, **paused.params()}
     seen = loaded.mark if loaded.until > 0 else None  # None: nothing read yet
     fire = fire_time()
-    band_sql, tied_sql = ((_band(where), _tied(where)) if seen is None else
-                          (_DUE_BAND.format(fire=fire, share=where),
-                           _DUE_TIED.format(fire=fire, share=where)))
+    due = where + due_filter(paused, "ax_due.task_id")
+    band_sql, tied_sql = ((_band(where + task_filter(paused)),
+                           _tied(where + task_filter(paused))) if seen is None else
+                          (_DUE_BAND.format(fire=fire, share=due),
+                           _DUE_TIED.format(fire=fire, share=due)))
     changed: list[Any] = []
     if seen is not None:  # first: it may need a bitmap scan
         params.update(xmax=seen.xmax, xip=list(seen.xip))
-        changed = list(conn.execute(text(_DUE_CHANGED.format(
-            fire=fire, share=where, changed=changed_since(seen, dialect))), params))
+        changed = list(conn.execute(_text(_DUE_CHANGED.format(
+            fire=fire, share=where + due_filter(paused, "c.task_id"),
+            changed=changed_since(seen, dialect)), paused), params))
     if dialect == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
-    band = list(conn.execute(text(band_sql), params))
+    band = list(conn.execute(_text(band_sql, paused), params))
     until = max(horizon_ms, loaded.until)
     if len(band) >= limit:  # the rest of the last instant too, then go on after it
         last = band[-1][1]
         band = [r for r in band if r[1] < last]
-        band += conn.execute(text(tied_sql), {**params, "at": last})
+        band += conn.execute(_text(tied_sql, paused), {**params, "at": last})
         until = last + 1
     if len(changed) >= limit:  # read again, as band, from the last one on
         until = min(until, changed[-1][1])
@@ -245,7 +260,8 @@ def prune_due(conn: Connection, before_ms: int, limit: int, share: Share = ALL) 
 
 
 def overdue_elsewhere(conn: Connection, before_ms: int, share: Share, limit: int,
-                      celery_lag_ms: int = 0, since_ms: int = 0) -> list[tuple[int, int]]:
+                      celery_lag_ms: int = 0, since_ms: int = 0,
+                      paused: Paused = NONE) -> list[tuple[int, int]]:
     """Claimable tasks of the *other* shares due before ``before_ms``: those of a
     scheduler killed or paused and not yet past its silence window (it still counts as
     live, so nobody else reads its share), of one that beats but cannot preload (its
@@ -253,11 +269,13 @@ def overdue_elsewhere(conn: Connection, before_ms: int, share: Share, limit: int
     the schedulers disagreed on who is alive. At most ``limit``, oldest first, as
     :func:`preload` returns them; none for a scheduler alone. ``since_ms``: only those
     due at or after it (the index ranges start there: parked tasks, READY in the same
-    range, are walked only from there on). On PostgreSQL, ``conn`` must be in a
-    transaction (planner settings are made for it)."""
+    range, are walked only from there on). ``paused``'s tasks are left out. On PostgreSQL,
+    ``conn`` must be in a transaction (planner settings are made for it)."""
     if share.of <= 1:
         return []
     if conn.dialect.name == "postgresql":
         conn.execute(text(_INDEX_SCAN_ONLY))
-    params = {"lo": since_ms, "hi": before_ms, "n": limit, "claim_lead": celery_lag_ms}
-    return [(r[0], r[2]) for r in conn.execute(text(_band(share.sql(others=True))), params)]
+    params = {"lo": since_ms, "hi": before_ms, "n": limit, "claim_lead": celery_lag_ms,
+              **paused.params()}
+    sql = _band(share.sql(others=True) + task_filter(paused))
+    return [(r[0], r[2]) for r in conn.execute(_text(sql, paused), params)]
