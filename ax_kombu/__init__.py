@@ -58,6 +58,7 @@ from ax_kombu.exceptions import (
 )
 from ax_kombu.moving import UNCHANGED as _UNCHANGED
 from ax_kombu.recurring import JobView, periodic
+from ax_kombu.store.pauses import Pause
 from ax_kombu.tasks import Task, TaskCall
 from ax_kombu.views import AttemptView, Move, TaskId, TaskView
 
@@ -67,7 +68,8 @@ __all__ = [
     "Status", "Task", "TaskCall", "TaskId", "TaskNotFound", "TaskView", "TooLateToMove",
     "ValidationError", "WaitTimeout", "aio", "alerts", "cancel", "cancel_many", "client",
     "configure", "enqueue", "enqueue_many", "get", "jobs", "limits", "next_fires", "pause",
-    "periodic", "processor", "remove_alert", "reschedule", "resume", "run_now", "schedule",
+    "pause_queue", "pause_type", "pauses", "periodic", "processor", "remove_alert",
+    "reschedule", "resume", "resume_queue", "resume_type", "run_now", "schedule",
     "set_alert", "set_limit", "task", "unschedule", "wait",
 ]
 __version__ = "0.1.0"
@@ -366,6 +368,39 @@ def set_limit(task_type: str, max_running: int | None) -> None:
 def limits() -> dict[str, int]:
     """Every cluster-wide limit: task type → most running at once."""
     return client().limits()
+
+
+def pause_type(task_type: str) -> bool:
+    """Pause ``task_type`` cluster-wide: the schedulers leave its tasks waiting, unclaimed
+    (DELAYED/READY) and visibly late, until :func:`resume_type`; runs already claimed are
+    not recalled. Recorded in the audit as the OS user. Returns False if already paused.
+
+    Raises:
+        ValidationError: not a task type name; nothing was written.
+    """
+    return client().pause_type(task_type)
+
+
+def resume_type(task_type: str) -> bool:
+    """Lift the pause of ``task_type``: its waiting tasks are claimed and run, each once.
+    Returns False if it was not paused."""
+    return client().resume_type(task_type)
+
+
+def pause_queue(queue: str) -> bool:
+    """Pause a queue (by its configured name, e.g. ``AX_QUEUE_SLOW``'s) cluster-wide, as
+    :func:`pause_type` does a type. Raises ValidationError for an unknown queue name."""
+    return client().pause_queue(queue)
+
+
+def resume_queue(queue: str) -> bool:
+    """Lift the pause of a queue; returns False if it was not paused."""
+    return client().resume_queue(queue)
+
+
+def pauses() -> list[Pause]:
+    """Every paused type and queue (``kind``, ``name``, ``paused_at`` epoch ms, ``actor``)."""
+    return client().pauses()
 
 
 def set_alert(task_type: str, *, on: Iterable[str] | str | None = None,
