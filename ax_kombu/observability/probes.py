@@ -12,9 +12,9 @@ answering ``(ok, reason)``:
   should get no traffic, but may recover alone.
 
 Each probe answers 200 or 503 with one line of JSON: ``{"ok": false, "reason":
-"heartbeat 4.2 s old (silence window 3 s)", "check": "heartbeat"}`` (the first check
-that failed, in the order registered; all passed: their reasons joined). A check that
-raises fails with its exception's text. Checks read what the daemon already keeps in
+"heartbeat 4.2 s old (silence window 3 s)", "check": "heartbeat"}``: the reasons of the
+checks that failed, and the name of the first of them in the order registered (all
+passed: their reasons, and no name). A check that raises fails with its exception's text. Checks read what the daemon already keeps in
 memory (no database round trip), so a probe answers at once even while the database hangs.
 
 Under ``ax-worker --processes N`` the supervisor serves the port while its children
@@ -97,17 +97,19 @@ class Probe:
 
 
 def _decide(checks: Sequence[tuple[str, Check]]) -> Answer:
-    """The first failed check's answer, else ok with every reason."""
-    reasons = []
+    """Ok with every reason if every check passed; else not, with the failed checks'
+    reasons (a database cut off also makes the heartbeat old: both are said), named by
+    the first that failed."""
+    passed, failed = [], []
     for name, check in checks:
         try:
             ok, reason = check()
         except Exception as exc:  # noqa: BLE001 (a broken check is a failed one, never a 500)
-            ok, reason = False, f"{type(exc).__name__}: {exc}"
-        if not ok:
-            return Answer(False, reason, name)
-        reasons.append(reason)
-    return Answer(True, "; ".join(r for r in reasons if r) or "serving")
+            ok, reason = False, f"{name}: {type(exc).__name__}: {exc}"
+        (passed if ok else failed).append((name, reason))
+    if failed:
+        return Answer(False, "; ".join(reason for _, reason in failed), failed[0][0])
+    return Answer(True, "; ".join(reason for _, reason in passed if reason) or "serving")
 
 
 # -- the checks a node registers -----------------------------------------------------------

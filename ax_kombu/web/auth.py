@@ -20,8 +20,9 @@ from starlette.routing import Route
 from ax_kombu.web.console import console_of, csrf_checked
 from ax_kombu.web.security import SESSION_COOKIE
 
-#: paths open without credentials: the login form and the stylesheet and script it uses
-OPEN = ("/login", "/static/")
+#: paths open without credentials: the login form and the stylesheet and script it uses,
+#: and the probes (:mod:`ax_kombu.web.probes`)
+OPEN = ("/login", "/static/", "/healthz", "/readyz")
 
 
 class TokenGate(BaseHTTPMiddleware):
