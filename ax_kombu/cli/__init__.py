@@ -20,6 +20,7 @@ from ax_kombu.cli.inspect import inspect
 from ax_kombu.cli.jobs import jobs
 from ax_kombu.cli.limits import limits
 from ax_kombu.cli.list import list_tasks
+from ax_kombu.cli.pauses import COMMANDS as PAUSE_COMMANDS
 from ax_kombu.cli.plan import plan
 from ax_kombu.cli.purge import purge
 from ax_kombu.cli.reschedule import reschedule
@@ -57,3 +58,5 @@ for command in (enqueue, inspect, cancel, reschedule, db, status, jobs, limits, 
     main.add_command(command)
 main.add_command(alerts)
 main.add_command(workers)
+for command in PAUSE_COMMANDS:
+    main.add_command(command)
