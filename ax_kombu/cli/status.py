@@ -3,7 +3,9 @@
 A node is live when it heartbeated within ``heartbeat_misses ×
 heartbeat_interval_s`` and did not stop. Each queue shows how many live
 workers consume it; a queue nobody consumes shows how many tasks wait for it
-(``slow: no consumer, 120 waiting``): the scheduler does not re-publish to it. Passwords and query-string values in any URL shown (store,
+(``slow: no consumer, 120 waiting``): the scheduler does not re-publish to it. Paused task
+types and queues show with how many tasks each holds back (``paused  type sms.send (40
+waiting, by alice)``). Passwords and query-string values in any URL shown (store,
 broker, or inside a node's heartbeat info) are replaced by ``***``.
 """
 
@@ -21,7 +23,7 @@ from ax_kombu.config import PRIORITIES, Settings
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import StoreError
 from ax_kombu.observability.redaction import redact_url
-from ax_kombu.store import Store, gates
+from ax_kombu.store import Store, gates, pauses
 from ax_kombu.store.console import EXACT_UP_TO, task_counts
 from ax_kombu.store.engine import db_now_ms
 from ax_kombu.store.nodes import live_nodes
@@ -56,6 +58,7 @@ def _store_view(settings: Settings) -> dict[str, Any]:
             limits = gates.list_limits(conn)
             overdue_ms = oldest_overdue_ms(conn, now)
             delays = schedule_delays(conn, now - DELAY_WINDOW_MS)
+            paused = _paused(conn, settings)
     except SQLAlchemyError as exc:
         raise StoreError(f"cannot read the store {redact_url(settings.database_url)}: "
                          f"{type(exc).__name__}") from None
@@ -67,11 +70,20 @@ def _store_view(settings: Settings) -> dict[str, Any]:
     return {"nodes": found, "tasks": {str(s): int(counts.get(str(s), 0)) for s in Status},
             "tasks_estimated": sorted(estimated),
             "consumers": consumers, "waiting_without_consumer": waiting,
-            "limits": limits, "waiting_for_key_or_limit": parked,
+            "limits": limits, "waiting_for_key_or_limit": parked, "paused": paused,
             "free_slots": _free_slots(rows), "oldest_overdue_s": overdue_ms / 1000.0,
             "schedule_delay_5m": None if delays is None else {
                 "dispatches": delays.dispatches, "p50_ms": delays.p50_ms,
                 "p99_ms": delays.p99_ms}}
+
+
+def _paused(conn: Any, settings: Settings) -> list[dict[str, Any]]:
+    """Each pause, with how many claimable tasks it holds back."""
+    found = pauses.list_pauses(conn)
+    by_queue = {settings.queue_for(p): p for p in PRIORITIES}
+    held = pauses.waiting_by_pause(conn, found, by_queue.get)
+    return [{"kind": p.kind, "name": p.name, "paused_at": p.paused_at, "actor": p.actor,
+             "waiting": held[p.kind, p.name]} for p in found]
 
 
 def _free_slots(rows: list[Any]) -> dict[str, int]:
@@ -160,6 +172,9 @@ def _print(view: dict[str, Any]) -> None:
                    "database's statistics)")
     if view["limits"]:
         click.echo("limits  " + "  ".join(f"{t} {n}" for t, n in view["limits"].items()))
+    if view["paused"]:
+        click.echo("paused  " + "  ".join(f"{p['kind']} {p['name']} ({p['waiting']} waiting, "
+                                          f"by {p['actor']})" for p in view["paused"]))
     if view["waiting_for_key_or_limit"]:
         click.echo("waiting for an order key or a limit (READY, parked)  " + "  ".join(
             f"{t} {n}" for t, n in view["waiting_for_key_or_limit"].items()))
