@@ -209,6 +209,8 @@ class Worker:
             return False, "stopping (cold)" if self.flags.cold else "stopping (warm)"
         if not self.ready.is_set():
             return False, "not consuming: connecting to the broker"
+        if self.consumer.quiet.active:  # asked for: drained, not broken
+            return True, "quiet: takes no new work until resumed"
         return True, "consuming"
 
     def info(self) -> dict[str, Any]:
