@@ -2,7 +2,8 @@
 
 A node is live when it heartbeated within ``heartbeat_misses ×
 heartbeat_interval_s`` and did not stop. Each queue shows how many live
-workers consume it; a queue nobody consumes shows how many tasks wait for it
+workers consume it (a quiet worker, ``ax workers quiet``, does not, and shows
+``QUIET``); a queue nobody consumes shows how many tasks wait for it
 (``slow: no consumer, 120 waiting``): the scheduler does not re-publish to it. Paused task
 types and queues show with how many tasks each holds back (``paused  type sms.send (40
 waiting, by alice)``). Passwords and query-string values in any URL shown (store,
@@ -98,10 +99,11 @@ def _free_slots(rows: list[Any]) -> dict[str, int]:
 
 
 def _consumers(settings: Settings, rows: list[Any]) -> dict[str, int]:
-    """Per priority, how many live workers report consuming its queue."""
+    """Per priority, how many live workers report consuming its queue (a quiet one does not
+    consume)."""
     found = dict.fromkeys(PRIORITIES, 0)
     for row in rows:
-        if row.kind != "worker":
+        if row.kind != "worker" or row.quiet_at is not None:
             continue
         queues = json.loads(row.info or "{}").get("queues", [])
         for priority in PRIORITIES:
@@ -134,7 +136,8 @@ def _pools(info: dict[str, Any]) -> str:
 def _describe(node: dict[str, Any]) -> str:
     info = node["info"]
     if node["kind"] == "worker":
-        return (f"queues {','.join(info.get('queues', []))}  pools {_pools(info)}  "
+        quiet = "QUIET (takes no new work; ax workers resume)  " if info.get("quiet") else ""
+        return (f"{quiet}queues {','.join(info.get('queues', []))}  pools {_pools(info)}  "
                 f"running {info.get('running', 0)}")
     shown = {k: v for k, v in info.items() if not isinstance(v, (dict, list))}
     return "  ".join(f"{k} {v}" for k, v in shown.items())
