@@ -56,8 +56,10 @@ class CommonSettings:
     #: how long a process keeps its snowflake node number reserved (an id reservation in
     #: ``ax_id_lease``) before renewing it; ``AX_NODE_LEASE_S``: the deprecated name.
     id_reservation_s: int = 600
-    #: how often a process writes its heartbeat.
-    heartbeat_interval_s: float = 5.0
+    #: how often a process writes its heartbeat (one UPDATE of its node row). Short, so a
+    #: dead node's work moves in seconds: with the default misses, a node silent for 3 s is
+    #: dead (its incarnation's fence makes a short lease safe; docs/deploy.md, "Heartbeats").
+    heartbeat_interval_s: float = 1.0
     #: a node is dead after this many missed heartbeats.
     heartbeat_misses: int = 3
     #: a clock offset to the database above this is reported.
