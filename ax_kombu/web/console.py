@@ -31,6 +31,7 @@ PAYLOAD_CAP = 4096
 NOTES = {"cancelled": "Cancelled.", "retried": "Retried: READY, due now.",
          "run-now": "Moved to now: due at once.", "rescheduled": "Rescheduled.",
          "paused": "Paused.", "resumed": "Resumed.", "started": "One occurrence created, due now.",
+         "quiet": "Quiet: the worker takes no new work (within one heartbeat).",
          "limit-set": "Limit set.", "limit-cleared": "Limit cleared."}
 #: the role each kind of POST needs (:func:`checked_form`)
 VIEW, OPERATE, ADMINISTER = "viewer", "operator", "admin"
