@@ -100,7 +100,8 @@ def _decide(checks: Sequence[tuple[str, Check]]) -> Answer:
     """Ok with every reason if every check passed; else not, with the failed checks'
     reasons (a database cut off also makes the heartbeat old: both are said), named by
     the first that failed."""
-    passed, failed = [], []
+    passed: list[tuple[str, str]] = []
+    failed: list[tuple[str, str]] = []
     for name, check in checks:
         try:
             ok, reason = check()
