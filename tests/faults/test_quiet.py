@@ -116,7 +116,8 @@ def test_ax_workers_quiet_hands_staged_runs_to_the_other_worker(cluster: Cluster
     staged = _hold_staged(cluster, burst.ids)
     assert "w0: quiet" in ax.ok("workers", "quiet", "w0")
     seen = _quiet_seen(cluster, "w0")
-    assert "quiet" in ax.ok("workers")
+    assert "w0  quiet" in ax.ok("workers")
+    assert "QUIET" in ax.ok("status", "--no-broker")
     _check_drained(cluster, burst.ids, staged, seen)
     assert ("worker_quiet", "worker:w0") in [(r.action, r.target) for r in cluster.query(
         "SELECT action, target FROM ax_audit")]
