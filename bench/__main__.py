@@ -6,6 +6,8 @@
         async def processors on the worker's event loop vs sync ones (bench/async_burst.py)
     python -m bench aio-enqueue [--n 10000] [--concurrency 50] [--batch 1000] …
         ax_kombu.aio's enqueue throughput vs the sync API's (bench/aio_enqueue.py)
+    python -m bench heartbeat-cost [--intervals 1,5] [--seconds 30] [--workers 2]
+        the heartbeats' writes and commits per second per node, idle (bench/heartbeat_cost.py)
 
 The single-system benchmarks keep their own entry points (``python -m bench.e2e``,
 ``python -m bench.scheduler``, …).
@@ -17,7 +19,8 @@ import sys
 
 COMMANDS = {"run": "ax, Celery ETA and 200 ms table polling side by side (bench.run)",
             "async-burst": "10,000 tasks awaiting 100 ms: async def vs sync (bench.async_burst)",
-            "aio-enqueue": "async enqueue throughput vs the sync API (bench.aio_enqueue)"}
+            "aio-enqueue": "async enqueue throughput vs the sync API (bench.aio_enqueue)",
+            "heartbeat-cost": "heartbeat writes per second per node, idle (bench.heartbeat_cost)"}
 
 
 def main(argv: list[str]) -> int:
@@ -28,6 +31,11 @@ def main(argv: list[str]) -> int:
         from .aio_enqueue import main as aio_enqueue
 
         aio_enqueue(argv[1:])
+        return 0
+    if argv[0] == "heartbeat-cost":
+        from .heartbeat_cost import main as heartbeat_cost
+
+        heartbeat_cost(argv[1:])
         return 0
     if argv[0] == "async-burst":
         from .async_burst import main as async_burst
