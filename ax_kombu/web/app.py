@@ -32,7 +32,7 @@ from ax_kombu.exceptions import (
     TaskNotFound,
 )
 from ax_kombu.observability.redaction import redact_url
-from ax_kombu.web import alerts, audit, auth, jobs, limits, overview, probes, tasks
+from ax_kombu.web import alerts, audit, auth, jobs, limits, overview, pauses, probes, tasks
 from ax_kombu.web.access import Access
 from ax_kombu.web.console import HERE, Console, console_of
 from ax_kombu.web.security import LOOPBACK_HOSTS, Keys
@@ -89,7 +89,7 @@ def create_app(settings: Settings, token: str | None = None,
     hosts = ["*"] if access.guarded else list(LOOPBACK_HOSTS)
     app = Starlette(
         routes=[*auth.ROUTES, *overview.ROUTES, *tasks.ROUTES, *jobs.ROUTES, *limits.ROUTES,
-                *alerts.ROUTES, *audit.ROUTES, *probes.ROUTES,
+                *pauses.ROUTES, *alerts.ROUTES, *audit.ROUTES, *probes.ROUTES,
                 Mount("/static", StaticFiles(directory=HERE / "static"), name="static")],
         middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts),
                     Middleware(SecurityHeaders), Middleware(auth.TokenGate)],
