@@ -82,9 +82,9 @@ def _paused(conn: Any, settings: Settings) -> list[dict[str, Any]]:
     """Each pause, with how many claimable tasks it holds back."""
     found = pauses.list_pauses(conn)
     by_queue = {settings.queue_for(p): p for p in PRIORITIES}
-    held = pauses.waiting_by_pause(conn, found, by_queue.get)
+    waiting = pauses.waiting_by_pause(conn, found, by_queue.get)
     return [{"kind": p.kind, "name": p.name, "paused_at": p.paused_at, "actor": p.actor,
-             "waiting": held[p.kind, p.name]} for p in found]
+             "waiting": waiting[p.kind, p.name]} for p in found]
 
 
 def _free_slots(rows: list[Any]) -> dict[str, int]:

@@ -23,9 +23,9 @@ def pause_list(request: Request) -> Response:
     queues = {settings.queue_for(p): p for p in PRIORITIES}
     with console.engine.connect() as conn:
         found = pauses.list_pauses(conn)
-        held = pauses.waiting_by_pause(conn, found, queues.get)
+        waiting = pauses.waiting_by_pause(conn, found, queues.get)
     me = identity_of(request)
-    return console.page(request, "pauses.html", pauses=found, held=held, queues=queues,
+    return console.page(request, "pauses.html", pauses=found, waiting=waiting, queues=queues,
                         operator=me is not None and me.may(OPERATE))
 
 
