@@ -97,6 +97,15 @@ def _submitted(form: FormData) -> dict[str, Any]:
             "webhook": str(form.get("webhook", "")).strip()}
 
 
+def _detail(saved: dict[str, Any] | None, webhook: str) -> dict[str, Any]:
+    """The audit detail of a set: what the alert now watches, and where (host only; only
+    the webhook typed if the alert was removed since, by another request)."""
+    if saved is None:
+        return {"webhook": webhook_host(webhook)}
+    return {"on": [e for e in EVENTS if saved[f"on_{e}"]],
+            "late_after_ms": saved["late_after_ms"], "webhook": webhook_host(saved["webhook"])}
+
+
 async def set_alert(request: Request) -> Response:
     form = await checked_form(request, ADMINISTER)
     fields = _submitted(form)
@@ -111,12 +120,10 @@ async def set_alert(request: Request) -> Response:
         rows = await run_in_threadpool(_rows, request)
         return _page(request, rows, 400, form=fields, error=redact_url(str(exc)))
     rows = await run_in_threadpool(_rows, request)
-    saved = next(r for r in rows if r["task_type"] == fields["task_type"])
-    shown = _view(saved)
-    await audited(request, "alert_set", f"type:{saved['task_type']}",
-                  {"on": shown["on"], "late_after_ms": saved["late_after_ms"],
-                   "webhook": shown["webhook"]})
-    answer = _page(request, rows, secret=key, saved=shown)
+    saved = next((r for r in rows if r["task_type"] == fields["task_type"]), None)
+    await audited(request, "alert_set", f"type:{fields['task_type']}",
+                  _detail(saved, fields["webhook"]))
+    answer = _page(request, rows, secret=key, saved=None if saved is None else _view(saved))
     answer.headers["Cache-Control"] = "no-store"
     return answer
 
