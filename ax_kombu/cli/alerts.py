@@ -14,6 +14,7 @@ import click
 
 from ax_kombu.cli.base import OneLineGroup, audited, client_for
 from ax_kombu.exceptions import ValidationError
+from ax_kombu.observability.redaction import url_origin
 
 
 @click.group(cls=OneLineGroup)
@@ -67,7 +68,7 @@ def set_alert(ctx: click.Context, task_type: str, on: str | None, late_after: st
         alert = next(a for a in client.alerts() if a["task_type"] == task_type)
         audited(ctx, client.store.engine, "alert_set", f"type:{task_type}",
                 {"on": alert["on"], "late_after_ms": alert["late_after_ms"],
-                 "webhook": webhook})
+                 "webhook": url_origin(webhook)})  # its path or query may hold a token
     click.echo(f"{task_type}: alerting on {','.join(alert['on'])} to {webhook}")
     click.echo(f"signing secret (give it to the receiver): {key}")
 

@@ -8,6 +8,7 @@ Every place that prints a connection URL, or an error that may hold one, passes 
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 #: a URL inside any text: scheme://… up to whitespace or a quote. The scheme is bounded
 #: (RFC 3986 sets no limit; real ones are short): unbounded, every letter of a long run
@@ -63,3 +64,18 @@ def redact_url(url: str) -> str:
         'redis://:***@h:6379/0 and https://x/cb?token=***&sslmode=require'
     """
     return _KV_PASSWORD.sub(r"\1***", _URL_IN_TEXT.sub(_redact_one, url))
+
+
+def url_origin(url: str) -> str:
+    """``url`` as ``scheme://host[:port]/…``: no user, path or query (they may hold a
+    token); ``/…`` only when something was left out."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:
+        return "(not a URL)"
+    if ":" in host:
+        host = f"[{host}]"
+    more = parts.path not in ("", "/") or parts.query or parts.fragment
+    return f"{parts.scheme}://{host}{port}/{'…' if more else ''}"

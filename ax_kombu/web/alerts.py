@@ -12,7 +12,6 @@ message (status 400), and nothing is written.
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -23,26 +22,12 @@ from starlette.routing import Route
 from ax_kombu.alerts.rules import EVENTS
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.observability.redaction import redact_url
+from ax_kombu.observability.redaction import url_origin as webhook_host
 from ax_kombu.store import alerts as alert_store
 from ax_kombu.web.console import ADMINISTER, audited, checked_form, console_of, identity_of
 
 #: what the page says after a removal (``?note=``)
 NOTES = {"alert-removed": "Alert removed.", "alert-none": "There was no such alert."}
-
-
-def webhook_host(url: str) -> str:
-    """``url`` as ``scheme://host[:port]/…``: no user, path or query (they may hold a
-    token); ``/…`` only when something was left out."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port is not None else ""
-    except ValueError:
-        return "(not a URL)"
-    if ":" in host:
-        host = f"[{host}]"
-    more = parts.path not in ("", "/") or parts.query or parts.fragment
-    return f"{parts.scheme}://{host}{port}/{'…' if more else ''}"
 
 
 def _view(row: dict[str, Any]) -> dict[str, Any]:

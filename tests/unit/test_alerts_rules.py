@@ -5,6 +5,7 @@ secret is a Standard Webhooks key, shown by ``set`` and never by ``list``. On a 
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from ax_kombu.alerts import rules
 from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.exceptions import ValidationError
+from ax_kombu.observability.redaction import url_origin
 from ax_kombu.store.engine import make_engine
 from ax_kombu.store.schema import audit
 
@@ -114,7 +116,10 @@ def test_the_cli_sets_lists_and_removes_and_refuses_in_one_line(sqlite_url: str)
     assert run_ax("alerts", "list", env=env).stdout.strip() == "(no alerts)"
     engine = make_engine(sqlite_url)
     with engine.connect() as conn:  # each change is in the record of operator actions
-        done_rows = conn.execute(select(audit.c.action, audit.c.target).order_by(audit.c.id))
-        assert [tuple(r) for r in done_rows] == [("alert_set", "type:coupon.grant"),
-                                                 ("alert_remove", "type:coupon.grant")]
+        done_rows = list(conn.execute(select(audit.c.action, audit.c.target, audit.c.detail)
+                                      .order_by(audit.c.id)))
+        assert [tuple(r)[:2] for r in done_rows] == [("alert_set", "type:coupon.grant"),
+                                                     ("alert_remove", "type:coupon.grant")]
+        # the record names the webhook's host only: its path or query may hold a token
+        assert json.loads(done_rows[0].detail)["webhook"] == url_origin(HOOK) != HOOK
     engine.dispose()
