@@ -296,13 +296,15 @@ def compose() -> dict[str, Any]:
 
 
 def ax_services() -> dict[str, dict[str, Any]]:
-    """The services that run the image built from deploy/docker/Dockerfile."""
-    found = {}
-    for name, service in compose()["services"].items():
-        build = service.get("build") or {}
-        if build:
-            assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
-            found[name] = service
+    """The services that run the image built from deploy/docker/Dockerfile: one builds it,
+    the others run it and never pull it (no registry has it)."""
+    services = compose()["services"]
+    (builder,) = [s for s in services.values() if s.get("build")]
+    build = builder["build"]
+    assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
+    found = {name: s for name, s in services.items() if s.get("image") == builder["image"]}
+    for service in found.values():
+        assert service is builder or service["pull_policy"] == "never"
     return found
 
 
