@@ -6,9 +6,9 @@
 # and given to the build as PYTHON_IMAGE. buildah builds in the docker format (OCI's drops
 # HEALTHCHECK) with the host's network (pip reaches PyPI as on the host); podman runs the image with the host's network, so the containers reach
 # PostgreSQL and Redis on 127.0.0.1. It checks, in order: the build; the image's user is not
-# root; `ax db upgrade`; a scheduler and a worker (with examples/demo_tasks.py mounted) register,
-# serve /metrics and pass the image's HEALTHCHECK; a task enqueued from the image runs; both
-# stop warmly (exit 0) on `podman stop`. Root only (rootful podman); installs buildah, podman,
+# root; `ax db upgrade`; a scheduler and a worker (with examples/demo_tasks.py mounted)
+# register, serve /metrics, answer /readyz 200 and pass the image's HEALTHCHECK (/healthz); a
+# task enqueued from the image runs; both stop warmly (exit 0) on `podman stop`. Root only (rootful podman); installs buildah, podman,
 # runc and mmdebstrap from Debian's packages when missing. Run from anywhere:
 #
 #   bash deploy/docker/build_check.sh          (KEEP=1 keeps the image, the base is always kept)
@@ -103,6 +103,8 @@ until_ok() {  # until_ok SECONDS WHAT COMMAND…: poll COMMAND until it succeeds
 }
 until_ok 60 "the scheduler's /metrics" curl -sf http://127.0.0.1:19208/metrics
 until_ok 60 "the worker's /metrics" curl -sf http://127.0.0.1:19209/metrics
+until_ok 60 "the scheduler's /readyz" curl -sf http://127.0.0.1:19208/readyz
+until_ok 60 "the worker's /readyz" curl -sf http://127.0.0.1:19209/readyz
 for name in "$SCHED" "$WORKER"; do
   [ "$(pm exec "$name" id -u)" != 0 ] || fail "$name runs as root"
   pm healthcheck run "$name" >/dev/null || fail "$name: the image's HEALTHCHECK"
