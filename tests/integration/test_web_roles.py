@@ -83,7 +83,7 @@ def test_a_viewer_reads_but_every_post_is_refused_and_changes_nothing(
         page = web.get(f"/tasks/{waiting}").text
         assert 'id="me"' in page and "vera" in page and "(viewer)" in page
         assert "/cancel" not in page and "/run-now" not in page  # no buttons for a viewer
-        assert "/pause" not in web.get("/jobs").text
+        assert "/jobs/nightly/pause" not in web.get("/jobs").text
         assert "/limits/set" not in web.get("/limits").text
         for path, fields in ((f"/tasks/{waiting}/cancel", {}), (f"/tasks/{failed}/retry", {}),
                              (f"/tasks/{waiting}/run-now", {}),
