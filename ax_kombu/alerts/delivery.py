@@ -5,13 +5,17 @@ of its own.
 calls it, and the scheduler around it, never block on a slow or dead receiver. The thread
 POSTs each message with a :data:`TIMEOUT_S` bound; a 2xx answer delivers it, anything else
 (another status, no connection, no answer in time) tries again after 1, 2, 4… s (at most
-:data:`MAX_BACKOFF_S`), :data:`ATTEMPTS` tries in all, then the message is dropped with a
-warning. Retries keep the message's ``webhook-id`` and are signed anew (a fresh
-``webhook-timestamp``). Redirects are not followed.
+:data:`MAX_BACKOFF_S`), :data:`ATTEMPTS` tries in all, then this thread gives the message
+up, with a warning. Retries keep the message's ``webhook-id`` and are signed anew (a fresh
+``webhook-timestamp``). Redirects are not followed. A message already queued or in flight
+(by its ``webhook-id``) is not queued again.
 
-Delivery is at least once while the process lives: a message queued by a scheduler that
-stops or dies before it is delivered is lost (the next incident is reported anew). At most
-:data:`MAX_QUEUED` messages wait; past that the oldest is dropped, with a warning.
+What outlives the process is the alert's outbox (:mod:`ax_kombu.alerts.outbox`), told
+through :class:`Hooks`: a delivered message is taken out of it, a retry renews the
+scheduler's lease on it (a retry whose lease another scheduler holds now is left to that
+one), a message given up stays in it for a later takeover. At most :data:`MAX_QUEUED`
+messages wait here; past that the oldest leaves this queue, with a warning (it stays in
+its outbox).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import urllib3
 
@@ -47,6 +51,20 @@ class Message(NamedTuple):
     secret: str
     message_id: str
     body: dict[str, Any]
+    #: the alert's task type (its outbox row); "" for a message of no outbox
+    task_type: str = ""
+
+
+class Hooks(Protocol):
+    """What the sending thread tells the outbox (called on that thread)."""
+
+    def delivered(self, message: Message) -> None: ...
+
+    def retrying(self, message: Message, wait_s: float) -> bool:
+        """A try failed and the next is in ``wait_s``; False: do not retry here."""
+        ...
+
+    def gave_up(self, message: Message) -> None: ...
 
 
 class _Due(NamedTuple):
@@ -75,22 +93,29 @@ class Delivery:
         self._seq = itertools.count()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        #: ids queued or in flight
+        self._held: set[str] = set()
+        #: the outbox told of deliveries, retries and give-ups (None: none)
+        self.hooks: Hooks | None = None
         self.delivered = 0
         self.dropped = 0
 
     def send(self, message: Message) -> None:
-        """Queue ``message`` for delivery now; returns at once."""
+        """Queue ``message`` for delivery now (unless it is queued or in flight already);
+        returns at once."""
         with self._cond:
-            if self._stopped:
+            if self._stopped or message.message_id in self._held:
                 return
             if len(self._due) >= MAX_QUEUED:
                 oldest = min(self._due, key=lambda d: d.seq)
                 self._due.remove(oldest)
                 heapq.heapify(self._due)
+                self._held.discard(oldest.message.message_id)
                 self.dropped += 1
                 log.warning("alert delivery queue full; the oldest message is dropped",
                             extra={"message_id": oldest.message.message_id})
             heapq.heappush(self._due, _Due(self._clock(), next(self._seq), message, 1))
+            self._held.add(message.message_id)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ax-alert-delivery",
                                                 daemon=True)
@@ -98,7 +123,8 @@ class Delivery:
             self._cond.notify()
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop after at most ``grace_s``: messages not yet delivered are dropped."""
+        """Stop after at most ``grace_s``: messages not yet delivered leave this queue
+        (they stay in their outbox)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
@@ -131,19 +157,33 @@ class Delivery:
         except Exception as exc:  # noqa: BLE001 - any failure of one try is retried
             error = type(exc).__name__
         if error is None:
+            self._release(message)
             self.delivered += 1
+            if self.hooks is not None:
+                self.hooks.delivered(message)
             return
         extra = {"message_id": message.message_id, "url": redact_url(message.url),
                  "attempt": due.attempt, "error": error}
         if due.attempt >= ATTEMPTS:
+            self._release(message)
             self.dropped += 1
-            log.warning("alert not delivered; giving up", extra=extra)
+            log.warning("alert not delivered; giving up for now", extra=extra)
+            if self.hooks is not None:
+                self.hooks.gave_up(message)
+            return
+        wait = min(self._backoff_s * 2 ** (due.attempt - 1), MAX_BACKOFF_S)
+        if self.hooks is not None and not self.hooks.retrying(message, wait):
+            self._release(message)
+            log.info("alert not delivered; another scheduler delivers it now", extra=extra)
             return
         log.info("alert not delivered; trying again", extra=extra)
-        wait = min(self._backoff_s * 2 ** (due.attempt - 1), MAX_BACKOFF_S)
         with self._cond:
             heapq.heappush(self._due, _Due(self._clock() + wait, next(self._seq), message,
                                            due.attempt + 1))
+
+    def _release(self, message: Message) -> None:
+        with self._cond:
+            self._held.discard(message.message_id)
 
 
 _http = urllib3.PoolManager(num_pools=16, retries=False)

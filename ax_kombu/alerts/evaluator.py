@@ -14,11 +14,16 @@ window is looked at again, longer, by the next pass):
 * no event for ``alert_quiet_ms`` since the incident's last one: it closes; the winner
   sends **resolved** (with the incident's total).
 
+The compare-and-set that opens or closes an incident writes its message into the row's
+outbox in the same statement (:mod:`ax_kombu.alerts.outbox`); the pass also takes over
+the outboxes whose deliverer's lease ran out.
+
 Guarantees: with any number of schedulers, each window of each alert is judged once (the
-compare-and-set's rowcount decides), so one incident sends one firing and one resolved
-message, delivered at least once while the winning scheduler lives
-(:mod:`ax_kombu.alerts.delivery`). The pass holds no lock and writes one small row per
-alert; a database error skips the pass (the window stays, the next pass covers it).
+compare-and-set's rowcount decides), so one incident makes one firing and one resolved
+message, each delivered at least once whatever scheduler dies or stops (the outbox), with
+the same ``webhook-id`` on every try (:mod:`ax_kombu.alerts.delivery`). The pass holds no
+lock and writes one small row per alert; a database error skips the pass (the window
+stays, the next pass covers it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ax_kombu.alerts.delivery import Delivery, Message
+from ax_kombu.alerts.outbox import LEASE_MS, Outbox, entry
 from ax_kombu.store import Store
 from ax_kombu.store import alerts as alert_store
 
@@ -68,7 +74,7 @@ def notification(alert: dict[str, Any], kind: str, opened_at: int, at: int, even
         data["resolved_at"] = _iso(at)
     body = {"type": f"ax.alert.{kind}", "timestamp": _iso(at), "data": data}
     return Message(alert["webhook"], alert["secret"],
-                   message_id(alert["task_type"], opened_at, kind), body)
+                   message_id(alert["task_type"], opened_at, kind), body, alert["task_type"])
 
 
 class Evaluator:
@@ -77,19 +83,23 @@ class Evaluator:
 
     Args:
         quiet_ms: an incident closes after this long without an event.
+        lease_ms: a deliverer's lease on an alert's outbox (:mod:`ax_kombu.alerts.outbox`).
     """
 
-    def __init__(self, store: Store, delivery: Delivery, quiet_ms: int) -> None:
+    def __init__(self, store: Store, delivery: Delivery, quiet_ms: int,
+                 lease_ms: int = LEASE_MS) -> None:
         self.store = store
         self.delivery = delivery
         self.quiet_ms = quiet_ms
+        self.outbox = Outbox(store, delivery, lease_ms)
 
     def run_once(self) -> int:
         """One pass over every alert; returns how many messages it queued."""
-        until = self.store.now_ms() - SETTLE_MS
+        now = self.store.now_ms()
         with self.store.engine.connect() as conn:
             rows = alert_store.list_all(conn)
-        return sum(self._judge(alert, until) for alert in rows)
+        return sum(self._judge(alert, now - SETTLE_MS) or self.outbox.take_over(alert, now)
+                   for alert in rows)
 
     def _judge(self, alert: dict[str, Any], until: int) -> int:
         since = alert["checked_until"]
@@ -100,12 +110,20 @@ class Evaluator:
             changes, message = self._decide(alert, found, until)
             if message is None and not found.total and until - since < IDLE_WRITE_MS:
                 return 0
-            won = alert_store.advance(conn, alert["task_type"], since, changes)
+            entries: list[dict[str, Any]] = []
+            lease = 0
+            if message is not None:  # the message goes into the outbox with the move
+                entries = [*alert_store.outbox_of(alert["outbox"]), entry(message, until)]
+                lease = until + SETTLE_MS + self.outbox.lease_ms
+                changes.update(outbox=alert_store.outbox_text(entries),
+                               outbox_claimed_until=lease)
+            won = alert_store.advance(conn, alert["task_type"], since, changes,
+                                      read_outbox=alert["outbox"])
         if won and message is not None:
             log.info("alert", extra={"task_type": alert["task_type"],
                                      "status": message.body["data"]["status"]})
-            self.delivery.send(message)
-            return 1
+            self.outbox.hold(alert["task_type"], lease)
+            return self.outbox.send_all(alert, entries)
         return 0
 
     def _decide(self, alert: dict[str, Any], found: alert_store.Events, until: int

@@ -17,11 +17,15 @@ evaluator pass moves forward, with the indexes the table already has:
 :func:`advance` is the one write of the evaluator: it moves ``checked_until`` (and the
 incident columns) only if ``checked_until`` is still what the caller read, so among
 schedulers evaluating the same alert at once exactly one wins each window, and only the
-winner sends what the move means.
+winner sends what the move means. When the move opens or closes an incident it appends
+its message to the row's ``outbox`` in the same statement, so a message is never lost with
+the scheduler that won it: :func:`take_out` removes it once delivered, and
+:func:`claim_outbox` lets any scheduler take over messages whose lease ran out.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, delete, select, text, update
@@ -113,10 +117,72 @@ def list_all(conn: Connection) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
-def advance(conn: Connection, task_type: str, read_until: int, changes: dict[str, Any]
-            ) -> bool:
+def advance(conn: Connection, task_type: str, read_until: int, changes: dict[str, Any],
+            read_outbox: str | None = None) -> bool:
     """Apply ``changes`` (which set ``checked_until`` forward) to the alert of
-    ``task_type`` if its ``checked_until`` is still ``read_until``; True if this call won."""
-    stmt = (update(alerts).where(alerts.c.task_type == task_type,
-                                 alerts.c.checked_until == read_until).values(**changes))
+    ``task_type`` if its ``checked_until`` is still ``read_until`` (and, when ``changes``
+    write the ``outbox``, that is still ``read_outbox``); True if this call won."""
+    stmt = update(alerts).where(alerts.c.task_type == task_type,
+                                alerts.c.checked_until == read_until)
+    if "outbox" in changes:
+        stmt = stmt.where(alerts.c.outbox.is_not_distinct_from(read_outbox))
+    return conn.execute(stmt.values(**changes)).rowcount == 1
+
+
+# -- the outbox: messages not yet delivered (migration 0026) ----------------------------------
+
+def outbox_of(text_: str | None) -> list[dict[str, Any]]:
+    """The messages of an ``outbox`` column (``[]``: none)."""
+    found: list[dict[str, Any]] = json.loads(text_) if text_ else []
+    return found
+
+
+def outbox_text(entries: list[dict[str, Any]]) -> str | None:
+    """``entries`` as the ``outbox`` column (None: none)."""
+    return json.dumps(entries, separators=(",", ":")) if entries else None
+
+
+def claim_outbox(conn: Connection, task_type: str, read_claimed: int | None,
+                 read_outbox: str | None, outbox: str | None, until_ms: int) -> bool:
+    """Take the outbox of ``task_type`` over (its lease now runs to ``until_ms``; its
+    messages are ``outbox``) if its lease and messages are still what the caller read."""
+    stmt = (update(alerts).where(
+        alerts.c.task_type == task_type,
+        alerts.c.outbox_claimed_until.is_not_distinct_from(read_claimed),
+        alerts.c.outbox.is_not_distinct_from(read_outbox))
+        .values(outbox=outbox, outbox_claimed_until=until_ms))
     return conn.execute(stmt).rowcount == 1
+
+
+def renew_outbox(conn: Connection, task_type: str, held: int, until_ms: int | None) -> bool:
+    """Move the outbox lease of ``task_type`` from ``held`` (the caller's) to ``until_ms``;
+    False if another scheduler holds it now."""
+    stmt = (update(alerts).where(alerts.c.task_type == task_type,
+                                 alerts.c.outbox_claimed_until == held)
+            .values(outbox_claimed_until=until_ms))
+    return conn.execute(stmt).rowcount == 1
+
+
+#: tries of :func:`take_out` against concurrent writers of the same outbox
+_TAKE_OUT_TRIES = 5
+
+
+def take_out(conn: Connection, task_type: str, message_id: str) -> bool:
+    """Remove the message ``message_id`` from the outbox of ``task_type`` (a
+    compare-and-set on the outbox, tried again if another write came between); False if
+    it was not there (delivered and taken out already, or the alert is gone)."""
+    column = alerts.c.outbox
+    for _ in range(_TAKE_OUT_TRIES):
+        read = conn.execute(select(column).where(alerts.c.task_type == task_type)).first()
+        if read is None:
+            return False
+        entries = outbox_of(read[0])
+        left = [e for e in entries if e.get("id") != message_id]
+        if len(left) == len(entries):
+            return False
+        stmt = (update(alerts).where(alerts.c.task_type == task_type,
+                                     column.is_not_distinct_from(read[0]))
+                .values(outbox=outbox_text(left)))
+        if conn.execute(stmt).rowcount == 1:
+            return True
+    return False

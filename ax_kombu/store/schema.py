@@ -326,6 +326,10 @@ alerts = Table(
     Column("last_event_at", BigInteger),
     Column("events", Integer, nullable=False, server_default="0"),
     Column("sample_task_id", BigInteger),
+    # the messages not yet delivered, a JSON list (NULL: none), and the lease of the
+    # scheduler delivering them (epoch ms; migration 0026)
+    Column("outbox", Text),
+    Column("outbox_claimed_until", BigInteger),
     CheckConstraint("on_failed OR on_late", name="ck_ax_alert_watches"),
     CheckConstraint("NOT on_late OR late_after_ms > 0", name="ck_ax_alert_late_after"),
 )

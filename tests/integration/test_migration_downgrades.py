@@ -124,7 +124,7 @@ def test_0020_0019_0018_0017_and_0016_go_back_and_come_again(empty_store: Engine
     assert _duplicates_found(engine, 20)
 
     migrate(engine)
-    assert current_revision(engine) == "0025"
+    assert current_revision(engine) == "0026"
     if postgres:
         assert "ix_ax_fingerprint_probe" in _indexes(engine)
         assert "ix_ax_fingerprint_hash" not in _indexes(engine)
@@ -156,7 +156,7 @@ def test_0022_trace_context_and_run_logs_go_back_and_come_again(empty_store: Eng
     assert _duplicates_found(engine, 10)  # the stored task survived the dropped columns
 
     migrate(engine)
-    assert current_revision(engine) == "0025"
+    assert current_revision(engine) == "0026"
     assert {"traceparent", "tracestate"} <= _columns(engine, "ax_task")
 
 
@@ -177,7 +177,7 @@ def test_0024_alerts_go_back_and_come_again(empty_store: Engine) -> None:
     assert _duplicates_found(engine, 10)  # the tasks are untouched
 
     migrate(engine)
-    assert current_revision(engine) == "0025"
+    assert current_revision(engine) == "0026"
     with engine.connect() as conn:  # back, empty, and its checks in force
         assert conn.execute(text("SELECT count(*) FROM ax_alert")).scalar() == 0
     with pytest.raises(IntegrityError, match="(?i)check"), engine.begin() as conn:
@@ -204,7 +204,31 @@ def test_0025_pauses_and_quiet_workers_go_back_and_come_again(empty_store: Engin
     assert _duplicates_found(engine, 10)  # the tasks are untouched
 
     migrate(engine)
-    assert current_revision(engine) == "0025"
+    assert current_revision(engine) == "0026"
     with pytest.raises(IntegrityError, match="(?i)check"), engine.begin() as conn:
         conn.execute(text("INSERT INTO ax_pause (kind, name, paused_at, actor) "
                           "VALUES ('lane', 'x', 1, 'ops')"))
+
+
+def test_0026_alert_outbox_goes_back_and_comes_again(empty_store: Engine) -> None:
+    engine = empty_store
+    migrate(engine)
+    assert {"outbox", "outbox_claimed_until"} <= _columns(engine, "ax_alert")
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO ax_alert (task_type, on_failed, on_late, webhook, secret, "
+            "created_at, updated_at, checked_until, events, outbox, outbox_claimed_until) "
+            "VALUES ('coupon.grant', true, false, 'https://hooks.example/a', 'whsec_x', 1, "
+            "1, 1, 0, '[{\"id\":\"msg_1\"}]', 5)"))
+
+    _downgrade(engine, "0025")
+    assert current_revision(engine) == "0025"
+    assert not {"outbox", "outbox_claimed_until"} & _columns(engine, "ax_alert")
+    with engine.connect() as conn:  # the alert itself is kept
+        assert conn.execute(text("SELECT task_type FROM ax_alert")).scalar() == "coupon.grant"
+
+    migrate(engine)
+    assert current_revision(engine) == "0026"
+    with engine.connect() as conn:  # back, empty
+        row = conn.execute(text("SELECT outbox, outbox_claimed_until FROM ax_alert")).one()
+    assert tuple(row) == (None, None)

@@ -49,7 +49,7 @@ def test_0021_splits_the_column_and_takes_it_back(empty_store: Engine) -> None:
                      old_row(2, 6_000, "RUNNING", node="w1"),
                      old_row(3, 7_000, "DELAYED", node=None)])
     migrate(engine)
-    assert current_revision(engine) == "0025"
+    assert current_revision(engine) == "0026"
     for table in ("ax_task", "ax_task_archive"):
         columns = {c["name"] for c in inspect(engine).get_columns(table)}
         assert {"owner_node", "parked"} <= columns and "last_run_node" not in columns
