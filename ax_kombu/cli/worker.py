@@ -268,8 +268,8 @@ def _supervise(processes: int, argv: list[str], queues: str, apps: tuple[str, ..
 
 
 def _children_probe(shared: SharedMetrics, names: list[str], settings: Settings) -> Probe:
-    """The supervisor's probes: healthy while every child's heartbeat is fresh, ready while
-    every child is ready (from the reports the children write)."""
+    """The supervisor's probes: healthy while every child reports itself live, ready while
+    every child is ready (from the reports the children write, fresh within the window)."""
     probe = Probe()
     watch_reports(probe, shared.reports, lambda: names, settings.silence_ms / 1000.0)
     return probe

@@ -90,6 +90,10 @@ class NodeLifecycle:
         self.landed_at: float | None = None
         #: why the last beat failed (the database unreachable…); None once one lands
         self.failure: str | None = None
+        #: monotonic time the last beat (or registration) was tried, landed or not; and
+        #: whether one is being tried now (waiting on the database): the liveness probe
+        self.tried_at: float | None = None
+        self.trying = False
 
     @property
     def node_id(self) -> str:
@@ -111,7 +115,7 @@ class NodeLifecycle:
                 retries; a beat counts it as failed).
         """
         self.lease.revoke()
-        sent = time.monotonic()
+        sent = self.tried_at = time.monotonic()
         took = self.heartbeat.register(self._info(), keep_running=sorted(self._keep_running()))
         self.lease.confirm(sent, self.heartbeat.incarnation)
         self.landed_at, self.failure = sent, None
@@ -125,7 +129,8 @@ class NodeLifecycle:
         Raises:
             NodeNameInUse: registering anew found the name taken by a live process.
         """
-        sent = time.monotonic()
+        sent = self.tried_at = time.monotonic()
+        self.trying = True
         try:
             if self.heartbeat.beat(self._info()):
                 self.lease.confirm(sent, self.heartbeat.incarnation)
@@ -142,6 +147,8 @@ class NodeLifecycle:
                         extra={"node": self.node_id,
                                "error": str(getattr(exc, "orig", None) or exc)[:500]})
             return False
+        finally:
+            self.trying = False
         self.beats += 1
         return True
 

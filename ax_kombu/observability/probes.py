@@ -3,9 +3,11 @@
 A daemon keeps one :class:`Probe` and registers named checks into it, each a callable
 answering ``(ok, reason)``:
 
-* **live** checks decide ``/healthz``: the process is serving and its last heartbeat
-  is fresh (younger than the silence window; :func:`watch_beats`). A process whose
-  liveness fails should be restarted.
+* **live** checks decide ``/healthz``: the process is serving and its heartbeat goes on:
+  a beat was tried within the silence window, landed or not, or one is waiting on the
+  database for less than :data:`HUNG_S` (:func:`watch_beats`). A process whose liveness
+  fails should be restarted: a database outage is not such a case (a restart cannot
+  cure it, and every node would restart at once), so it fails readiness, not liveness.
 * **ready** checks decide ``/readyz``, after the live ones: registered under a live
   incarnation (its lease covers now), the database reachable (the last beat landed),
   and consuming (a worker) or claiming (a scheduler). A process that is not ready
@@ -20,7 +22,7 @@ memory (no database round trip), so a probe answers at once even while the datab
 Under ``ax-worker --processes N`` the supervisor serves the port while its children
 beat: each child writes its answers to a file every interval (:class:`Reporter`), and
 the supervisor's checks read them (:func:`watch_reports`): it is healthy while every
-child's heartbeat is fresh, and ready while every child is ready.
+child reported within the silence window that it is live, and ready while every child is.
 
 :func:`wsgi_app` routes the two paths to a probe and everything else to another WSGI
 application (the Prometheus metrics, :func:`ax_kombu.observability.metrics.serve`).
@@ -46,6 +48,8 @@ WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 #: the variable naming the directory where a supervisor's children write their answers
 REPORTS_ENV = "AX_PROBE_DIR"
 PATHS = ("/healthz", "/readyz")
+#: a beat waiting on the database this long means the process is wedged (not live)
+HUNG_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,12 @@ class Beating(Protocol):
     def failure(self) -> str | None: ...
 
     @property
+    def tried_at(self) -> float | None: ...
+
+    @property
+    def trying(self) -> bool: ...
+
+    @property
     def incarnation(self) -> int: ...
 
     @property
@@ -139,23 +149,31 @@ class Beating(Protocol):
 
 def watch_beats(probe: Probe, node: Beating, silence_s: float,
                 clock: Callable[[], float] = time.monotonic) -> None:
-    """Add a node's heartbeat checks to ``probe``: live while its last landed beat is younger
-    than ``silence_s``; ready while its lease covers its incarnation and its last beat did
-    not fail (the database is reachable)."""
-    probe.beat_at = lambda: node.landed_at
-    probe.live("heartbeat", lambda: beat_fresh(node.landed_at, silence_s, clock()))
+    """Add a node's heartbeat checks to ``probe``: live while its beats go on (see the module
+    docstring); ready while its lease covers its incarnation and its last beat did not fail
+    (the database is reachable)."""
+    probe.beat_at = lambda: node.tried_at
+    probe.live("heartbeat", lambda: beats_going(node, silence_s, clock()))
     probe.ready("registered", lambda: _registered(node))
     probe.ready("database", lambda: (node.failure is None, _database(node.failure)))
 
 
-def beat_fresh(landed_at: float | None, silence_s: float, now: float) -> tuple[bool, str]:
-    """Is a heartbeat that landed at ``landed_at`` (None: none yet) fresh at ``now``?"""
-    if landed_at is None:
+def beats_going(node: Beating, silence_s: float, now: float) -> tuple[bool, str]:
+    """Is ``node``'s heartbeat going on at ``now``: a beat tried within ``silence_s``, or
+    one waiting on the database for less than :data:`HUNG_S`? (Landed or not: a beat that
+    fails for an unreachable database still shows the process is alive.)"""
+    tried, landed = node.tried_at, node.landed_at
+    if tried is None or landed is None:  # a beat must have landed once
         return False, "not registered yet"
-    age = max(0.0, now - landed_at)
-    if age >= silence_s:
-        return False, f"heartbeat {age:.1f} s old (silence window {silence_s:g} s)"
-    return True, f"heartbeat {age:.1f} s old"
+    waited = max(0.0, now - tried)
+    if node.trying:
+        if waited >= HUNG_S:
+            return False, f"a heartbeat has waited {waited:.1f} s on the database"
+    elif waited >= silence_s:
+        return False, f"no heartbeat tried for {waited:.1f} s (silence window {silence_s:g} s)"
+    if node.failure is None:
+        return True, f"heartbeat {max(0.0, now - landed):.1f} s old"
+    return True, f"heartbeats going on, failing: {node.failure}"
 
 
 def _registered(node: Beating) -> tuple[bool, str]:
@@ -213,8 +231,8 @@ class Reporter(threading.Thread):
 def watch_reports(probe: Probe, directory: str, names: Callable[[], Sequence[str]],
                   silence_s: float, clock: Callable[[], float] = time.time) -> None:
     """Add a supervisor's checks to ``probe``: live while every child named by ``names``
-    has a heartbeat younger than ``silence_s`` (from its latest report), ready while every
-    child's latest report is that fresh and says it is ready."""
+    wrote a report within ``silence_s`` that says it is live, ready while every child's
+    latest report is that fresh and says it is ready."""
     def each(judge: Callable[[str, dict[str, Any], float], tuple[bool, str]]) -> Check:
         def check() -> tuple[bool, str]:
             reasons = []
@@ -226,9 +244,9 @@ def watch_reports(probe: Probe, directory: str, names: Callable[[], Sequence[str
             return True, ", ".join(reasons)
         return check
 
-    probe.live("children", each(lambda _, report, now: _child_live(report, silence_s, now)))
+    probe.live("children", each(lambda _, report, now: _child(report, "healthz", silence_s, now)))
     probe.ready("children ready",
-                each(lambda _, report, now: _child_ready(report, silence_s, now)))
+                each(lambda _, report, now: _child(report, "readyz", silence_s, now)))
 
 
 def _report(directory: str, name: str) -> dict[str, Any]:
@@ -241,20 +259,16 @@ def _report(directory: str, name: str) -> dict[str, Any]:
     return report if isinstance(report, dict) else {}
 
 
-def _child_live(report: dict[str, Any], silence_s: float, now: float) -> tuple[bool, str]:
-    if not report:
-        return False, "no report yet (starting)"
-    beat = report.get("beat_at")
-    return beat_fresh(None if beat is None else float(beat), silence_s, now)
-
-
-def _child_ready(report: dict[str, Any], silence_s: float, now: float) -> tuple[bool, str]:
+def _child(report: dict[str, Any], probe: str, silence_s: float, now: float
+           ) -> tuple[bool, str]:
+    """A child's answer to ``probe`` ("healthz", "readyz") from its latest report, if the
+    report is younger than ``silence_s`` (a child that stopped writing is not live)."""
     if not report:
         return False, "no report yet (starting)"
     age = now - float(report.get("at", 0.0))
     if age >= silence_s:
         return False, f"no report for {age:.1f} s (silence window {silence_s:g} s)"
-    ok, reason = report.get("readyz", [False, "no answer"])
+    ok, reason = report.get(probe, [False, "no answer"])
     return bool(ok), str(reason)
 
 
@@ -283,13 +297,14 @@ def wsgi_app(probe: Probe, other: WsgiApp) -> WsgiApp:
 
 
 __all__ = [
+    "HUNG_S",
     "REPORTS_ENV",
     "Answer",
     "Beating",
     "Check",
     "Probe",
     "Reporter",
-    "beat_fresh",
+    "beats_going",
     "watch_beats",
     "watch_reports",
     "wsgi_app",

@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry, Counter
 from ax_kombu.core.lease import Lease
 from ax_kombu.observability import metrics
 from ax_kombu.observability.probes import (
+    HUNG_S,
     Probe,
     Reporter,
-    beat_fresh,
+    beats_going,
     watch_beats,
     watch_reports,
 )
@@ -46,10 +47,17 @@ class FakeNode:
     landed_at: float | None = None
     failure: str | None = None
     incarnation: int = 0
+    tried_at: float | None = None
+    trying: bool = False
 
     def land(self, at: float, incarnation: int = 7) -> None:
         self.incarnation, self.landed_at, self.failure = incarnation, at, None
+        self.tried_at = at
         self.lease.confirm(at, incarnation)
+
+    def fail(self, at: float, why: str = "connection refused") -> None:
+        """A beat tried at ``at`` that failed (the database unreachable)."""
+        self.tried_at, self.failure = at, why
 
 
 @pytest.fixture
@@ -108,15 +116,41 @@ def test_a_fresh_beat_is_healthy_and_ready(probe: Probe, node: FakeNode, clock: 
     assert "incarnation 7" in ready.reason and "database reachable" in ready.reason
 
 
-def test_a_beat_older_than_the_silence_window_is_unhealthy(
+def test_no_beat_tried_within_the_silence_window_is_unhealthy(
         probe: Probe, node: FakeNode, clock: Clock) -> None:
     node.land(clock.now)
-    clock.now += 4.2
+    clock.now += 4.2  # the beat loop stopped (a stopped or wedged process)
     health = probe.healthz()
     assert (health.ok, health.check) == (False, "heartbeat")
-    assert health.reason == "heartbeat 4.2 s old (silence window 3 s)"
+    assert health.reason == "no heartbeat tried for 4.2 s (silence window 3 s)"
     ready = probe.readyz()
     assert not ready.ok and "the lease of incarnation 7 has run out" in ready.reason
+
+
+def test_beats_failing_for_a_database_outage_are_unready_but_still_live(
+        probe: Probe, node: FakeNode, clock: Clock) -> None:
+    """A restart cures no database outage, and every node would restart at once: the
+    outage fails readiness only."""
+    node.land(clock.now)
+    for _ in range(30):  # 30 s of failing beats, one a second
+        clock.now += 1.0
+        node.fail(clock.now)
+    health = probe.healthz()
+    assert health.ok and health.reason == "heartbeats going on, failing: connection refused"
+    ready = probe.readyz()
+    assert not ready.ok and "database unreachable" in ready.reason
+
+
+def test_a_beat_waiting_on_the_database_is_live_until_it_hangs(
+        probe: Probe, node: FakeNode, clock: Clock) -> None:
+    node.land(clock.now)
+    clock.now += 1.0
+    node.tried_at, node.trying = clock.now, True  # a beat sent, no answer yet
+    clock.now += 10.0
+    assert probe.healthz().ok
+    clock.now += HUNG_S
+    health = probe.healthz()
+    assert not health.ok and health.reason.startswith("a heartbeat has waited 70.0 s")
 
 
 def test_a_failed_beat_makes_it_unready_until_one_lands(
@@ -132,10 +166,11 @@ def test_a_failed_beat_makes_it_unready_until_one_lands(
     assert probe.readyz().ok
 
 
-def test_beat_fresh_at_the_edge() -> None:
-    assert beat_fresh(10.0, 3.0, 12.9)[0]
-    assert not beat_fresh(10.0, 3.0, 13.0)[0]
-    assert beat_fresh(None, 3.0, 13.0) == (False, "not registered yet")
+def test_beats_going_at_the_edge(node: FakeNode) -> None:
+    assert beats_going(node, 3.0, 13.0) == (False, "not registered yet")
+    node.land(10.0)
+    assert beats_going(node, 3.0, 12.9)[0]
+    assert not beats_going(node, 3.0, 13.0)[0]
 
 
 # -- a supervisor's children ---------------------------------------------------------------------
@@ -164,7 +199,7 @@ def test_a_supervisor_is_healthy_while_every_childs_reported_beat_is_fresh(
     wall.now += 4.2  # wp.1 and wp.2 wrote nothing since (stopped, say)
     health = supervisor.healthz()
     assert (health.ok, health.check) == (False, "children")
-    assert health.reason.startswith("wp.1: heartbeat 4.2 s old (silence window 3 s)")
+    assert health.reason.startswith("wp.1: no report for 4.2 s (silence window 3 s)")
     assert "no report for 4.2 s" in supervisor.readyz().reason
 
     child, child_node = children["wp.1"]
