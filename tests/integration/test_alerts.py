@@ -2,7 +2,9 @@
 scheduler's evaluator (ax_kombu.alerts.evaluator, driven here pass by pass with a short
 quiet period) opens and closes incidents, and a local HTTP receiver verifies every message
 with the ``standardwebhooks`` library. One message per incident and one resolve; with two
-evaluators (two schedulers) at once, still one of each. On SQLite and PostgreSQL."""
+evaluators (two schedulers) at once, still one of each. A message whose scheduler dies
+before delivering it is delivered by another after the lease (the outbox), under the same
+``webhook-id``. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 from standardwebhooks import Webhook
 
+from ax_kombu.alerts import delivery as delivery_module
 from ax_kombu.alerts.delivery import Delivery
 from ax_kombu.alerts.evaluator import SETTLE_MS, Evaluator
 from ax_kombu.api import Client
 from ax_kombu.store import Store
-from ax_kombu.store.schema import tasks
+from ax_kombu.store.schema import alerts, tasks
 
 from ..loopback_http import serving
 from .test_admin_cli import make
@@ -32,14 +35,21 @@ QUIET_MS = 2500
 
 
 class _Receiver(BaseHTTPRequestHandler):
+    """Keeps what it accepts (204) in ``got``; while ``refuse`` is set, answers 503 and
+    keeps the request in ``refused``."""
+
     got: ClassVar[list[tuple[dict[str, str], bytes]]] = []
+    refused: ClassVar[list[tuple[dict[str, str], bytes]]] = []
+    refuse: ClassVar[bool] = False
     lock = threading.Lock()
 
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         with self.lock:
-            self.got.append((dict(self.headers), raw))
-        self.send_response(204)
+            refuse = self.refuse
+            (self.refused if refuse else self.got).append((dict(self.headers), raw))
+        self.send_response(503 if refuse else 204)
+        self.send_header("Content-Length", "0")
         self.end_headers()
 
     def log_message(self, *args: Any) -> None:
@@ -48,7 +58,7 @@ class _Receiver(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def receiver() -> Iterator[str]:
-    _Receiver.got = []
+    _Receiver.got, _Receiver.refused, _Receiver.refuse = [], [], False
     with serving(_Receiver) as url:
         yield f"{url}/alerts"
 
@@ -187,3 +197,109 @@ def test_two_schedulers_send_one_firing_and_one_resolve(
     messages = _verified(secret)
     assert [m["type"] for m in messages] == ["ax.alert.firing", "ax.alert.resolved"]
     assert json.dumps(messages[1]["data"]["events"]) == "3"
+
+
+LEASE_MS = 1500
+#: long enough that the incident stays open through a test of its firing message
+LONG_QUIET_MS = 120_000
+
+
+def _outbox(client: Client) -> tuple[list[dict[str, Any]], int | None]:
+    """The undelivered messages of coupon.grant's alert, and their lease."""
+    with client.store.engine.connect() as conn:
+        row = conn.execute(select(alerts.c.outbox, alerts.c.outbox_claimed_until).where(
+            alerts.c.task_type == "coupon.grant")).one()
+    return (json.loads(row.outbox) if row.outbox else []), row.outbox_claimed_until
+
+
+def _wait(done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_firing_message_outlives_the_scheduler_that_won_it(
+        client: Client, receiver: str) -> None:
+    secret = client.set_alert("coupon.grant", on={"failed"}, webhook=receiver)
+    _Receiver.refuse = True
+    stores = [Store(client.settings) for _ in range(2)]
+    deliveries = [Delivery(backoff_s=0.2) for _ in stores]
+    first, second = (Evaluator(s, d, LONG_QUIET_MS, lease_ms=LEASE_MS)
+                     for s, d in zip(stores, deliveries, strict=True))
+    try:
+        make(client, "coupon.grant", "FAILED")
+        _Passes(first).until(lambda: len(_Receiver.refused) >= 2)  # refused, retried
+        [entry], lease = _outbox(client)  # the message waits in the outbox, leased
+        assert entry["kind"] == "firing" and lease is not None
+        assert lease > client.store.now_ms()
+        deliveries[0].stop()  # the first scheduler dies: its delivery is gone, lease kept
+        refused_ids = {h["webhook-id"] for h, _ in _Receiver.refused}
+        assert refused_ids == {entry["id"]}
+
+        _Receiver.refuse = False
+        assert second.run_once() == 0  # the lease still runs: the second one waits
+        time.sleep(0.3)
+        assert _Receiver.got == []
+        _Passes(second).until(lambda: len(_Receiver.got) == 1,
+                              timeout=LEASE_MS / 1000 + 15)
+        _wait(lambda: _outbox(client)[0] == [])  # delivered: taken out of the outbox
+        _Passes(second).during(1.0)  # and not sent again
+        messages = _verified(secret)
+        assert [m["id"] for m in messages] == [entry["id"]]
+        assert messages[0]["type"] == "ax.alert.firing"
+        assert messages[0]["data"] == entry["body"]["data"]
+        assert len(_Receiver.got) == 1
+    finally:
+        for d in deliveries:
+            d.stop()
+        for s in stores:
+            s.close()
+
+
+def test_a_message_given_up_stays_in_the_outbox_and_is_tried_again(
+        client: Client, receiver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(delivery_module, "ATTEMPTS", 2)
+    secret = client.set_alert("coupon.grant", on={"failed"}, webhook=receiver)
+    _Receiver.refuse = True
+    delivery = Delivery(backoff_s=0.05)
+    evaluator = Evaluator(client.store, delivery, LONG_QUIET_MS, lease_ms=LEASE_MS)
+    evaluator.outbox.give_up_lease_ms = 3000
+    try:
+        make(client, "coupon.grant", "FAILED")
+        _Passes(evaluator).until(lambda: delivery.dropped == 1)  # its 2 tries spent
+        assert len(_Receiver.refused) == 2
+        [entry], lease = _outbox(client)  # kept, with the longer lease
+        assert lease is not None and lease > client.store.now_ms() + LEASE_MS
+        _Receiver.refuse = False
+        _Passes(evaluator).until(lambda: len(_Receiver.got) == 1, timeout=20)
+        _wait(lambda: _outbox(client)[0] == [])
+        [message] = _verified(secret)
+        assert message["id"] == entry["id"] == _Receiver.refused[0][0]["webhook-id"]
+    finally:
+        delivery.stop()
+
+
+def test_a_stopping_scheduler_hands_its_messages_over_at_once(
+        client: Client, receiver: str) -> None:
+    secret = client.set_alert("coupon.grant", on={"failed"}, webhook=receiver)
+    _Receiver.refuse = True
+    stores = [Store(client.settings) for _ in range(2)]
+    deliveries = [Delivery(backoff_s=0.2) for _ in stores]
+    first, second = (Evaluator(s, d, LONG_QUIET_MS, lease_ms=60_000)
+                     for s, d in zip(stores, deliveries, strict=True))
+    try:
+        make(client, "coupon.grant", "FAILED")
+        _Passes(first).until(lambda: len(_Receiver.refused) >= 1)
+        deliveries[0].stop()
+        first.outbox.release()  # what the scheduler's alerting step does on a stop
+        assert _outbox(client)[1] is None
+        _Receiver.refuse = False
+        _Passes(second).until(lambda: len(_Receiver.got) == 1, timeout=10)  # not 60 s
+        [message] = _verified(secret)
+        assert message["id"] == _Receiver.refused[0][0]["webhook-id"]
+    finally:
+        for d in deliveries:
+            d.stop()
+        for s in stores:
+            s.close()

@@ -121,3 +121,59 @@ def test_an_unreachable_receiver_is_retried_then_dropped(monkeypatch: pytest.Mon
     eventually(lambda: sender.dropped == 1, timeout=10)
     assert sender.delivered == 0
     sender.stop()
+
+
+class _Hooks:
+    """Records what the sending thread tells the outbox; ``keep`` answers ``retrying``."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.calls: list[tuple[str, str]] = []
+
+    def delivered(self, message: Message) -> None:
+        self.calls.append(("delivered", message.message_id))
+
+    def retrying(self, message: Message, wait_s: float) -> bool:
+        self.calls.append(("retrying", message.message_id))
+        return self.keep
+
+    def gave_up(self, message: Message) -> None:
+        self.calls.append(("gave_up", message.message_id))
+
+
+def test_the_outbox_is_told_of_retries_and_the_delivery(receiver: str) -> None:
+    _Receiver.failures = 1
+    sender = Delivery(backoff_s=0.05)
+    sender.hooks = hooks = _Hooks(keep=True)
+    sender.send(_message(f"{receiver}/hook"))
+    sender.send(_message(f"{receiver}/hook"))  # the same id, queued already: not again
+    eventually(lambda: sender.delivered == 1, timeout=5)
+    assert hooks.calls == [("retrying", "msg_test_1"), ("delivered", "msg_test_1")]
+    assert len(_Receiver.got) == 2
+    sender.send(_message(f"{receiver}/hook"))  # delivered, no longer held: sent again
+    eventually(lambda: sender.delivered == 2, timeout=5)
+    sender.stop()
+
+
+def test_a_retry_whose_lease_another_holds_is_left_to_it(receiver: str) -> None:
+    _Receiver.failures = 100
+    sender = Delivery(backoff_s=0.02)
+    sender.hooks = hooks = _Hooks(keep=False)
+    sender.send(_message(f"{receiver}/hook"))
+    eventually(lambda: sender.pending() == 0 and hooks.calls, timeout=5)
+    time.sleep(0.2)  # room for a retry that must not come
+    assert hooks.calls == [("retrying", "msg_test_1")] and len(_Receiver.got) == 1
+    assert sender.delivered == 0
+    sender.stop()
+
+
+def test_a_message_given_up_is_told_to_the_outbox(receiver: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(delivery_module, "ATTEMPTS", 2)
+    _Receiver.failures = 100
+    sender = Delivery(backoff_s=0.02)
+    sender.hooks = hooks = _Hooks(keep=True)
+    sender.send(_message(f"{receiver}/hook"))
+    eventually(lambda: sender.dropped == 1, timeout=5)
+    assert hooks.calls == [("retrying", "msg_test_1"), ("gave_up", "msg_test_1")]
+    sender.stop()
