@@ -1,7 +1,9 @@
 """Per-type alerts through real daemons: two ``ax-scheduler`` processes and an ``ax-worker``,
 callback tasks that fail, and a local receiver that verifies every alert with the
 ``standardwebhooks`` library: one firing message for the incident and one resolve, whichever
-scheduler sends them; the failing callbacks themselves arrive signed per Standard Webhooks."""
+scheduler sends them; the failing callbacks themselves arrive signed per Standard Webhooks.
+A scheduler SIGKILLed while the receiver refuses its firing message: the other one delivers
+it, under the same ``webhook-id``, once the dead one's lease on the outbox runs out."""
 
 from __future__ import annotations
 
@@ -24,18 +26,23 @@ CALLBACK_SECRET = "cb-secret-for-e2e"
 
 
 class _Receiver(BaseHTTPRequestHandler):
-    """``/alerts`` keeps what it got (204); ``/fail`` is a callback that answers 400."""
+    """``/alerts`` keeps what it got (204; while ``refuse`` is set: 503, kept in
+    ``refused``); ``/fail`` is a callback that answers 400."""
 
     alerts: ClassVar[list[tuple[dict[str, str], bytes]]] = []
+    refused: ClassVar[list[tuple[dict[str, str], bytes]]] = []
     callbacks: ClassVar[list[tuple[dict[str, str], bytes]]] = []
+    refuse: ClassVar[bool] = False
     lock = threading.Lock()
 
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         with self.lock:
-            (self.alerts if self.path == "/alerts" else self.callbacks).append(
-                (dict(self.headers), raw))
-        self.send_response(204 if self.path == "/alerts" else 400)
+            refused = self.path == "/alerts" and self.refuse
+            kept = (self.refused if refused else self.alerts if self.path == "/alerts"
+                    else self.callbacks)
+            kept.append((dict(self.headers), raw))
+        self.send_response(503 if refused else 204 if self.path == "/alerts" else 400)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
@@ -45,7 +52,8 @@ class _Receiver(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def receiver() -> Iterator[str]:
-    _Receiver.alerts, _Receiver.callbacks = [], []
+    _Receiver.alerts, _Receiver.refused, _Receiver.callbacks = [], [], []
+    _Receiver.refuse = False
     with serving(_Receiver) as url:
         yield url
 
@@ -78,5 +86,41 @@ def test_two_schedulers_report_an_incident_once_and_its_end_once(
         for headers, raw in _Receiver.callbacks:  # the callbacks: the standard signing
             Webhook(CALLBACK_SECRET.encode()).verify(raw, headers)
         assert len(_Receiver.callbacks) == 3
+    finally:
+        ax.close()
+
+
+def test_a_firing_message_survives_the_scheduler_killed_before_delivering_it(
+        pg_url: str, redis_broker: dict[str, str], tmp_path: Path, receiver: str) -> None:
+    ax = System(pg_url, redis_broker, tmp_path,
+                env={"alert_interval_ms": 200, "alert_quiet_ms": 600_000,
+                     "alert_lease_ms": 2000})
+    try:
+        secret = ax.client.set_alert("late.type", on="late", late_after="1s",
+                                     webhook=f"{receiver}/alerts")
+        _Receiver.refuse = True
+        doomed = ax.scheduler("sched-0")
+        ax.wait_ready()
+        ax.enqueue_many([{"task_type": "late.type", "payload": {"n": 1}}])  # no worker: late
+        ax.wait_for(lambda: _Receiver.refused, 30, "the firing message, refused")
+        survivor = ax.scheduler("sched-1")  # started after sched-0 won the incident
+        ax.wait_ready()
+        ax.kill(doomed)  # dies with the message undelivered, its lease held
+        killed = time.monotonic()
+        time.sleep(0.5)
+        _Receiver.refuse = False
+        ax.wait_for(lambda: _Receiver.alerts, 40, "the firing message delivered by sched-1",
+                    detail=lambda: len(_Receiver.refused))
+        assert time.monotonic() - killed < 40
+        assert survivor.alive
+        time.sleep(1.5)  # room for a duplicate
+        with _Receiver.lock:
+            got, refused = list(_Receiver.alerts), list(_Receiver.refused)
+        [(headers, raw)] = got
+        body = Webhook(secret).verify(raw, headers)
+        assert body["type"] == "ax.alert.firing" and body["data"]["task_type"] == "late.type"
+        assert {h["webhook-id"] for h, _ in refused} == {headers["webhook-id"]}
+        assert ax.query("SELECT outbox FROM ax_alert")[0][0] is None  # taken out
+        assert "alert outbox taken over" in survivor.log.read_text()
     finally:
         ax.close()
