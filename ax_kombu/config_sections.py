@@ -200,9 +200,9 @@ class SchedulerSettings:
     alert_interval_ms: int = 2000
     #: an alert's incident closes ("resolved") after this long without a new event.
     alert_quiet_ms: int = 300_000
-    #: a scheduler's lease on an alert's undelivered messages (renewed while it retries);
-    #: once it runs out, another scheduler delivers them (:mod:`ax_kombu.alerts.outbox`).
-    alert_lease_ms: int = 60_000
+    #: how long the scheduler delivering an alert's message has it alone (pushed back while
+    #: it retries); past that another scheduler takes it over (:mod:`ax_kombu.alerts.outbox`).
+    alert_takeover_ms: int = 60_000
 
     def _validate_scheduler(self) -> None:
         _positive(self, "preload_window_ms", "preload_batch", "claim_batch",
@@ -233,7 +233,7 @@ class SchedulerSettings:
         if not 1 <= self.retention_batch <= 10_000:
             raise ConfigurationError("retention_batch must be between 1 and 10000, got "
                                      f"{self.retention_batch}")
-        _positive(self, "alert_interval_ms", "alert_quiet_ms", "alert_lease_ms")
+        _positive(self, "alert_interval_ms", "alert_quiet_ms", "alert_takeover_ms")
 
 
 @dataclass(frozen=True, kw_only=True)

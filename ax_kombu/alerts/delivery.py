@@ -11,9 +11,9 @@ up, with a warning. Retries keep the message's ``webhook-id`` and are signed ane
 (by its ``webhook-id``) is not queued again.
 
 What outlives the process is the alert's outbox (:mod:`ax_kombu.alerts.outbox`), told
-through :class:`Hooks`: a delivered message is taken out of it, a retry renews the
-scheduler's lease on it (a retry whose lease another scheduler holds now is left to that
-one), a message given up stays in it for a later takeover. At most :data:`MAX_QUEUED`
+through :class:`Hooks`: a delivered message is taken out of it, a retry pushes back the
+time another scheduler may take it over (a message another scheduler has taken over is
+left to that one), a message given up stays in it for a later takeover. At most :data:`MAX_QUEUED`
 messages wait here; past that the oldest leaves this queue, with a warning (it stays in
 its outbox).
 """
@@ -61,7 +61,8 @@ class Hooks(Protocol):
     def delivered(self, message: Message) -> None: ...
 
     def retrying(self, message: Message, wait_s: float) -> bool:
-        """A try failed and the next is in ``wait_s``; False: do not retry here."""
+        """A try failed and the next is in ``wait_s``; False: another scheduler has taken
+        the message over, do not retry here."""
         ...
 
     def gave_up(self, message: Message) -> None: ...
@@ -93,8 +94,8 @@ class Delivery:
         self._seq = itertools.count()
         self._stopped = False
         self._thread: threading.Thread | None = None
-        #: ids queued or in flight
-        self._held: set[str] = set()
+        #: the ids of the messages queued or in flight
+        self._taken_ids: set[str] = set()
         #: the outbox told of deliveries, retries and give-ups (None: none)
         self.hooks: Hooks | None = None
         self.delivered = 0
@@ -104,18 +105,18 @@ class Delivery:
         """Queue ``message`` for delivery now (unless it is queued or in flight already);
         returns at once."""
         with self._cond:
-            if self._stopped or message.message_id in self._held:
+            if self._stopped or message.message_id in self._taken_ids:
                 return
             if len(self._due) >= MAX_QUEUED:
                 oldest = min(self._due, key=lambda d: d.seq)
                 self._due.remove(oldest)
                 heapq.heapify(self._due)
-                self._held.discard(oldest.message.message_id)
+                self._taken_ids.discard(oldest.message.message_id)
                 self.dropped += 1
                 log.warning("alert delivery queue full; the oldest message is dropped",
                             extra={"message_id": oldest.message.message_id})
             heapq.heappush(self._due, _Due(self._clock(), next(self._seq), message, 1))
-            self._held.add(message.message_id)
+            self._taken_ids.add(message.message_id)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ax-alert-delivery",
                                                 daemon=True)
@@ -157,7 +158,7 @@ class Delivery:
         except Exception as exc:  # noqa: BLE001 - any failure of one try is retried
             error = type(exc).__name__
         if error is None:
-            self._release(message)
+            self._forget(message)
             self.delivered += 1
             if self.hooks is not None:
                 self.hooks.delivered(message)
@@ -165,7 +166,7 @@ class Delivery:
         extra = {"message_id": message.message_id, "url": redact_url(message.url),
                  "attempt": due.attempt, "error": error}
         if due.attempt >= ATTEMPTS:
-            self._release(message)
+            self._forget(message)
             self.dropped += 1
             log.warning("alert not delivered; giving up for now", extra=extra)
             if self.hooks is not None:
@@ -173,7 +174,7 @@ class Delivery:
             return
         wait = min(self._backoff_s * 2 ** (due.attempt - 1), MAX_BACKOFF_S)
         if self.hooks is not None and not self.hooks.retrying(message, wait):
-            self._release(message)
+            self._forget(message)
             log.info("alert not delivered; another scheduler delivers it now", extra=extra)
             return
         log.info("alert not delivered; trying again", extra=extra)
@@ -181,9 +182,9 @@ class Delivery:
             heapq.heappush(self._due, _Due(self._clock() + wait, next(self._seq), message,
                                            due.attempt + 1))
 
-    def _release(self, message: Message) -> None:
+    def _forget(self, message: Message) -> None:
         with self._cond:
-            self._held.discard(message.message_id)
+            self._taken_ids.discard(message.message_id)
 
 
 _http = urllib3.PoolManager(num_pools=16, retries=False)

@@ -16,7 +16,7 @@ window is looked at again, longer, by the next pass):
 
 The compare-and-set that opens or closes an incident writes its message into the row's
 outbox in the same statement (:mod:`ax_kombu.alerts.outbox`); the pass also takes over
-the outboxes whose deliverer's lease ran out.
+the outboxes whose takeover time has passed (their deliverer died, stopped or gave up).
 
 Guarantees: with any number of schedulers, each window of each alert is judged once (the
 compare-and-set's rowcount decides), so one incident makes one firing and one resolved
@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ax_kombu.alerts.delivery import Delivery, Message
-from ax_kombu.alerts.outbox import LEASE_MS, Outbox, entry
+from ax_kombu.alerts.outbox import TAKEOVER_MS, Outbox, entry
 from ax_kombu.store import Store
 from ax_kombu.store import alerts as alert_store
 
@@ -83,15 +83,16 @@ class Evaluator:
 
     Args:
         quiet_ms: an incident closes after this long without an event.
-        lease_ms: a deliverer's lease on an alert's outbox (:mod:`ax_kombu.alerts.outbox`).
+        takeover_ms: how long a deliverer alone has an alert's outbox
+            (:mod:`ax_kombu.alerts.outbox`).
     """
 
     def __init__(self, store: Store, delivery: Delivery, quiet_ms: int,
-                 lease_ms: int = LEASE_MS) -> None:
+                 takeover_ms: int = TAKEOVER_MS) -> None:
         self.store = store
         self.delivery = delivery
         self.quiet_ms = quiet_ms
-        self.outbox = Outbox(store, delivery, lease_ms)
+        self.outbox = Outbox(store, delivery, takeover_ms)
 
     def run_once(self) -> int:
         """One pass over every alert; returns how many messages it queued."""
@@ -111,18 +112,18 @@ class Evaluator:
             if message is None and not found.total and until - since < IDLE_WRITE_MS:
                 return 0
             entries: list[dict[str, Any]] = []
-            lease = 0
+            takeover = 0
             if message is not None:  # the message goes into the outbox with the move
                 entries = [*alert_store.outbox_of(alert["outbox"]), entry(message, until)]
-                lease = until + SETTLE_MS + self.outbox.lease_ms
+                takeover = until + SETTLE_MS + self.outbox.takeover_ms
                 changes.update(outbox=alert_store.outbox_text(entries),
-                               outbox_claimed_until=lease)
+                               outbox_claimed_until=takeover)
             won = alert_store.advance(conn, alert["task_type"], since, changes,
                                       read_outbox=alert["outbox"])
         if won and message is not None:
             log.info("alert", extra={"task_type": alert["task_type"],
                                      "status": message.body["data"]["status"]})
-            self.outbox.hold(alert["task_type"], lease)
+            self.outbox.mark(alert["task_type"], takeover)
             return self.outbox.send_all(alert, entries)
         return 0
 

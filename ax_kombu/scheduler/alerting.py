@@ -5,8 +5,8 @@ a delivery thread of their own (:mod:`ax_kombu.alerts.delivery`).
 Neither thread is a loop of the scheduler's pipeline: a slow database read or a dead
 receiver delays only the next alert pass, never a claim or a publish. A pass that fails
 on the database is logged and tried at the next interval. On a stop, messages not yet
-delivered get a short grace, then this scheduler releases its outbox leases, so that
-another scheduler's next pass delivers them (:mod:`ax_kombu.alerts.outbox`).
+delivered get a short grace, then this scheduler lets their outboxes go, so that another
+scheduler's next pass delivers them (:mod:`ax_kombu.alerts.outbox`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from ax_kombu.store import Store
 def alerting_step(settings: Settings, store: Store) -> Timers:
     """The step that runs the alert passes and stops their delivery on the way out."""
     delivery = Delivery()
-    evaluator = Evaluator(store, delivery, settings.alert_quiet_ms, settings.alert_lease_ms)
+    evaluator = Evaluator(store, delivery, settings.alert_quiet_ms, settings.alert_takeover_ms)
 
     def final() -> None:
         delivery.stop()
-        evaluator.outbox.release()
+        evaluator.outbox.let_go()
 
     return Timers("alerts", [Job("alerts", settings.alert_interval_ms / 1000,
                                  evaluator.run_once)],

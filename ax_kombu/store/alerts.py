@@ -20,7 +20,8 @@ schedulers evaluating the same alert at once exactly one wins each window, and o
 winner sends what the move means. When the move opens or closes an incident it appends
 its message to the row's ``outbox`` in the same statement, so a message is never lost with
 the scheduler that won it: :func:`take_out` removes it once delivered, and
-:func:`claim_outbox` lets any scheduler take over messages whose lease ran out.
+:func:`take_over_outbox` lets any scheduler take over messages whose takeover time
+(``outbox_claimed_until``) has passed.
 """
 
 from __future__ import annotations
@@ -142,23 +143,25 @@ def outbox_text(entries: list[dict[str, Any]]) -> str | None:
     return json.dumps(entries, separators=(",", ":")) if entries else None
 
 
-def claim_outbox(conn: Connection, task_type: str, read_claimed: int | None,
-                 read_outbox: str | None, outbox: str | None, until_ms: int) -> bool:
-    """Take the outbox of ``task_type`` over (its lease now runs to ``until_ms``; its
-    messages are ``outbox``) if its lease and messages are still what the caller read."""
+def take_over_outbox(conn: Connection, task_type: str, read_until: int | None,
+                     read_outbox: str | None, outbox: str | None, until_ms: int) -> bool:
+    """Take the outbox of ``task_type`` over (its takeover time now ``until_ms``, its
+    messages ``outbox``) if its takeover time and messages are still what the caller
+    read."""
     stmt = (update(alerts).where(
         alerts.c.task_type == task_type,
-        alerts.c.outbox_claimed_until.is_not_distinct_from(read_claimed),
+        alerts.c.outbox_claimed_until.is_not_distinct_from(read_until),
         alerts.c.outbox.is_not_distinct_from(read_outbox))
         .values(outbox=outbox, outbox_claimed_until=until_ms))
     return conn.execute(stmt).rowcount == 1
 
 
-def renew_outbox(conn: Connection, task_type: str, held: int, until_ms: int | None) -> bool:
-    """Move the outbox lease of ``task_type`` from ``held`` (the caller's) to ``until_ms``;
-    False if another scheduler holds it now."""
+def push_back_outbox(conn: Connection, task_type: str, mine: int, until_ms: int | None
+                     ) -> bool:
+    """Move the outbox takeover time of ``task_type`` from ``mine`` (the caller wrote it)
+    to ``until_ms`` (None: now); False if another scheduler has taken the outbox over."""
     stmt = (update(alerts).where(alerts.c.task_type == task_type,
-                                 alerts.c.outbox_claimed_until == held)
+                                 alerts.c.outbox_claimed_until == mine)
             .values(outbox_claimed_until=until_ms))
     return conn.execute(stmt).rowcount == 1
 

@@ -3,7 +3,7 @@ callback tasks that fail, and a local receiver that verifies every alert with th
 ``standardwebhooks`` library: one firing message for the incident and one resolve, whichever
 scheduler sends them; the failing callbacks themselves arrive signed per Standard Webhooks.
 A scheduler SIGKILLed while the receiver refuses its firing message: the other one delivers
-it, under the same ``webhook-id``, once the dead one's lease on the outbox runs out."""
+it, under the same ``webhook-id``, once the dead one's takeover time on the outbox has passed."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_a_firing_message_survives_the_scheduler_killed_before_delivering_it(
         pg_url: str, redis_broker: dict[str, str], tmp_path: Path, receiver: str) -> None:
     ax = System(pg_url, redis_broker, tmp_path,
                 env={"alert_interval_ms": 200, "alert_quiet_ms": 600_000,
-                     "alert_lease_ms": 2000})
+                     "alert_takeover_ms": 2000})
     try:
         secret = ax.client.set_alert("late.type", on="late", late_after="1s",
                                      webhook=f"{receiver}/alerts")
@@ -105,7 +105,7 @@ def test_a_firing_message_survives_the_scheduler_killed_before_delivering_it(
         ax.wait_for(lambda: _Receiver.refused, 30, "the firing message, refused")
         survivor = ax.scheduler("sched-1")  # started after sched-0 won the incident
         ax.wait_ready()
-        ax.kill(doomed)  # dies with the message undelivered, its lease held
+        ax.kill(doomed)  # dies with the message undelivered, the outbox still its own
         killed = time.monotonic()
         time.sleep(0.5)
         _Receiver.refuse = False

@@ -3,7 +3,7 @@ scheduler's evaluator (ax_kombu.alerts.evaluator, driven here pass by pass with 
 quiet period) opens and closes incidents, and a local HTTP receiver verifies every message
 with the ``standardwebhooks`` library. One message per incident and one resolve; with two
 evaluators (two schedulers) at once, still one of each. A message whose scheduler dies
-before delivering it is delivered by another after the lease (the outbox), under the same
+before delivering it is delivered by another after its takeover time (the outbox), under the same
 ``webhook-id``. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -199,13 +199,13 @@ def test_two_schedulers_send_one_firing_and_one_resolve(
     assert json.dumps(messages[1]["data"]["events"]) == "3"
 
 
-LEASE_MS = 1500
+TAKEOVER_MS = 1500
 #: long enough that the incident stays open through a test of its firing message
 LONG_QUIET_MS = 120_000
 
 
 def _outbox(client: Client) -> tuple[list[dict[str, Any]], int | None]:
-    """The undelivered messages of coupon.grant's alert, and their lease."""
+    """The undelivered messages of coupon.grant's alert, and their takeover time."""
     with client.store.engine.connect() as conn:
         row = conn.execute(select(alerts.c.outbox, alerts.c.outbox_claimed_until).where(
             alerts.c.task_type == "coupon.grant")).one()
@@ -225,24 +225,24 @@ def test_a_firing_message_outlives_the_scheduler_that_won_it(
     _Receiver.refuse = True
     stores = [Store(client.settings) for _ in range(2)]
     deliveries = [Delivery(backoff_s=0.2) for _ in stores]
-    first, second = (Evaluator(s, d, LONG_QUIET_MS, lease_ms=LEASE_MS)
+    first, second = (Evaluator(s, d, LONG_QUIET_MS, takeover_ms=TAKEOVER_MS)
                      for s, d in zip(stores, deliveries, strict=True))
     try:
         make(client, "coupon.grant", "FAILED")
         _Passes(first).until(lambda: len(_Receiver.refused) >= 2)  # refused, retried
-        [entry], lease = _outbox(client)  # the message waits in the outbox, leased
-        assert entry["kind"] == "firing" and lease is not None
-        assert lease > client.store.now_ms()
-        deliveries[0].stop()  # the first scheduler dies: its delivery is gone, lease kept
+        [entry], takeover = _outbox(client)  # the message waits in the outbox
+        assert entry["kind"] == "firing" and takeover is not None
+        assert takeover > client.store.now_ms()
+        deliveries[0].stop()  # the first scheduler dies: its delivery is gone
         refused_ids = {h["webhook-id"] for h, _ in _Receiver.refused}
         assert refused_ids == {entry["id"]}
 
         _Receiver.refuse = False
-        assert second.run_once() == 0  # the lease still runs: the second one waits
+        assert second.run_once() == 0  # not its takeover time yet: the second one waits
         time.sleep(0.3)
         assert _Receiver.got == []
         _Passes(second).until(lambda: len(_Receiver.got) == 1,
-                              timeout=LEASE_MS / 1000 + 15)
+                              timeout=TAKEOVER_MS / 1000 + 15)
         _wait(lambda: _outbox(client)[0] == [])  # delivered: taken out of the outbox
         _Passes(second).during(1.0)  # and not sent again
         messages = _verified(secret)
@@ -263,14 +263,14 @@ def test_a_message_given_up_stays_in_the_outbox_and_is_tried_again(
     secret = client.set_alert("coupon.grant", on={"failed"}, webhook=receiver)
     _Receiver.refuse = True
     delivery = Delivery(backoff_s=0.05)
-    evaluator = Evaluator(client.store, delivery, LONG_QUIET_MS, lease_ms=LEASE_MS)
-    evaluator.outbox.give_up_lease_ms = 3000
+    evaluator = Evaluator(client.store, delivery, LONG_QUIET_MS, takeover_ms=TAKEOVER_MS)
+    evaluator.outbox.given_up_ms = 3000
     try:
         make(client, "coupon.grant", "FAILED")
         _Passes(evaluator).until(lambda: delivery.dropped == 1)  # its 2 tries spent
         assert len(_Receiver.refused) == 2
-        [entry], lease = _outbox(client)  # kept, with the longer lease
-        assert lease is not None and lease > client.store.now_ms() + LEASE_MS
+        [entry], takeover = _outbox(client)  # kept, taken over later
+        assert takeover is not None and takeover > client.store.now_ms() + TAKEOVER_MS
         _Receiver.refuse = False
         _Passes(evaluator).until(lambda: len(_Receiver.got) == 1, timeout=20)
         _wait(lambda: _outbox(client)[0] == [])
@@ -286,13 +286,13 @@ def test_a_stopping_scheduler_hands_its_messages_over_at_once(
     _Receiver.refuse = True
     stores = [Store(client.settings) for _ in range(2)]
     deliveries = [Delivery(backoff_s=0.2) for _ in stores]
-    first, second = (Evaluator(s, d, LONG_QUIET_MS, lease_ms=60_000)
+    first, second = (Evaluator(s, d, LONG_QUIET_MS, takeover_ms=60_000)
                      for s, d in zip(stores, deliveries, strict=True))
     try:
         make(client, "coupon.grant", "FAILED")
         _Passes(first).until(lambda: len(_Receiver.refused) >= 1)
         deliveries[0].stop()
-        first.outbox.release()  # what the scheduler's alerting step does on a stop
+        first.outbox.let_go()  # what the scheduler's alerting step does on a stop
         assert _outbox(client)[1] is None
         _Receiver.refuse = False
         _Passes(second).until(lambda: len(_Receiver.got) == 1, timeout=10)  # not 60 s

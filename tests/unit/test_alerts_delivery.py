@@ -155,7 +155,7 @@ def test_the_outbox_is_told_of_retries_and_the_delivery(receiver: str) -> None:
     sender.stop()
 
 
-def test_a_retry_whose_lease_another_holds_is_left_to_it(receiver: str) -> None:
+def test_a_message_another_scheduler_took_over_is_left_to_it(receiver: str) -> None:
     _Receiver.failures = 100
     sender = Delivery(backoff_s=0.02)
     sender.hooks = hooks = _Hooks(keep=False)

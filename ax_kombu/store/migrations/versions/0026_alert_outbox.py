@@ -4,8 +4,8 @@
   at}`` (NULL or ``[]``: none). The compare-and-set that opens or closes an incident
   appends its message in the same statement; a delivered message is taken out by another
   compare-and-set (:mod:`ax_kombu.alerts.evaluator`).
-* ``outbox_claimed_until``: the lease (epoch ms) of the scheduler delivering them; once it
-  has run out, any scheduler's pass takes the messages over.
+* ``outbox_claimed_until``: the takeover time (epoch ms): until then the scheduler
+  delivering the messages has them alone; past it, any scheduler's pass takes them over.
 
 Two nullable ``ADD COLUMN``: no rewrite.
 
