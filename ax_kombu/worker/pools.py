@@ -40,7 +40,6 @@ Guarantees:
   thread takes it like any job.
 """
 
-
 from __future__ import annotations
 
 import heapq
@@ -54,7 +53,7 @@ from typing import Any
 
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
 from ax_kombu.worker.executor import Cancellable, Deferred, Done, Submission, Timeout
-from ax_kombu.worker.jobs import Awake, Job, Watchdog, report
+from ax_kombu.worker.jobs import Job, Watchdog, report
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +100,6 @@ class Pool:
         self._poke: Callable[[], None] | None = None
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
-        #: where the keeper (the thread waiting for the next start time) waits
-        self._timer = threading.Condition(self._lock)
         self._running: set[Job] = set()
         #: how many jobs may wait for a thread beyond the slots (the worker sets it)
         self.stage_max = 0
@@ -114,9 +111,10 @@ class Pool:
         self._closed = False
         self.timeouts = 0
         self.late_returns = 0
-        self._awake = Awake(size if threads is None else min(size, threads))
+        self._idle = 0  # threads waiting in _next
+        count = size if threads is None else min(size, threads)
         self._threads = [threading.Thread(target=self._serve, name=f"ax-{name}-{i}", daemon=True)
-                         for i in range(self._awake.count)]
+                         for i in range(count)]
         for thread in self._threads:
             thread.start()
         self._watchdog = threading.Thread(target=Watchdog(self).run,
@@ -221,7 +219,7 @@ class Pool:
                 else:
                     self._stage(job)
             if looped < len(made):
-                self._wake(self._awake.to_wake(len(made) - looped))
+                self._wake(len(made) - looped)
         if looped and poke is not None:
             poke()
         return True
@@ -247,7 +245,7 @@ class Pool:
                 return taken, None
             now = self._clock()
             while heap and heap[0][0] <= now and len(self._running) < self.size:
-                taken.append(self._take(heapq.heappop(heap)[2], now, thread=False))
+                taken.append(self._take(heapq.heappop(heap)[2], now))
             nxt = heap[0][0] if heap and len(self._running) < self.size else None
         return taken, nxt
 
@@ -265,11 +263,9 @@ class Pool:
             self._finish(job, Outcome(True, value=value, duration_s=self._clock() - job.started))
 
     def _stage(self, job: Job) -> None:
-        """Add ``job`` to the stage (the caller has the lock); the keeper looks again if it
-        is the first to start."""
+        """Add ``job`` to the stage (the caller has the lock; the caller wakes a thread, which
+        looks at the head again)."""
         heapq.heappush(self._heap, (job.start_at, next(self._seq), job))
-        if self._awake.keeper and self._heap[0][2] is job:
-            self._timer.notify()
 
     def release_cancelled(self) -> None:
         """Staged jobs whose cancellation signal is set are taken now, not at their start
@@ -284,70 +280,44 @@ class Pool:
             if any(job.cancel for _, _, job in self._heap):
                 self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
                 heapq.heapify(self._heap)
-                self._wake(self._awake.idle)
-                self._timer.notify_all()
+                self._work.notify_all()
         if looped and self._poke is not None:
             self._poke()
 
-    def _next(self, deferred: bool | None = None) -> Job | None:
+    def _next(self) -> Job | None:
         """Take the next staged job once it may start and a slot is free (a pool thread);
         None once closed and empty. Popped and taken under one lock: a job is staged (in
-        the heap) or running, never between, so :meth:`abandon` finds every job.
-        ``deferred``: whether the thread's last job was deferred (None: it had none)."""
-        awake = self._awake
+        the heap) or running, never between, so :meth:`abandon` finds every job. A thread
+        with nothing to take waits until the head's start time or until woken (a job
+        staged, a slot freed, the pool closed)."""
         with self._work:
-            if deferred is not None:
-                awake.back(deferred)
             while True:
                 wait: float | None = None
-                if self._heap and len(self._running) < self.size and not awake.surplus():
+                if self._heap and len(self._running) < self.size:
                     now = self._clock()
                     wait = self._heap[0][0] - now
                     if wait <= 0:
-                        job = self._take(heapq.heappop(self._heap)[2], now)
-                        if self._heap and len(self._running) < self.size and (
-                                awake.short() or (self._heap[0][0] > now and not awake.keeper)):
-                            self._wake(1)  # more are due, or someone must keep the time
-                        return job
+                        return self._take(heapq.heappop(self._heap)[2], now)
                 elif self._closed and not self._heap:
                     return None
-                self._sleep(wait)
-
-    def _sleep(self, wait: float | None) -> None:
-        """Wait (with the lock) ``wait`` s as the keeper if none keeps the time, else until woken."""
-        awake = self._awake
-        if wait is not None and (not awake.keeper or awake.sync_share >= 1.0):
-            # a pool that has only run sync jobs lets every idle thread keep the time, as
-            # before deferred runs: the first awake at the start time takes the job (one
-            # keeper handing the time on to the next added latency to a steady stream)
-            first = not awake.keeper
-            awake.keeper = True
-            try:
-                self._timer.wait(wait)
-            finally:
-                if first:
-                    awake.keeper = False
-            return
-        awake.idle += 1  # whoever wakes it takes it off (_wake)
-        self._work.wait()
+                self._idle += 1
+                try:
+                    self._work.wait(wait)
+                finally:
+                    self._idle -= 1
 
     def _wake(self, count: int) -> None:
-        """Wake up to ``count`` waiting threads (with the lock): awake at once for the next."""
-        count = min(count, self._awake.idle)
-        if count > 0:
-            self._awake.idle -= count
-            self._work.notify(count)
+        """Wake up to ``count`` waiting threads (the caller has the lock)."""
+        if self._idle and count > 0:
+            self._work.notify(min(self._idle, count))
 
-    def _take(self, job: Job, now: float, *, thread: bool = True) -> Job:
-        """A thread (or the feed: not ``thread``) takes a staged job: its clock and deadline
-        start now (the caller has the lock; a job's timeout function is called here, and
-        must not block)."""
+    def _take(self, job: Job, now: float) -> Job:
+        """A thread (or the feed) takes a staged job: its clock and deadline start now (the
+        caller has the lock; a job's timeout function is called here, and must not block)."""
         timeout = job.timeout() if callable(job.timeout) else job.timeout
         job.started = now
         job.deadline = None if timeout is None else now + timeout
         self._running.add(job)
-        if thread:
-            self._awake.took(now)
         if job.deadline is not None and (self._wake_at is None or job.deadline < self._wake_at):
             self._cond.notify_all()  # the watchdog must wake earlier than it planned
         return job
@@ -355,16 +325,13 @@ class Pool:
     # -- running --------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        deferred: bool | None = None
-        while (job := self._next(deferred)) is not None:
-            deferred = False
+        while (job := self._next()) is not None:
             try:
                 value = job.fn()
             except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
                 self._ended(job, None, exc)
                 continue
             if type(value) is Deferred:
-                deferred = True
                 self._defer(job, value)
             else:
                 self._finish(job, Outcome(True, value=value,
@@ -391,7 +358,7 @@ class Pool:
             first = not job.reported
             job.reported = True
             self._running.discard(job)
-            if self._heap and self._awake.short():
+            if self._heap:
                 self._wake(1)  # a slot freed: a thread may take a staged job
             poke = self._poke if self._loop_heap else None
             if first:
@@ -472,5 +439,4 @@ class Pool:
                 return
             self._closed = True
             self._cond.notify_all()
-            self._wake(self._awake.idle)
-            self._timer.notify_all()
+            self._work.notify_all()
