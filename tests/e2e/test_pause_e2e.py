@@ -68,8 +68,11 @@ class PauseSystem(System):
             "SELECT task_id, status, attempt FROM ax_task WHERE task_id = ANY(:ids)", ids=ids)}
 
     def enqueue(self, task_type: str, n: int, at_ms: int, priority: str = "default") -> list[int]:
+        """``n`` new tasks: each call's payloads are its own (``batch``), so the duplicate
+        check (same type and payload within 5 s) never hands back an earlier test's task."""
         run_at = datetime.fromtimestamp(at_ms / 1000, UTC)
-        return self.enqueue_many([{"task_type": task_type, "payload": {"i": i},
+        batch = uuid.uuid4().hex
+        return self.enqueue_many([{"task_type": task_type, "payload": {"i": i, "batch": batch},
                                    "priority": priority, "run_at": run_at} for i in range(n)])
 
     def wait_runs(self, task_type: str, count: int, timeout: float) -> list[Entry]:
