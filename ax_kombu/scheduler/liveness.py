@@ -38,7 +38,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from ax_kombu.broker.connection import backlogged
 from ax_kombu.config import PRIORITIES, Settings
@@ -46,6 +46,9 @@ from ax_kombu.observability import metrics
 from ax_kombu.store import Store, gates, nodes, recovery
 
 log = logging.getLogger(__name__)
+
+#: how long judging waits for a node row or task row locked by another transaction
+JUDGE_LOCK_TIMEOUT_MS = 2000
 
 
 class Liveness:
@@ -104,6 +107,10 @@ class Liveness:
 
     def _judge(self, now: int) -> None:
         with self._store.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # a row locked by a cut-off node's orphaned transaction fails this pass
+                # (retried after the step's back-off) instead of stopping the housekeeper
+                conn.execute(text(f"SET LOCAL lock_timeout = '{JUDGE_LOCK_TIMEOUT_MS}ms'"))
             dead = nodes.claim_dead(conn, self.silence_ms)
             recovered = recovery.recover_running(conn, dead, now)
             if recovered:  # a gated run ended with its worker: wake what waited on it

@@ -18,12 +18,23 @@ the kind PostgreSQL's documentation says JIT does not pay off for.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import URL, Engine, create_engine, event, make_url, text
+from sqlalchemy import (
+    URL,
+    Connection,
+    Engine,
+    create_engine,
+    event,
+    literal_column,
+    make_url,
+    text,
+)
 from sqlalchemy.exc import (
     ArgumentError,
     DBAPIError,
@@ -200,6 +211,28 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+@contextmanager
+def one_statement(engine: Engine) -> Iterator[Connection]:
+    """A connection for a single write that must hold no lock after the client is gone: on
+    PostgreSQL it is in autocommit (the server commits the statement before it answers),
+    so a host cut off between the statement and its COMMIT cannot leave the row locked in
+    an orphaned transaction until the server notices the dead connection (hours, with the
+    default TCP keepalives) — a node's heartbeat row locked so would block every
+    scheduler's judging of that very node. Elsewhere (SQLite, one process), a transaction."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+    else:
+        with engine.begin() as conn:
+            yield conn
+
+
+def now_ms_sql(dialect: str) -> Any:
+    """The database clock in epoch ms as an SQL expression (for a statement that must not
+    read it first in a statement of its own)."""
+    return literal_column(_NOW_SQL[dialect].removeprefix("SELECT "))
 
 
 def db_now_ms(conn: Any) -> int:

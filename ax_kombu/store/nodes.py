@@ -57,7 +57,7 @@ from sqlalchemy import Connection, Engine, Row, delete, func, insert, select, te
 from ax_kombu.config import worker_queue
 from ax_kombu.exceptions import NodeNameInUse, ValidationError
 from ax_kombu.store import Store
-from ax_kombu.store.engine import db_now_ms
+from ax_kombu.store.engine import db_now_ms, now_ms_sql, one_statement
 from ax_kombu.store.recovery import recover_running
 from ax_kombu.store.schema import nodes
 
@@ -207,8 +207,8 @@ class Heartbeat:
     def beat(self, info: Mapping[str, Any]) -> bool:
         """Refresh the heartbeat and read ``quiet_at`` back into :attr:`quiet_at` (setting
         it first if :attr:`ask_quiet`); False if this incarnation is no longer the live one."""
-        with self.engine.begin() as conn:
-            now = db_now_ms(conn)
+        with one_statement(self.engine) as conn:  # no lock outlives a cut (one_statement)
+            now = now_ms_sql(conn.dialect.name)
             values: dict[str, Any] = {"heartbeat_at": now, "info": _info_json(info)}
             if self.ask_quiet:
                 values["quiet_at"] = func.coalesce(nodes.c.quiet_at, now)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from ax_kombu.store.engine import one_statement
 from ax_kombu.store.nodes import Heartbeat
 from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.run import Run, State
@@ -164,7 +165,7 @@ class Listing:
                 self._settle(releasing, keep, registered, True)
                 continue
             try:
-                with self._engine.begin() as conn:
+                with one_statement(self._engine) as conn:  # no lock outlives a cut
                     live = self._heartbeat.write_listed_runs(conn, registered, _encode(keep))
             except SQLAlchemyError:
                 log.warning("listed runs not written; the runs being released wait",
