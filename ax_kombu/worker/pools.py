@@ -250,8 +250,9 @@ class Pool:
         return taken, nxt
 
     def launch(self, job: Job) -> None:
-        """The feed's thread calls a job :meth:`take_loop` took: its function starts the run
-        (a :class:`Deferred` whose launch hands it on without blocking), or ends it."""
+        """Call a taken job's function and report what it returned or raised; a
+        :class:`Deferred` keeps the slot until its run ends (:meth:`_defer`). A pool thread
+        calls it for each job it takes, the feed's thread for each :meth:`take_loop` took."""
         try:
             value = job.fn()
         except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
@@ -326,16 +327,7 @@ class Pool:
 
     def _serve(self) -> None:
         while (job := self._next()) is not None:
-            try:
-                value = job.fn()
-            except BaseException as exc:  # noqa: BLE001 - any error is the job's outcome
-                self._ended(job, None, exc)
-                continue
-            if type(value) is Deferred:
-                self._defer(job, value)
-            else:
-                self._finish(job, Outcome(True, value=value,
-                                          duration_s=self._clock() - job.started))
+            self.launch(job)
 
     def _defer(self, job: Job, deferred: Deferred) -> None:
         """The job's run goes on elsewhere: its slot stays taken (the job stays running)
