@@ -180,10 +180,6 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         raise ConfigurationError(f"bad database URL {redact_url(url)}: {exc}") from None
 
 
-#: PostgreSQL ends a session of ours idle this long inside a transaction (ms; see below)
-IDLE_IN_TRANSACTION_MS = 10_000
-
-
 def _postgresql_engine(url: URL, **kwargs: Any) -> Engine:
     engine = create_engine(url, pool_size=kwargs.pop("pool_size", 5), max_overflow=10,
                            **kwargs)
@@ -192,11 +188,6 @@ def _postgresql_engine(url: URL, **kwargs: Any) -> Engine:
     def _connect(dbapi_conn: Any, _record: Any) -> None:
         cursor = dbapi_conn.cursor()  # no JIT: see the module's docstring
         cursor.execute("SET jit = off")
-        # a transaction whose client went silent (its host cut off between a statement and
-        # its COMMIT) would keep its row locks until the server notices the dead connection,
-        # hours with default keepalives, and stall the recovery of that host's tasks: the
-        # server ends it after this long idle (ax never waits this long inside a transaction)
-        cursor.execute(f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}")
         cursor.close()
         dbapi_conn.commit()  # a SET outlives its transaction; any DBAPI driver
 

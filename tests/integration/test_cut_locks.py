@@ -18,7 +18,7 @@ from sqlalchemy.exc import OperationalError
 from ax_kombu.config import from_env
 from ax_kombu.scheduler.liveness import JUDGE_LOCK_TIMEOUT_MS, Liveness
 from ax_kombu.store import Store, nodes
-from ax_kombu.store.engine import IDLE_IN_TRANSACTION_MS, make_engine, one_statement
+from ax_kombu.store.engine import make_engine, one_statement
 from ax_kombu.store.schema import nodes as node_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
@@ -73,15 +73,3 @@ def test_judging_waits_a_bounded_time_for_a_locked_node_row(store: Store, pg_url
     with store.engine.connect() as conn:
         stopped = conn.execute(text("SELECT stopped_at FROM ax_node WHERE node_id = 'w9'"))
         assert stopped.scalar() is not None
-
-
-def test_a_transaction_left_idle_by_its_client_is_ended_by_the_server(pg_url: str) -> None:
-    """What a cut host leaves open (a transaction whose COMMIT never came) releases its
-    locks after ``IDLE_IN_TRANSACTION_MS``, not when the server notices the dead peer."""
-    engine = make_engine(pg_url)
-    try:
-        with engine.connect() as conn:
-            shown = conn.execute(text("SHOW idle_in_transaction_session_timeout")).scalar()
-        assert shown == f"{IDLE_IN_TRANSACTION_MS // 1000}s"
-    finally:
-        engine.dispose()
