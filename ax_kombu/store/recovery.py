@@ -12,11 +12,21 @@ lost a task, and the reads that watch for it.
 Every statement that moves a row is a compare-and-set: it re-checks the state it moves
 from, and records the ended attempt in ``ax_attempt`` first. The scheduler's reads of the
 next window are in :mod:`ax_kombu.store.preload`.
+
+**Rows another transaction holds are left for a later pass.** On PostgreSQL each move
+first locks the rows it may take (``FOR UPDATE SKIP LOCKED``) and moves only those. A row
+locked elsewhere is being moved by its owner (a worker recording the outcome, say), or is
+held by the orphaned transaction of a host cut off between a statement and its COMMIT,
+which the server keeps, locks and all, until it notices the dead connection. Waiting on it
+would stop the recovery of everything else (and with it the scheduler's housekeeping):
+instead the row is looked at again by the next pass (:func:`recover_orphan_running`, the
+next ack-timeout scan), when its transaction has committed or been dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, text
@@ -60,7 +70,7 @@ def _record_ended(conn: Connection, where: str, params: dict[str, Any], outcome:
     conn.execute(stmt, {**params, "outcome": outcome, "ended_why": why})
 
 
-_REQUEUE_UNACKED = f"""
+_REQUEUE_UNACKED = """
 UPDATE ax_task
    SET status = CASE WHEN redispatches + 1 < :max_dispatches THEN 'READY' ELSE 'FAILED' END,
        redispatches = redispatches + 1,
@@ -68,7 +78,7 @@ UPDATE ax_task
        last_error = CASE WHEN redispatches + 1 < :max_dispatches THEN last_error
                          ELSE :gave_up END,
        owner_node = NULL
- WHERE {_UNACKED_WHERE}
+ WHERE {where}
 RETURNING task_id, status"""
 
 
@@ -90,16 +100,16 @@ def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
     Returns:
         ``(task_id, new_status)`` pairs.
     """
-    stmt = text(_REQUEUE_UNACKED).bindparams(bindparam("priorities", expanding=True))
     gave_up = (f"dispatched {max_dispatches} times and never started by a worker "
                f"(ack timeout {ack_timeout_ms} ms, doubling per dispatch); see AX_MAX_DISPATCHES")
     # no priority is named "": an empty list would render as an untyped empty IN
     params = {"now": now_ms, "ack_ms": ack_timeout_ms, "priorities": list(priorities) or [""],
               "max_dispatches": max_dispatches, "gave_up": gave_up}
-    _record_ended(conn, _UNACKED_WHERE, params, "UNACKED",
-                  f"not started by a worker within the ack timeout ({ack_timeout_ms} ms, "
-                  "doubling per dispatch)", "priorities")
-    return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
+    why = (f"not started by a worker within the ack timeout ({ack_timeout_ms} ms, "
+           "doubling per dispatch)")
+    return _move_lockable(conn, _UNACKED_WHERE, "status = 'DISPATCHING'", params, ("priorities",),
+                          _REQUEUE_UNACKED, lambda w, p, *e: _record_ended(
+                              conn, w, p, "UNACKED", why, *e))
 
 
 def _announced(conn: Connection, moved: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -145,7 +155,7 @@ UPDATE ax_task
        finished_at = CASE WHEN retry_count < max_retry OR {UNSTARTED} THEN NULL ELSE :now END,
        last_error = CASE WHEN {UNSTARTED} THEN :unstarted_error ELSE :error END,
        owner_node = NULL
- WHERE status = 'RUNNING' AND {{which}}
+ WHERE {{where}}
 RETURNING task_id, status
 """
 
@@ -167,15 +177,13 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
     which = "owner_node IN :nodes"
     if keep:
         which += " AND task_id NOT IN :keep"
-    stmt = text(_RECOVER_RUNNING.format(which=which)).bindparams(
-        bindparam("nodes", expanding=True), *([bindparam("keep", expanding=True)] if keep else []))
     params: dict[str, Any] = {"nodes": list(nodes), "now": now_ms, "error": "worker lost",
                               "unstarted_error": UNSTARTED_ERROR}
     if keep:
         params["keep"] = list(keep)
-    _record_lost(conn, f"status = 'RUNNING' AND {which}", params,
-                 *(["nodes", "keep"] if keep else ["nodes"]))
-    return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
+    return _move_lockable(conn, f"status = 'RUNNING' AND {which}", "status = 'RUNNING'", params,
+                          ("nodes", "keep") if keep else ("nodes",), _RECOVER_RUNNING,
+                          partial(_record_lost, conn))
 
 
 def _record_lost(conn: Connection, where: str, params: dict[str, Any], *expanding: str) -> None:
@@ -192,11 +200,41 @@ def recover_orphan_running(conn: Connection, now_ms: int,
 
     A worker that is slow but heartbeating keeps its tasks: this never looks at age.
     """
-    stmt = text(_RECOVER_RUNNING.format(which=_NOT_ALIVE))
     params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms,
               "unstarted_error": UNSTARTED_ERROR}
-    _record_lost(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", params)
-    return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
+    return _move_lockable(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", "status = 'RUNNING'",
+                          params, (), _RECOVER_RUNNING, partial(_record_lost, conn))
+
+
+#: ids per statement when the rows to move were locked first (a bound list)
+MOVE_CHUNK = 1000
+
+
+def _move_lockable(conn: Connection, where: str, guard: str, params: dict[str, Any],
+                   expanding: Sequence[str], move_sql: str,
+                   record: Callable[..., None],
+                   ) -> list[tuple[int, str]]:
+    """Move the rows ``where`` selects with ``move_sql`` (an UPDATE … WHERE {where} RETURNING
+    task_id, status), their ended attempts recorded first by ``record(where, params,
+    *expanding)``; the FAILED ones announced. On PostgreSQL only the rows no other
+    transaction holds (see the module docstring): they are locked first, then moved by id,
+    ``guard`` (their status) checked again."""
+    if conn.dialect.name != "postgresql":
+        record(where, params, *expanding)
+        stmt = text(move_sql.format(where=where)).bindparams(
+            *[bindparam(name, expanding=True) for name in expanding])
+        return _announced(conn, [(r[0], r[1]) for r in conn.execute(stmt, params)])
+    lock = text(f"SELECT task_id FROM ax_task WHERE {where} FOR UPDATE SKIP LOCKED").bindparams(
+        *[bindparam(name, expanding=True) for name in expanding])
+    ids = [int(r[0]) for r in conn.execute(lock, params)]
+    moved: list[tuple[int, str]] = []
+    by_id = f"{guard} AND task_id IN :ids"
+    stmt = text(move_sql.format(where=by_id)).bindparams(bindparam("ids", expanding=True))
+    for at in range(0, len(ids), MOVE_CHUNK):
+        chunk = {**params, "ids": ids[at:at + MOVE_CHUNK]}
+        record(by_id, chunk, "ids")
+        moved += [(r[0], r[1]) for r in conn.execute(stmt, chunk)]
+    return _announced(conn, moved)
 
 
 _OLDEST_DUE = """
