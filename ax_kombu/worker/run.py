@@ -108,6 +108,12 @@ class IllegalMove(Exception):
     """A move the table (:data:`MOVES`) does not allow: a bug in whoever asked for it."""
 
 
+class Withdrawn(Exception):
+    """A staged run ended before its trigger time without starting: cancelled (``ax
+    cancel``; the row is CANCELLED) or withdrawn by a stopping worker (which writes the
+    row back itself). Nothing is recorded for it."""
+
+
 L = TypeVar("L")
 
 

@@ -23,16 +23,12 @@ Then STARTED: its processor is called, or for an ``async def`` one, its coroutin
 to the worker's event loop (:mod:`ax_kombu.worker.eventloop`) and the run keeps its slot
 until the coroutine ends (a deferred run).
 
-**A deferred run starts on the loop.** A run whose processor is ``async def`` is submitted
-``on_loop``: the event loop takes it from its pool (the same slots) and runs the checks
-above on its own thread, none of them waiting (:meth:`Starter._start_on_loop`). The rare
-check that would wait goes elsewhere and the run starts after it, the same protocol: a
-trigger time not yet reached on the database clock (a timer of the loop's), an uncertain
-lease or a LISTED run's release commit (a thread of :attr:`Starter.blocking`, which runs the
-thread protocol above). A run that ends without starting (WITHDRAWN,
-CANCELLED, ABANDONED) records nothing: its row is no longer RUNNING at its attempt, or is
-written back by whoever withdrew it, or (its timeout passed while it waited:
-:meth:`Starter.take_expired`) by the node, or by the recovery.
+**A deferred run starts on the loop**, by the same checks: :mod:`ax_kombu.worker.loopstarts`.
+
+A run that ends without starting (WITHDRAWN, CANCELLED, ABANDONED) records nothing: its
+row is no longer RUNNING at its attempt, or is written back by whoever withdrew it, or
+(its timeout passed while it waited: :meth:`Starter.take_expired`) by the node, or by
+the recovery.
 
 Every outcome goes to the result writer; the run is settled (its message acked) once the
 outcome is durable (:meth:`Starter.take_completed`, on the consuming thread).
@@ -43,7 +39,6 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol
 
@@ -56,28 +51,19 @@ from ax_kombu.observability import metrics
 from ax_kombu.worker.control import Wakeup
 from ax_kombu.worker.eventloop import EventLoop
 from ax_kombu.worker.executor import Deferred, Executor, Submission
-from ax_kombu.worker.executor import Ended as RunEnded
 from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.listing import Listing
-from ax_kombu.worker.processors import Resolver, call, call_async, is_async
+from ax_kombu.worker.loopstarts import LoopStarter
+from ax_kombu.worker.processors import Resolver, call, call_async
 from ax_kombu.worker.receipts import UnreadablePayload
 from ax_kombu.worker.run import WAITING, Run, State
+from ax_kombu.worker.run import Withdrawn as Withdrawn  # noqa: PLC0414 - re-exported
 from ax_kombu.worker.scopes import RunScope, entered
 from ax_kombu.worker.stage import Stage
 from ax_kombu.worker.task import Ended, RunTask
 
 #: how long a staged run waits for the lease before looking at its signal again
 LEASE_WAIT_S = 0.1
-#: processors whose kind (sync or async def) a starter remembers
-ASYNC_KINDS_MAX = 1024
-#: threads that run the start checks a deferred run's start on the loop may not wait for
-BLOCKING_THREADS = 4
-
-
-class Withdrawn(Exception):
-    """A staged run ended before its trigger time without starting: cancelled (``ax
-    cancel``; the row is CANCELLED) or withdrawn by a stopping worker (which writes the
-    row back itself). Nothing is recorded for it."""
 
 
 class Outcomes(Protocol):
@@ -124,9 +110,11 @@ class Starter:
         self._completed: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
         #: where ``async def`` processors run (started on first use; the node stops it)
         self.loop = EventLoop()
-        self._async_kinds: dict[Callable[..., Any], bool] = {}
-        #: where a run started on the loop waits for what the loop may not (made on first use)
-        self._blocking: ThreadPoolExecutor | None = None
+        #: the start protocol of runs started on the loop (:mod:`~ax_kombu.worker.loopstarts`)
+        self._on_loop = LoopStarter(loop=self.loop, resolver=resolver, clock=clock, lease=lease,
+                                    stage=stage, start=self._start, take=self._take,
+                                    begin=self._begin)
+        self._is_async = self._on_loop.is_async
         for executor in executors.values():
             executor.attach_feed(self.loop.feed(executor))
 
@@ -138,14 +126,15 @@ class Starter:
             by_lane.setdefault(run.lane, []).append(run)
         self._stage.add(runs)
         now = time.monotonic()
+        starts_on_loop, deferred = self._on_loop.start, self._on_loop.deferred
         for lane, lane_runs in by_lane.items():
             jobs = []
             for run in lane_runs:
                 # a run received before its trigger time waits in the stage, not in a thread
                 wait_s = self._wait_s(run.task)
-                on_loop = self._deferred(run.task)
+                on_loop = deferred(run.task)
                 jobs.append(Submission(
-                    partial(self._start_on_loop if on_loop else self._start, run),
+                    partial(starts_on_loop if on_loop else self._start, run),
                     partial(self._done, run), partial(self._timeout_s, run.task), run.labels,
                     run.cancel, now + wait_s if wait_s else 0.0, on_loop))
             if not self._executors[lane].submit_reserved(jobs):  # room reserved; stopping
@@ -160,16 +149,6 @@ class Starter:
         """A run's timeout from when a thread takes it: what is left of its wait until its
         trigger time, then ``timeout_ms``."""
         return self._wait_s(task) + task.timeout_ms / 1000.0
-
-    def _deferred(self, task: TaskMessage | RunTask) -> bool:
-        """Whether the run's processor is ``async def`` (its run starts on the loop); a
-        processor that does not resolve fails its run on a thread, as before."""
-        if type(task.payload) is UnreadablePayload:
-            return False
-        try:
-            return self._is_async(self._resolver.resolve(task.processor, task.callback_url))
-        except Exception:  # noqa: BLE001 - the run's own start reports it
-            return False
 
     def _start(self, run: Run[Lane]) -> Any:
         """An executor's thread takes a staged run: the checks of the module docstring,
@@ -186,58 +165,6 @@ class Starter:
         if listed:
             self._release(run)
         return self._begin(run, left_ms, here=False)
-
-    def _start_on_loop(self, run: Run[Lane]) -> Any:
-        """The event loop takes a staged run of an ``async def`` processor: the same checks,
-        none waiting on the loop's thread (see the module docstring); a check that would
-        wait makes the run a :class:`Deferred` that starts after it."""
-        task, cancel = run.task, run.cancel
-        assert cancel is not None  # given at submit
-        left_ms = task.trigger_time - self._clock()
-        if left_ms > 0 and not cancel:  # the database clock is behind the pool's: wait on
-            return Deferred(partial(self._start_later, run, left_ms / 1000.0))
-        covered = self._lease.covers(run.incarnation)
-        if covered is None and not cancel:
-            return Deferred(partial(self._elsewhere, partial(self._start, run)))
-        with self._stage.lock:
-            listed = self._take(run, covered is not False)
-        if listed:  # (_start takes it again: a LISTED run has not moved)
-            return Deferred(partial(self._elsewhere, partial(self._start, run)))
-        return self._begin(run, left_ms, here=True)
-
-    def _start_later(self, run: Run[Lane], delay_s: float, ended: RunEnded) -> None:
-        """Start ``run`` on the loop after ``delay_s`` (the loop's thread)."""
-        def again() -> None:
-            try:
-                value = self._start_on_loop(run)
-            except BaseException as exc:  # noqa: BLE001 - the run's outcome
-                ended(None, exc)
-                return
-            value.launch(ended)  # a deferred run, or one more wait
-
-        if not self.loop.call_later(delay_s, again):
-            ended(None, Withdrawn("the worker's event loop is stopped"))
-
-    def _elsewhere(self, start: Callable[[], Any], ended: RunEnded) -> None:
-        """Run ``start`` (a run's blocking start, or a sync call) on a thread of
-        :attr:`blocking`; its deferred run, value or error goes on to ``ended``."""
-        def on_thread() -> None:
-            try:
-                value = start()
-            except BaseException as exc:  # noqa: BLE001 - the run's outcome
-                ended(None, exc)
-                return
-            if type(value) is Deferred:
-                value.launch(ended)
-            else:
-                ended(value, None)
-
-        if self._blocking is None:
-            self._blocking = ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="ax-start")
-        try:
-            self._blocking.submit(on_thread)
-        except RuntimeError as exc:  # shut down: the run never starts
-            ended(None, Withdrawn(f"the worker is stopping: {exc}"))
 
     def _begin(self, run: Run[Lane], left_ms: float, *, here: bool) -> Any:
         """The checks are passed: STARTED, the processor called (or its coroutine handed to
@@ -314,26 +241,13 @@ class Starter:
             launch = self.loop.run_here if here else self.loop.run
             return Deferred(partial(launch, body, cancel=ctx.cancelled))
         if here:
-            return Deferred(partial(self._elsewhere, partial(self._called, func, task, ctx)))
+            return Deferred(partial(self._on_loop.elsewhere,
+                                    partial(self._called, func, task, ctx)))
         return self._called(func, task, ctx)
 
     def _called(self, func: Callable[..., Any], task: RunTask, ctx: Context) -> Any:
         with entered(self._scopes, task, ctx):
             return call(func, task.payload, ctx)
-
-    def _is_async(self, func: Callable[..., Any]) -> bool:
-        """:func:`~ax_kombu.worker.processors.is_async`, remembered per processor (a run
-        asks it each time; a callback's callable is new each time, so the memory is
-        bounded)."""
-        try:
-            return self._async_kinds[func]
-        except KeyError:
-            if len(self._async_kinds) >= ASYNC_KINDS_MAX:
-                self._async_kinds.clear()
-            kind = self._async_kinds[func] = is_async(func)
-            return kind
-        except TypeError:  # an unhashable callable
-            return is_async(func)
 
     async def _awaited(self, func: Callable[..., Any], task: RunTask, ctx: Context,
                        lane: Lane) -> Any:
@@ -369,10 +283,9 @@ class Starter:
 
     def stop(self) -> None:
         """Stop the event loop (its runs cancelled, each reporting its end) and the threads
-        of :attr:`blocking` (after the pools: the node's last step)."""
+        its starts wait on (after the pools: the node's last step)."""
         self.loop.stop()
-        if self._blocking is not None:
-            self._blocking.shutdown(wait=False, cancel_futures=True)
+        self._on_loop.stop()
 
     def _durable(self, run: Run[Lane]) -> None:
         """ENDED → DURABLE (the result writer's thread): to be settled."""
