@@ -32,12 +32,8 @@ Guarantees:
   (an ``async def`` processor, on the worker's event loop) keeps its slot, running for the
   watchdog and :meth:`Pool.abandon`, until it reports its end (its signal cancels it); its
   thread takes the next job at once, so a pool may have fewer threads than slots.
-* **Runs started on the loop.** A job submitted ``on_loop`` (the start of an ``async def``
-  processor's run) is staged apart and taken by the feed attached with :meth:`Pool.attach_feed`
-  (the worker's event loop), not by a thread: its slot is taken the same way, and its
-  function is called on the loop's thread, where it hands the run's coroutine to the loop
-  without a hop through a pool thread (and so without waking one). Without a feed, a
-  thread takes it like any job.
+* **Runs started on the loop.** A job submitted ``on_loop`` is taken by the worker's event
+  loop, not by a thread, under the same slots: :mod:`ax_kombu.worker.feed`.
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ from typing import Any
 
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
 from ax_kombu.worker.executor import Cancellable, Deferred, Done, Submission, Timeout
+from ax_kombu.worker.feed import FeedSource
 from ax_kombu.worker.jobs import Job, Watchdog, report
 
 log = logging.getLogger(__name__)
@@ -60,9 +57,9 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-class Pool:
+class Pool(FeedSource):
     """A fixed set of threads running at most ``size`` jobs at a time: an
-    :class:`~ax_kombu.worker.executor.Executor`.
+    :class:`~ax_kombu.worker.executor.Executor` (its feed's side: :class:`FeedSource`).
 
     Args:
         name: for thread names and logs ("high", "default", "slow").
@@ -83,6 +80,7 @@ class Pool:
             raise ValueError(f"pool {name!r} needs at least one slot, got {size}")
         if threads is not None and threads < 1:
             raise ValueError(f"pool {name!r} needs at least one thread, got {threads}")
+        super().__init__()
         self.name = name
         self.size = size
         self._clock = clock
@@ -94,10 +92,6 @@ class Pool:
         #: may start, then submission order: a thread takes the head once it is due, so a
         #: job waiting for its start time takes no thread
         self._heap: list[tuple[float, int, Job]] = []
-        #: the staged jobs the feed takes (submitted ``on_loop``), in the same order
-        self._loop_heap: list[tuple[float, int, Job]] = []
-        #: wakes the feed (any thread; cheap, coalesced): None until one is attached
-        self._poke: Callable[[], None] | None = None
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
         self._running: set[Job] = set()
@@ -214,7 +208,7 @@ class Pool:
                 return False
             for job, submitted in zip(made, jobs, strict=True):
                 if submitted.on_loop and poke is not None:
-                    heapq.heappush(self._loop_heap, (job.start_at, next(self._seq), job))
+                    self._stage_on_loop(job)
                     looped += 1
                 else:
                     self._stage(job)
@@ -223,31 +217,6 @@ class Pool:
         if looped and poke is not None:
             poke()
         return True
-
-    # -- the feed (the event loop) ----------------------------------------------------------
-
-    def attach_feed(self, poke: Callable[[], None]) -> None:
-        """Jobs submitted ``on_loop`` from now on are taken by the feed ``poke`` wakes
-        (:meth:`take_loop`, then :meth:`launch` on the feed's thread)."""
-        self._poke = poke
-
-    def clock(self) -> float:
-        return self._clock()
-
-    def take_loop(self) -> tuple[list[Job], float | None]:
-        """The feed's thread: the ``on_loop`` jobs due now, as many as slots are free, taken
-        (running, their timeouts started); and the start time of the next one waiting
-        (None: none waits, or no slot is free — a slot that frees up pokes the feed)."""
-        taken: list[Job] = []
-        with self._lock:
-            heap = self._loop_heap
-            if not heap:
-                return taken, None
-            now = self._clock()
-            while heap and heap[0][0] <= now and len(self._running) < self.size:
-                taken.append(self._take(heapq.heappop(heap)[2], now))
-            nxt = heap[0][0] if heap and len(self._running) < self.size else None
-        return taken, nxt
 
     def launch(self, job: Job) -> None:
         """Call a taken job's function and report what it returned or raised; a
@@ -273,11 +242,7 @@ class Pool:
         time (their run ends at once without starting: the caller's ``fn`` sees the
         signal), so their slots free up."""
         with self._lock:
-            looped = any(job.cancel for _, _, job in self._loop_heap)
-            if looped:
-                self._loop_heap = [(0.0 if job.cancel else at, seq, job)
-                                   for at, seq, job in self._loop_heap]
-                heapq.heapify(self._loop_heap)
+            looped = self._release_on_loop()
             if any(job.cancel for _, _, job in self._heap):
                 self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
                 heapq.heapify(self._heap)
@@ -409,11 +374,10 @@ class Pool:
                 if job.overdue:
                     self._overdue -= 1
             # never started: no thread (nor the feed) takes one
-            staged = [job for _, _, job in self._heap] + [job for _, _, job in self._loop_heap]
+            staged = [job for _, _, job in self._heap] + self._drop_on_loop()
             for job in staged:
                 job.reported = True
             self._heap.clear()
-            self._loop_heap.clear()
             jobs += staged
             if jobs and self._joiners:
                 self._cond.notify_all()  # no longer active: join() may return
