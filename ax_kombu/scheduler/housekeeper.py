@@ -46,16 +46,16 @@ has a thread and a connection of its own (:mod:`ax_kombu.scheduler.heart`).
   failed; the other shares' claimable tasks overdue by a silence window, however
   old, are taken too (one made claimable again for a time the strays' probe no
   longer looks at). Whatever recovery frees triggers a preload at once.
-* **Pruning** — every ``PRUNE_INTERVAL_MS``: the ``ax_node`` rows of nodes
-  stopped longer than ``node_retention_s`` ago are deleted
+* **Pruning** (:mod:`ax_kombu.scheduler.pruning`) — every ``PRUNE_INTERVAL_MS``: the
+  ``ax_node`` rows of nodes stopped longer than ``node_retention_s`` ago are deleted
   (:func:`ax_kombu.store.nodes.prune_stopped`), and the duplicate check's entries of
   tasks created longer than ``fingerprint_retention_s`` ago and already due
   (:func:`ax_kombu.store.tasks.prune_fingerprints`), one batch a pass, every second
   while there are more.
-* **Due entries** — every ``DUE_PRUNE_INTERVAL_MS``: the ``ax_due`` entries of this
-  node's share whose time passed ``DUE_PRUNE_AFTER_MS`` ago and whose task has moved on
-  (:func:`ax_kombu.store.preload.prune_due`), a batch a pass, every second while there
-  are more.
+* **Due entries** (:mod:`ax_kombu.scheduler.pruning`) — every ``DUE_PRUNE_INTERVAL_MS``:
+  the ``ax_due`` entries of this node's share whose time passed ``DUE_PRUNE_AFTER_MS``
+  ago and whose task has moved on (:func:`ax_kombu.store.preload.prune_due`), a batch a
+  pass, every second while there are more.
 
 **A failing step stops nothing.** Each step is isolated: one that raises —
 a lock or statement timeout, a lost connection, a bug — is logged with its
@@ -79,15 +79,15 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from ax_kombu.config import PRIORITIES, Settings
-from ax_kombu.core.ids import compose
 from ax_kombu.observability import metrics
 from ax_kombu.scheduler.liveness import Liveness
 from ax_kombu.scheduler.loop import MAX_SLEEP_S, Loop
+from ax_kombu.scheduler.pruning import DUE_PRUNE_AFTER_MS as DUE_PRUNE_AFTER_MS  # noqa: PLC0414 - re-exported
+from ax_kombu.scheduler.pruning import PRUNE_INTERVAL_MS, Pruner
 from ax_kombu.scheduler.recurrence import Materialiser
 from ax_kombu.scheduler.strays import Strays
 from ax_kombu.scheduler.timing import TimingLoop
 from ax_kombu.store import Store, nodes, pauses, preload, recovery
-from ax_kombu.store import tasks as task_store
 from ax_kombu.store.notify import WakeListener
 
 log = logging.getLogger(__name__)
@@ -98,18 +98,6 @@ POLL_WITHOUT_WAKEUPS_MS = 50
 STEP_BACKOFF_MS = 1000
 #: ... up to this
 STEP_BACKOFF_MAX_MS = 30_000
-#: how often the node rows are pruned
-PRUNE_INTERVAL_MS = 600_000
-#: the duplicate check's old entries are deleted this many at a time, one batch per pass
-#: of the housekeeping loop (it also preloads: no pass holds it up for long), the next
-#: batch PRUNE_AGAIN_MS later while batches come back full
-PRUNE_BATCH = 10_000
-PRUNE_AGAIN_MS = 1000
-#: how often the ax_due entries whose task has moved on are pruned, and how long after
-#: their time (an entry is written for each time a task is made due: at 2,000 tasks/s the
-#: table keeps about 140,000 entries of the past)
-DUE_PRUNE_INTERVAL_MS = 10_000
-DUE_PRUNE_AFTER_MS = 60_000
 #: longest the heartbeat's thread waits for the timing loop to drop the wheel when fenced
 DROP_WAIT_S = 2.0
 #: the steps, in the order a pass takes them
@@ -164,8 +152,7 @@ class Housekeeper(Loop):
         self._failures: dict[str, int] = {}
         self._skew_warned = False
         self._clock_steps = 0
-        #: the last pruning pass found more old duplicate-check entries than one batch
-        self._pruning = False
+        self._pruner = Pruner(settings, store)
 
     # -- control -------------------------------------------------------------------------
 
@@ -349,41 +336,13 @@ class Housekeeper(Loop):
             self._next["strays"] = now + self._strays.interval_ms(now)
 
     def _prune(self, now: int) -> None:
-        """Delete the rows of nodes stopped longer than ``node_retention_s`` ago, and the
-        duplicate check's entries of tasks created longer than ``fingerprint_retention_s``
-        ago and due before the dedup window (:func:`~ax_kombu.store.tasks.
-        prune_fingerprints`), one batch a pass."""
-        self._next["prune"] = now + PRUNE_INTERVAL_MS
-        retention_ms = int(self._settings.node_retention_s * 1000)
-        if retention_ms > 0 and not self._pruning:
-            with self._store.engine.begin() as conn:
-                pruned = nodes.prune_stopped(conn, now - retention_ms)
-            if pruned:
-                log.info("pruned the rows of long-stopped nodes",
-                         extra={"nodes": len(pruned), "retention_s": retention_ms // 1000})
-        keep_ms = int(self._settings.fingerprint_retention_s * 1000)
-        if keep_ms > 0:
-            with self._store.engine.begin() as conn:
-                deleted = task_store.prune_fingerprints(
-                    conn, compose(now - keep_ms, 0, 0), now - self._settings.dedup_window_ms,
-                    PRUNE_BATCH)
-            self._pruning = deleted == PRUNE_BATCH
-            if self._pruning:
-                self._next["prune"] = now + PRUNE_AGAIN_MS
-            if deleted:
-                log.info("pruned old entries of the duplicate check",
-                         extra={"entries": deleted, "retention_s": keep_ms // 1000})
+        """Old node rows and duplicate-check entries (:mod:`ax_kombu.scheduler.pruning`)."""
+        self._next["prune"] = now + PRUNE_INTERVAL_MS  # after an error too
+        self._next["prune"] = self._pruner.prune(now)
 
     def _prune_due(self, now: int) -> None:
-        """Delete a batch of this share's ``ax_due`` entries whose task has moved on
-        (:func:`~ax_kombu.store.preload.prune_due`); again soon while batches come back
-        full."""
-        with self._store.engine.begin() as conn:
-            deleted = preload.prune_due(conn, now - DUE_PRUNE_AFTER_MS, PRUNE_BATCH,
-                                         self._share)
-        metrics.due_pruned_total.inc(deleted)
-        self._next["due"] = now + (PRUNE_AGAIN_MS if deleted == PRUNE_BATCH
-                                   else DUE_PRUNE_INTERVAL_MS)
+        """Passed ``ax_due`` entries of this share (:mod:`ax_kombu.scheduler.pruning`)."""
+        self._next["due"] = self._pruner.prune_due(now, self._share)
 
     def _measure_overdue(self, now: int) -> None:
         """``ax_oldest_overdue_seconds`` from the store: it rises even when nothing is
