@@ -16,7 +16,7 @@ next window are in :mod:`ax_kombu.store.preload`.
 **Rows another transaction holds are left for a later pass.** On PostgreSQL each move
 first locks the rows it may take (``FOR UPDATE SKIP LOCKED``) and moves only those. A row
 locked elsewhere is being moved by its owner (a worker recording the outcome, say), or is
-held by the orphaned transaction of a host cut off between a statement and its COMMIT,
+locked by the orphaned transaction of a host cut off between a statement and its COMMIT,
 which the server keeps, locks and all, until it notices the dead connection. Waiting on it
 would stop the recovery of everything else (and with it the scheduler's housekeeping):
 instead the row is looked at again by the next pass (:func:`recover_orphan_running`, the

@@ -105,13 +105,13 @@ def test_judging_recovers_around_a_row_an_orphaned_transaction_holds(
         client: Client, pg_url: str, orphan_ends: str) -> None:
     """A dead worker's RUNNING row locked by another open transaction (its own outcome,
     whose COMMIT a cut left in flight): judging declares the node dead and recovers its
-    other runs at once, without waiting for the lock; the held row is left as it is. Once
+    other runs at once, without waiting for the lock; the locked row is left as it is. Once
     that transaction ends, the recovery scan recovers the row if it rolled back, and leaves
     the outcome it committed."""
     store = client.store
     silent = nodes.Heartbeat(store, "w9", "worker")
     silent.register({})
-    held, *others = _running_on(client, "w9", 3)
+    locked, *others = _running_on(client, "w9", 3)
     with store.engine.begin() as conn:
         conn.execute(update(node_table).where(node_table.c.node_id == "w9")
                      .values(heartbeat_at=node_table.c.heartbeat_at - 60_000))
@@ -119,14 +119,14 @@ def test_judging_recovers_around_a_row_an_orphaned_transaction_holds(
                      nodes.Heartbeat(store, "s0", "scheduler"),
                      info=dict, on_fenced=lambda: None, wake=lambda: None)
     with store.engine.connect() as orphan:
-        orphan.execute(update(tasks).where(tasks.c.task_id == held)
+        orphan.execute(update(tasks).where(tasks.c.task_id == locked)
                        .values(status="SUCCESS", owner_node=None))
         began = time.monotonic()
-        judge._judge(store.now_ms())  # no lock timeout: the held row is not waited for
+        judge._judge(store.now_ms())  # no lock timeout: the locked row is not waited for
         assert time.monotonic() - began < JUDGE_LOCK_TIMEOUT_MS / 1000
-        assert _status(store, [held, *others]) == {held: "RUNNING",
+        assert _status(store, [locked, *others]) == {locked: "RUNNING",
                                                     **dict.fromkeys(others, "DELAYED")}
-        with store.engine.begin() as conn:  # the recovery scan, while it is still held
+        with store.engine.begin() as conn:  # the recovery scan, while it is still locked
             assert recovery.recover_orphan_running(conn, store.now_ms(), store.now_ms()) == []
         (orphan.commit if orphan_ends == "commit" else orphan.rollback)()
     with store.engine.connect() as conn:
@@ -137,11 +137,11 @@ def test_judging_recovers_around_a_row_an_orphaned_transaction_holds(
         lost = conn.execute(text("SELECT task_id FROM ax_attempt WHERE outcome = 'LOST'")
                             ).scalars().all()
     if orphan_ends == "commit":
-        assert rescued == [] and _status(store, [held]) == {held: "SUCCESS"}
+        assert rescued == [] and _status(store, [locked]) == {locked: "SUCCESS"}
         assert sorted(lost) == sorted(others)
     else:
-        assert rescued == [(held, "DELAYED")] and _status(store, [held]) == {held: "DELAYED"}
-        assert sorted(lost) == sorted([held, *others])
+        assert rescued == [(locked, "DELAYED")] and _status(store, [locked]) == {locked: "DELAYED"}
+        assert sorted(lost) == sorted([locked, *others])
 
 
 def test_the_ack_timeout_scan_leaves_a_dispatch_another_transaction_holds(
