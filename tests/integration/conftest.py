@@ -1,6 +1,7 @@
-"""Fixtures shared by the integration tests: a client on the test's store, a dispatcher
-for the tests that drive a worker with hand-made dispatches, and an empty database for the
-migration tests."""
+"""Fixtures shared by the integration tests: a client on the test's store and the ``ax``
+command on it, a dispatcher for the tests that drive a worker with hand-made dispatches,
+an empty database for the migration tests, and the console tests' settings and users
+(:mod:`tests.integration.console` drives the console)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from sqlalchemy import Engine, text
 
 from ax_kombu.api import Client
 from ax_kombu.broker.connection import connection, declare_queues
-from ax_kombu.config import Settings
+from ax_kombu.config import Settings, from_env
 from ax_kombu.store.engine import make_engine
+from ax_kombu.web.users import add_user
 
 from ..services import PG_ADMIN_URL, RUN_ID, pg_url_for
+from .ax_cli import Ax
+from .console import PASSWORDS
 
 if TYPE_CHECKING:
     from .test_worker import Dispatch
@@ -28,6 +32,30 @@ def client(settings: Settings) -> Iterator[Client]:
     c = Client(settings)
     yield c
     c.close()
+
+
+@pytest.fixture
+def ax(settings: Settings) -> Ax:
+    """The ``ax`` command on this test's store (``settings``)."""
+    return Ax(str(settings.database_url))
+
+
+@pytest.fixture
+def web_settings(pg_url: str, tmp_path: Path) -> Settings:
+    """The console tests' settings: this run's PostgreSQL database (emptied), a SQLite
+    broker. A console test module makes them its ``settings``, so ``client`` is on them."""
+    return from_env({}, database_url=pg_url,
+                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")
+
+
+@pytest.fixture
+def users_env(tmp_path: Path) -> dict[str, str]:
+    """``AX_WEB_USERS``: a users file with the console users of
+    :data:`tests.integration.console.PASSWORDS`."""
+    path = tmp_path / "users"
+    for name, (role, password) in PASSWORDS.items():
+        add_user(path, name, role, password)
+    return {"AX_WEB_USERS": str(path)}
 
 
 @pytest.fixture

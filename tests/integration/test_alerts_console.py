@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select, update
@@ -19,22 +18,18 @@ from ax_kombu.config import Settings
 from ax_kombu.exceptions import ValidationError
 from ax_kombu.store.schema import alerts, audit
 
-from .test_web import csrf
-from .test_web_roles import audit_rows, console, log_in, post, users_env, web_settings
+from .console import audit_rows, console, csrf, log_in, post
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-__all__ = ["users_env", "web_settings"]  # fixtures, imported for pytest
 
 #: a webhook whose path and query carry the receiver's tokens
 HOOK = "https://hooks.example.com/services/T0/B0/path-token?key=query-token"
 
 
 @pytest.fixture
-def client(web_settings: Settings) -> Iterator[Client]:
-    c = Client(web_settings)
-    yield c
-    c.close()
+def settings(web_settings: Settings) -> Settings:
+    """``client`` on the console's store (``web_settings``)."""
+    return web_settings
 
 
 def _stored(client: Client) -> dict[str, dict[str, object]]:

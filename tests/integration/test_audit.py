@@ -6,14 +6,12 @@ rows to ``ax_audit_archive``. On SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import getpass
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import select, update
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings
 from ax_kombu.store.archive import archive_finished
 from ax_kombu.store.audit import read_since, record
 from ax_kombu.store.schema import audit, audit_archive
@@ -24,18 +22,6 @@ from .test_admin_cli import make
 pytestmark = pytest.mark.timeout(120)
 
 DAY = 86_400_000
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def ax(settings: Settings) -> Ax:
-    return Ax(str(settings.database_url))
 
 
 def rows(client: Client, table: Any = audit) -> list[Any]:

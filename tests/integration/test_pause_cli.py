@@ -5,29 +5,14 @@
 from __future__ import annotations
 
 import getpass
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
-import pytest
 from sqlalchemy import select
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings
 from ax_kombu.store.schema import audit
 
 from .ax_cli import Ax
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[Client]:
-    c = Client(settings)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def ax(settings: Settings) -> Ax:
-    return Ax(str(settings.database_url))
 
 
 def audit_rows(client: Client) -> list[tuple[str, str, str, str]]:

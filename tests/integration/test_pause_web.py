@@ -5,39 +5,20 @@ changes nothing; an operator pauses a type and a queue and resumes them, each ch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings, from_env
-from ax_kombu.web.users import add_user
+from ax_kombu.config import Settings
 
-from .test_web_roles import PASSWORDS, audit_rows, console, log_in, post
+from .console import audit_rows, console, log_in, post
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def web_settings(pg_url: str, tmp_path: Path) -> Settings:
-    return from_env({}, database_url=pg_url,
-                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")
-
-
-@pytest.fixture
-def client(web_settings: Settings) -> Iterator[Client]:
-    c = Client(web_settings)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def web_env(tmp_path: Path) -> dict[str, str]:
-    path = tmp_path / "users"
-    for name, (role, password) in PASSWORDS.items():
-        add_user(path, name, role, password)
-    return {"AX_WEB_USERS": str(path)}
+def settings(web_settings: Settings) -> Settings:
+    """``client`` on the console's store (``web_settings``)."""
+    return web_settings
 
 
 def paused(client: Client) -> list[tuple[str, str, str]]:
@@ -45,10 +26,10 @@ def paused(client: Client) -> list[tuple[str, str, str]]:
 
 
 def test_a_viewer_sees_pauses_and_cannot_change_them(
-        web_settings: Settings, web_env: dict[str, str], client: Client) -> None:
+        web_settings: Settings, users_env: dict[str, str], client: Client) -> None:
     client.pause_type("sms.send", actor="ops")
     before = audit_rows(client)
-    with console(web_settings, web_env) as web:
+    with console(web_settings, users_env) as web:
         log_in(web, "vera")
         page = web.get("/pauses")
         assert page.status_code == 200
@@ -63,9 +44,9 @@ def test_a_viewer_sees_pauses_and_cannot_change_them(
 
 
 def test_an_operator_pauses_and_resumes_in_the_audit_under_their_name(
-        web_settings: Settings, web_env: dict[str, str], client: Client) -> None:
+        web_settings: Settings, users_env: dict[str, str], client: Client) -> None:
     slow = web_settings.queue_for("slow")
-    with console(web_settings, web_env) as web:
+    with console(web_settings, users_env) as web:
         log_in(web, "otto")
         assert "/pauses/pause" in web.get("/pauses").text
         done = post(web, "/pauses/pause", kind="type", name="sms.send")

@@ -5,8 +5,6 @@ shows the worker's state and the button that fits it; an unknown name is refused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import text
 from starlette.testclient import TestClient
@@ -15,18 +13,15 @@ from ax_kombu.api import Client
 from ax_kombu.config import Settings
 from ax_kombu.store.nodes import Heartbeat, set_quiet
 
-from .test_web_roles import audit_rows, console, log_in, post, users_env, web_settings
+from .console import audit_rows, console, log_in, post
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-__all__ = ["users_env", "web_settings"]  # fixtures, imported for pytest
-
 
 @pytest.fixture
-def client(web_settings: Settings) -> Iterator[Client]:
-    c = Client(web_settings)
-    yield c
-    c.close()
+def settings(web_settings: Settings) -> Settings:
+    """``client`` on the console's store (``web_settings``)."""
+    return web_settings
 
 
 @pytest.fixture

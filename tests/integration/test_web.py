@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,30 +13,23 @@ from sqlalchemy import select
 from starlette.testclient import TestClient
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings, from_env
+from ax_kombu.config import Settings
 from ax_kombu.store.schema import jobs, limits, tasks
 from ax_kombu.web.app import create_app
 
 from .ax_cli import run_ax
+from .console import BASE, csrf
 from .test_admin_cli import add_attempt, make, row
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TOKEN = "s3cret-token"
-BASE = "http://127.0.0.1"
 
 
 @pytest.fixture
-def web_settings(pg_url: str, tmp_path: Path) -> Settings:
-    return from_env({}, database_url=pg_url,
-                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")
-
-
-@pytest.fixture
-def client(web_settings: Settings) -> Iterator[Client]:
-    c = Client(web_settings)
-    yield c
-    c.close()
+def settings(web_settings: Settings) -> Settings:
+    """``client`` on the console's store (``web_settings``)."""
+    return web_settings
 
 
 def _browser(settings: Settings, token: str | None) -> Iterator[TestClient]:
@@ -56,12 +48,6 @@ def web(web_settings: Settings) -> Iterator[TestClient]:
 def guarded(web_settings: Settings) -> Iterator[TestClient]:
     """The console with AX_WEB_TOKEN set."""
     yield from _browser(web_settings, TOKEN)
-
-
-def csrf(page: str) -> str:
-    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
-    assert found, "the page holds no CSRF token"
-    return found.group(1)
 
 
 def post(web: TestClient, path: str, **fields: Any) -> Any:

@@ -5,72 +5,23 @@ changing nothing; each action recorded in ``/audit`` under the caller's name."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
-from sqlalchemy import select
-from starlette.testclient import TestClient
 
 from ax_kombu.api import Client
-from ax_kombu.config import Settings, from_env
-from ax_kombu.store.schema import audit
-from ax_kombu.web.access import Access
-from ax_kombu.web.app import create_app
-from ax_kombu.web.users import add_user
+from ax_kombu.config import Settings
 
+from .console import audit_rows, console, csrf, log_in, post
 from .test_admin_cli import make, row
-from .test_web import BASE, csrf
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TOKEN = "roles-token"
-PASSWORDS = {"vera": ("viewer", "vera-pw"), "otto": ("operator", "otto-pw"),
-             "ada": ("admin", "ada-pw")}
 
 
 @pytest.fixture
-def web_settings(pg_url: str, tmp_path: Path) -> Settings:
-    return from_env({}, database_url=pg_url,
-                    broker_url=f"ax+sqlite:///{tmp_path / 'broker.sqlite3'}")
-
-
-@pytest.fixture
-def client(web_settings: Settings) -> Iterator[Client]:
-    c = Client(web_settings)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def users_env(tmp_path: Path) -> dict[str, str]:
-    path = tmp_path / "users"
-    for name, (role, password) in PASSWORDS.items():
-        add_user(path, name, role, password)
-    return {"AX_WEB_USERS": str(path)}
-
-
-def console(settings: Settings, env: dict[str, str], token: str | None = None) -> TestClient:
-    app = create_app(settings, access=Access.configure(token, env))
-    return TestClient(app, base_url=BASE, follow_redirects=False)
-
-
-def log_in(web: TestClient, name: str) -> None:
-    form = web.get("/login")
-    done = web.post("/login", data={"csrf": csrf(form.text), "user": name,
-                                    "password": PASSWORDS[name][1], "next": "/"})
-    assert done.status_code == 303, done.text
-
-
-def post(web: TestClient, path: str, **fields: Any) -> Any:
-    return web.post(path, data={"csrf": csrf(web.get("/audit").text), **fields})
-
-
-def audit_rows(client: Client) -> list[tuple[str, str, str, str]]:
-    with client.store.engine.connect() as conn:
-        return [(r.actor, r.via, r.action, r.target)
-                for r in conn.execute(select(audit).order_by(audit.c.id))]
+def settings(web_settings: Settings) -> Settings:
+    """``client`` on the console's store (``web_settings``)."""
+    return web_settings
 
 
 def test_a_viewer_reads_but_every_post_is_refused_and_changes_nothing(
