@@ -23,6 +23,7 @@ from .services import (
     RUN_ID,
     create_rabbit_vhost,
     delete_rabbit_vhost,
+    delete_redis_keys,
     pg_url_for,
     reachable,
     unavailable,
@@ -147,13 +148,7 @@ def redis_broker(redis_url: str) -> Iterator[dict[str, str]]:
     overrides["broker_url"] = redis_url
     overrides["broker_key_prefix"] = f"axtest:{RUN_ID}:{overrides['queue_high']}:"
     yield overrides
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=overrides["broker_key_prefix"] + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_redis_keys(redis_url, overrides["broker_key_prefix"])
 
 
 @pytest.fixture

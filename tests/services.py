@@ -83,3 +83,14 @@ def delete_rabbit_vhost(name: str) -> None:
     ctl = shutil.which("rabbitmqctl")
     if ctl:
         subprocess.run([ctl, "delete_vhost", name], capture_output=True, timeout=60, check=False)
+
+
+def delete_redis_keys(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` (a test's or a module's own) from Redis at ``url``."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()

@@ -9,6 +9,9 @@ put the end of every log into an assertion message.
 
 What the processors of :mod:`tests.e2e.e2e_tasks` ran is read from their run ledger
 (:class:`tests.ledger.Ledger`).
+
+:func:`module_cluster` holds one :class:`System` for a whole test module, on this run's
+PostgreSQL database and Redis queues and a key prefix of its own, and cleans both up after.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, text
 
@@ -30,6 +35,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.store.engine import make_engine
 
+from ..services import RUN_ID, delete_redis_keys
 from ..waiting import wait_until
 
 #: the repository root: the workers import ``tests.e2e.e2e_tasks`` from it
@@ -215,3 +221,42 @@ def pct(values: list[int], q: float) -> int:
     """Nearest-rank percentile (0..100) of a non-empty list."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def empty_tables(url: str, tables: str) -> None:
+    """``TRUNCATE tables`` (a comma-separated list) and free every id lease."""
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {tables}"))
+        conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
+    engine.dispose()
+
+
+def own_redis_broker(redis_url: str, name: str) -> dict[str, str]:
+    """Broker settings on ``redis_url`` with queues and a key prefix of their own
+    (``name`` and a random suffix)."""
+    suffix = f".{name}{uuid.uuid4().hex[:6]}"
+    return {"broker_url": redis_url, "queue_high": "high" + suffix,
+            "queue_default": "default" + suffix, "queue_slow": "slow" + suffix,
+            "broker_key_prefix": f"axtest:{RUN_ID}:{suffix}:"}
+
+
+S = TypeVar("S", bound=System)
+
+
+@contextmanager
+def module_cluster(make: Callable[[dict[str, str]], S], database_url: str, redis_url: str,
+                   name: str, tables: str) -> Iterator[S]:
+    """The system ``make`` builds from its broker settings (:func:`own_redis_broker`), for
+    one test module: ``tables`` of ``database_url`` are emptied before and after; at the
+    end every daemon is stopped, the system closed and its Redis keys deleted."""
+    empty_tables(database_url, tables)
+    broker = own_redis_broker(redis_url, name)
+    ax = make(broker)
+    try:
+        yield ax
+    finally:
+        stop_all([d.proc for d in ax.daemons])
+        ax.close()
+        empty_tables(database_url, tables)
+        delete_redis_keys(redis_url, broker["broker_key_prefix"])

@@ -33,7 +33,6 @@ each daemon's log tail.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 import uuid
@@ -41,19 +40,16 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
 from ax_kombu.config import worker_queue
 from ax_kombu.core import cron
-from ax_kombu.store.engine import make_engine
 
-from ..services import RUN_ID
-from .gate_tasks import LEDGER_ENV, NODE_ENV
-from .system import System, stop_all
+from .gate_ledger import Entry, LedgerSystem
+from .gate_tasks import NODE_ENV
+from .system import module_cluster
 
 MODULE = "tests.e2e.gate_tasks"
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3}
@@ -65,35 +61,6 @@ ACTIVE = ("DISPATCHING", "RUNNING")
 
 
 # -- the ledger ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One processor run, as :func:`tests.e2e.gate_tasks.record` wrote it."""
-
-    task_id: int
-    task_type: str
-    payload: Any
-    job: str | None
-    scheduled_at: int | None
-    attempt: int
-    shard_index: int | None
-    shard_total: int | None
-    start: float
-    end: float
-    pid: int
-    node: str
-    cancelled: bool
-    cancel_reason: str | None
-
-
-def read_ledger(path: Path) -> list[Entry]:
-    """Every run recorded so far (a last line still being written is left for later)."""
-    try:
-        lines = path.read_text().split("\n")[:-1]
-    except FileNotFoundError:
-        return []
-    return [Entry(**json.loads(line)) for line in lines if line.strip()]
 
 
 def max_concurrency(entries: Iterable[Entry]) -> int:
@@ -128,17 +95,13 @@ def nodes(entries: Iterable[Entry]) -> dict[str, int]:
 
 
 @dataclass
-class GateSystem(System):
-    """A :class:`System` whose daemons know the ledger file, and whose workers know their
-    name (``E2E_GATES_NODE``)."""
-
-    ledger: Path = Path("ledger.jsonl")
+class GateSystem(LedgerSystem):
+    """A :class:`LedgerSystem` whose workers know their name (``E2E_GATES_NODE``)."""
 
     def daemon_env(self, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
         settings = dict(extra or {})
         node = settings.pop(_NODE_KEY, None)
         env = super().daemon_env(settings)
-        env[LEDGER_ENV] = str(self.ledger)
         if node is not None:
             env[NODE_ENV] = str(node)
         return env
@@ -154,9 +117,6 @@ class GateSystem(System):
     def check_alive(self) -> None:
         dead = [d.name for d in self.daemons if not d.alive]
         assert not dead, f"daemons exited: {dead}\n{self.tails()}"
-
-    def runs(self, task_type: str) -> list[Entry]:
-        return [e for e in read_ledger(self.ledger) if e.task_type == task_type]
 
     def wait_runs(self, task_type: str, check: Any, timeout: float, what: str) -> list[Entry]:
         """Poll the ledger until ``check(runs of task_type)`` is true; returns those runs."""
@@ -198,40 +158,18 @@ class GateSystem(System):
                                             n=name), timeout, f"the runs of {name} ended")
 
 
-def _reset(url: str) -> None:
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_due"))
-        conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
-    engine.dispose()
-
-
 @pytest.fixture(scope="module")
 def cluster(pg_database: str, redis_url: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GateSystem]:
     """One cluster for the module, on this run's database (emptied) and its own Redis
     queues and key prefix."""
-    _reset(pg_database)
-    suffix = f".gates{uuid.uuid4().hex[:6]}"
-    broker = {"broker_url": redis_url, "queue_high": "high" + suffix,
-              "queue_default": "default" + suffix, "queue_slow": "slow" + suffix,
-              "broker_key_prefix": f"axtest:{RUN_ID}:{suffix}:"}
     tmp = tmp_path_factory.mktemp("gates")
-    ax = GateSystem(pg_database, broker, tmp, env=HEARTBEAT, ledger=tmp / "ledger.jsonl")
-    try:
+    with module_cluster(lambda broker: GateSystem(pg_database, broker, tmp, env=HEARTBEAT,
+                                                  ledger=tmp / "ledger.jsonl"),
+                        pg_database, redis_url, "gates",
+                        "ax_task, ax_node, ax_job, ax_limit, ax_due") as ax:
         ax.start()
         yield ax
-    finally:
-        stop_all([d.proc for d in ax.daemons])
-        ax.close()
-        _reset(pg_database)
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=broker["broker_key_prefix"] + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 def due_in(cluster: GateSystem, ms: int) -> tuple[int, datetime]:

@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
 from ax_kombu.store.audit import read_since
-from ax_kombu.store.engine import make_engine
 from ax_kombu.store.recovery import oldest_overdue_ms
 
-from ..services import RUN_ID
-from .gate_tasks import LEDGER_ENV
-from .system import System, stop_all
-from .test_gates import Entry, read_ledger
+from .gate_ledger import Entry, LedgerSystem
+from .system import module_cluster
 
 MODULE = "tests.e2e.pause_tasks"
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3}
@@ -46,18 +41,8 @@ LOAD = 500
 
 
 @dataclass
-class PauseSystem(System):
+class PauseSystem(LedgerSystem):
     """One scheduler and one worker whose processors write ``ledger``."""
-
-    ledger: Path = Path("ledger.jsonl")
-
-    def daemon_env(self, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-        env = super().daemon_env(extra)
-        env[LEDGER_ENV] = str(self.ledger)
-        return env
-
-    def runs(self, task_type: str) -> list[Entry]:
-        return [e for e in read_ledger(self.ledger) if e.task_type == task_type]
 
     def pause_reads(self) -> int:
         """How many changes of the pauses the scheduler has read so far."""
@@ -85,43 +70,20 @@ class PauseSystem(System):
         self.wait_for(lambda: self.pause_reads() > before, 20, "the scheduler read the pause")
 
 
-def _reset(url: str) -> None:
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        conn.execute(text("TRUNCATE ax_task, ax_node, ax_job, ax_limit, ax_due, ax_pause, "
-                          "ax_audit"))
-        conn.execute(text("UPDATE ax_id_lease SET owner = NULL, lease_until = 0"))
-    engine.dispose()
-
-
 @pytest.fixture(scope="module")
 def cluster(pg_database: str, redis_url: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[PauseSystem]:
     """One scheduler and one worker on this run's database (emptied) and their own Redis
     queues and key prefix."""
-    _reset(pg_database)
-    suffix = f".pause{uuid.uuid4().hex[:6]}"
-    broker = {"broker_url": redis_url, "queue_high": "high" + suffix,
-              "queue_default": "default" + suffix, "queue_slow": "slow" + suffix,
-              "broker_key_prefix": f"axtest:{RUN_ID}:{suffix}:"}
     tmp = tmp_path_factory.mktemp("pauses")
-    ax = PauseSystem(pg_database, broker, tmp, env=HEARTBEAT, ledger=tmp / "ledger.jsonl")
-    try:
+    with module_cluster(lambda broker: PauseSystem(pg_database, broker, tmp, env=HEARTBEAT,
+                                                   ledger=tmp / "ledger.jsonl"),
+                        pg_database, redis_url, "pause",
+                        "ax_task, ax_node, ax_job, ax_limit, ax_due, ax_pause, ax_audit") as ax:
         ax.scheduler("pause-s0")
         ax.worker("pause-w0", args=("-A", MODULE))
         ax.wait_ready()
         yield ax
-    finally:
-        stop_all([d.proc for d in ax.daemons])
-        ax.close()
-        _reset(pg_database)
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=broker["broker_key_prefix"] + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 def assert_unclaimed(cluster: PauseSystem, ids: list[int], task_type: str) -> None:
