@@ -1,19 +1,22 @@
 """The ledger of :mod:`tests.e2e.gate_tasks` as the end-to-end tests read it: each run's
 :class:`Entry` (:func:`read_ledger`), and :class:`LedgerSystem`, a :class:`System` whose
 daemons are told the ledger file (``E2E_GATES_LEDGER``) and which reads a task type's runs
-back. The gate tests and the pause tests use it (:mod:`tests.e2e.pause_tasks` records
-through the gate processors)."""
+back; :func:`ledger_cluster` holds one for a test module. The gate tests and the pause
+tests use it (:mod:`tests.e2e.pause_tasks` records through the gate processors)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import pytest
 
 from .gate_tasks import LEDGER_ENV
-from .system import System
+from .system import System, module_cluster
 
 
 @dataclass(frozen=True)
@@ -59,3 +62,19 @@ class LedgerSystem(System):
     def runs(self, task_type: str) -> list[Entry]:
         """The runs of ``task_type`` recorded so far."""
         return [e for e in read_ledger(self.ledger) if e.task_type == task_type]
+
+
+L = TypeVar("L", bound=LedgerSystem)
+
+
+@contextmanager
+def ledger_cluster(system: type[L], database_url: str, redis_url: str,
+                   tmp_path_factory: pytest.TempPathFactory, name: str, tables: str,
+                   env: Mapping[str, Any]) -> Iterator[L]:
+    """A ``system`` for one test module (:func:`tests.e2e.system.module_cluster`), its logs
+    and ledger in a new temporary directory ``name``, ``env`` for every daemon."""
+    tmp = tmp_path_factory.mktemp(name)
+    with module_cluster(lambda broker: system(database_url, broker, tmp, env=env,
+                                              ledger=tmp / "ledger.jsonl"),
+                        database_url, redis_url, name, tables) as ax:
+        yield ax

@@ -47,9 +47,8 @@ import pytest
 from ax_kombu.config import worker_queue
 from ax_kombu.core import cron
 
-from .gate_ledger import Entry, LedgerSystem
+from .gate_ledger import Entry, LedgerSystem, ledger_cluster
 from .gate_tasks import NODE_ENV
-from .system import module_cluster
 
 MODULE = "tests.e2e.gate_tasks"
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3}
@@ -163,11 +162,8 @@ def cluster(pg_database: str, redis_url: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GateSystem]:
     """One cluster for the module, on this run's database (emptied) and its own Redis
     queues and key prefix."""
-    tmp = tmp_path_factory.mktemp("gates")
-    with module_cluster(lambda broker: GateSystem(pg_database, broker, tmp, env=HEARTBEAT,
-                                                  ledger=tmp / "ledger.jsonl"),
-                        pg_database, redis_url, "gates",
-                        "ax_task, ax_node, ax_job, ax_limit, ax_due") as ax:
+    with ledger_cluster(GateSystem, pg_database, redis_url, tmp_path_factory, "gates",
+                        "ax_task, ax_node, ax_job, ax_limit, ax_due", HEARTBEAT) as ax:
         ax.start()
         yield ax
 

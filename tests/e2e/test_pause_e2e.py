@@ -30,8 +30,7 @@ import pytest
 from ax_kombu.store.audit import read_since
 from ax_kombu.store.recovery import oldest_overdue_ms
 
-from .gate_ledger import Entry, LedgerSystem
-from .system import module_cluster
+from .gate_ledger import Entry, LedgerSystem, ledger_cluster
 
 MODULE = "tests.e2e.pause_tasks"
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3}
@@ -75,11 +74,9 @@ def cluster(pg_database: str, redis_url: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[PauseSystem]:
     """One scheduler and one worker on this run's database (emptied) and their own Redis
     queues and key prefix."""
-    tmp = tmp_path_factory.mktemp("pauses")
-    with module_cluster(lambda broker: PauseSystem(pg_database, broker, tmp, env=HEARTBEAT,
-                                                   ledger=tmp / "ledger.jsonl"),
-                        pg_database, redis_url, "pause",
-                        "ax_task, ax_node, ax_job, ax_limit, ax_due, ax_pause, ax_audit") as ax:
+    with ledger_cluster(PauseSystem, pg_database, redis_url, tmp_path_factory, "pause",
+                        "ax_task, ax_node, ax_job, ax_limit, ax_due, ax_pause, ax_audit",
+                        HEARTBEAT) as ax:
         ax.scheduler("pause-s0")
         ax.worker("pause-w0", args=("-A", MODULE))
         ax.wait_ready()
