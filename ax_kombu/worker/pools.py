@@ -314,9 +314,13 @@ class Pool(FeedSource):
         with self._lock:
             first = not job.reported
             job.reported = True
+            full = len(self._running) >= self.size
             self._running.discard(job)
-            if self._heap:
-                self._wake(1)  # a slot freed: a thread may take a staged job
+            if full and self._heap:
+                # a thread may wait for this slot, not for a start time: only a deferred
+                # run holds a slot without a thread, so in a lane of sync runs a finished
+                # run wakes no other thread (idle ones already wait for the head's start)
+                self._wake(1)
             poke = self._poke if self._loop_heap else None
             if first:
                 self._reporting += 1

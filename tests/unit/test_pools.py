@@ -285,3 +285,43 @@ def test_a_cancelled_staged_job_leaves_the_stage_before_its_start_time() -> None
     pool.release_cancelled()
     eventually(lambda: len(seen.of("held")) == 1 and pool.active == 0, timeout=2.0)
     pool.close()
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts the waits that returned (a thread woken, or timed out)."""
+
+    def __init__(self, lock: Any = None) -> None:
+        super().__init__(lock)
+        self.returns = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            return super().wait(timeout)
+        finally:
+            self.returns += 1  # the lock is held again here
+
+
+def test_a_finished_sync_run_wakes_no_idle_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a lane of sync runs the idle threads already wait for the next start time: a run
+    that finishes wakes none of them (one wake-up per run, a measurable cost in a steady
+    stream), while a slot a deferred run frees does wake one (test_async_pools)."""
+    monkeypatch.setattr(threading, "Condition", CountingCondition)
+    pool, seen = Pool("t", 4), Outcomes()
+    monkeypatch.undo()
+    work = pool._work
+    assert isinstance(work, CountingCondition)
+    eventually(lambda: pool._idle == 4)
+    release = threading.Event()
+    assert pool.submit_reserved([
+        Submission(lambda: release.wait(5), seen.done("run"), None, {}, None, 0.0),
+        Submission(lambda: None, seen.done("later"), None, {}, None, time.monotonic() + 3.0)])
+    eventually(lambda: pool._idle == 3 and len(pool._running) == 1)
+    before = work.returns
+    release.set()
+    eventually(lambda: len(seen.of("run")) == 1)
+    watch_until = time.monotonic() + 0.3  # a window to see a wake-up that should not come
+    while time.monotonic() < watch_until:
+        assert work.returns == before, "a finished run woke an idle thread"
+        time.sleep(0.01)
+    eventually(lambda: len(seen.of("later")) == 1)  # the staged job still starts on time
+    pool.close()
