@@ -46,17 +46,16 @@ _UNACKED_AGE = (f"dispatched_at + (:ack_ms * (CASE WHEN redispatches > {MAX_BACK
 # ax_kombu.celery), or ('celery_ax') when the AxBootstep of a Celery worker starts it, so
 # one still DISPATCHING after the ack timeout was never certainly published, or never
 # started.
-_UNACKED_WHERE = (f"status = 'DISPATCHING' AND {_UNACKED_AGE} AND (priority IN :priorities "
-                  f"OR {off_ax_queues()})")
+_UNACKED_WHERE = f"{_UNACKED_AGE} AND (priority IN :priorities OR {off_ax_queues()})"
 # The attempt a recovery ends goes to the history first, from the row as it still is; on
-# PostgreSQL the rows are locked as they are read, so a worker's late result waits and then
-# finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).
+# PostgreSQL the rows were locked before (_move_lockable), so a worker's late result waits and
+# then finds the row moved (its own history row then loses to this one: ON CONFLICT DO NOTHING).
 _RECORD_ENDED = """
 INSERT INTO ax_attempt (task_id, attempt, task_type, node, trigger_time, dispatched_at,
                         started_at, finished_at, outcome, error, duration_ms)
 SELECT task_id, attempt, task_type, owner_node, trigger_time, dispatched_at, started_at,
        :now, :outcome, {why}, :now - started_at
-  FROM ax_task WHERE {where}{lock}
+  FROM ax_task WHERE {where}
     ON CONFLICT (task_id, attempt) DO NOTHING"""
 
 
@@ -64,8 +63,7 @@ def _record_ended(conn: Connection, where: str, params: dict[str, Any], outcome:
                   why: str, *expanding: str, why_sql: str = ":ended_why") -> None:
     """Record in the history the attempts of the rows ``where`` selects, as ``outcome``,
     with ``why`` (or, per row, the SQL expression ``why_sql``, which may name it)."""
-    lock = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
-    stmt = text(_RECORD_ENDED.format(where=where, lock=lock, why=why_sql)).bindparams(
+    stmt = text(_RECORD_ENDED.format(where=where, why=why_sql)).bindparams(
         *[bindparam(name, expanding=True) for name in expanding])
     conn.execute(stmt, {**params, "outcome": outcome, "ended_why": why})
 
@@ -107,7 +105,7 @@ def redispatch_unacked(conn: Connection, now_ms: int, ack_timeout_ms: int,
               "max_dispatches": max_dispatches, "gave_up": gave_up}
     why = (f"not started by a worker within the ack timeout ({ack_timeout_ms} ms, "
            "doubling per dispatch)")
-    return _move_lockable(conn, _UNACKED_WHERE, "status = 'DISPATCHING'", params, ("priorities",),
+    return _move_lockable(conn, "DISPATCHING", _UNACKED_WHERE, params, ("priorities",),
                           _REQUEUE_UNACKED, lambda w, p, *e: _record_ended(
                               conn, w, p, "UNACKED", why, *e))
 
@@ -181,7 +179,7 @@ def recover_running(conn: Connection, nodes: Sequence[str], now_ms: int,
                               "unstarted_error": UNSTARTED_ERROR}
     if keep:
         params["keep"] = list(keep)
-    return _move_lockable(conn, f"status = 'RUNNING' AND {which}", "status = 'RUNNING'", params,
+    return _move_lockable(conn, "RUNNING", which, params,
                           ("nodes", "keep") if keep else ("nodes",), _RECOVER_RUNNING,
                           partial(_record_lost, conn))
 
@@ -202,23 +200,25 @@ def recover_orphan_running(conn: Connection, now_ms: int,
     """
     params = {"now": now_ms, "error": "worker lost", "alive": alive_after_ms,
               "unstarted_error": UNSTARTED_ERROR}
-    return _move_lockable(conn, f"status = 'RUNNING' AND {_NOT_ALIVE}", "status = 'RUNNING'",
-                          params, (), _RECOVER_RUNNING, partial(_record_lost, conn))
+    return _move_lockable(conn, "RUNNING", _NOT_ALIVE, params, (), _RECOVER_RUNNING,
+                          partial(_record_lost, conn))
 
 
 #: ids per statement when the rows to move were locked first (a bound list)
 MOVE_CHUNK = 1000
 
 
-def _move_lockable(conn: Connection, where: str, guard: str, params: dict[str, Any],
+def _move_lockable(conn: Connection, status: str, which: str, params: dict[str, Any],
                    expanding: Sequence[str], move_sql: str,
                    record: Callable[..., None],
                    ) -> list[tuple[int, str]]:
-    """Move the rows ``where`` selects with ``move_sql`` (an UPDATE … WHERE {where} RETURNING
-    task_id, status), their ended attempts recorded first by ``record(where, params,
-    *expanding)``; the FAILED ones announced. On PostgreSQL only the rows no other
-    transaction holds (see the module docstring): they are locked first, then moved by id,
-    ``guard`` (their status) checked again."""
+    """Move the rows in ``status`` that ``which`` selects with ``move_sql`` (an UPDATE …
+    WHERE {where} RETURNING task_id, status), their ended attempts recorded first by
+    ``record(where, params, *expanding)``; the FAILED ones announced. On PostgreSQL only the
+    rows no other transaction holds (see the module docstring): they are locked first, then
+    moved by id, their status checked again."""
+    guard = f"status = '{status}'"
+    where = f"{guard} AND {which}"
     if conn.dialect.name != "postgresql":
         record(where, params, *expanding)
         stmt = text(move_sql.format(where=where)).bindparams(
