@@ -21,7 +21,7 @@ import heapq
 import threading
 from collections.abc import Callable, Iterator
 
-from ax_kombu.worker.jobs import Job
+from ax_kombu.worker.jobs import Job, Staged
 
 
 class FeedSource:
@@ -39,7 +39,7 @@ class FeedSource:
     def __init__(self) -> None:
         #: the staged jobs the feed takes (submitted ``on_loop``), by the time they may
         #: start, then submission order
-        self._loop_heap: list[tuple[float, int, Job]] = []
+        self._loop_heap: Staged = []
         #: wakes the feed (any thread; cheap, coalesced): None until one is attached
         self._poke: Callable[[], None] | None = None
 
@@ -69,16 +69,6 @@ class FeedSource:
     def _stage_on_loop(self, job: Job) -> None:
         """Add ``job`` to the feed's stage (the caller has the lock, and pokes the feed)."""
         heapq.heappush(self._loop_heap, (job.start_at, next(self._seq), job))
-
-    def _release_on_loop(self) -> bool:
-        """Move the feed's staged jobs whose signal is set to the head (the caller has the
-        lock); True if there were any: the caller pokes the feed."""
-        if not any(job.cancel for _, _, job in self._loop_heap):
-            return False
-        self._loop_heap = [(0.0 if job.cancel else at, seq, job)
-                           for at, seq, job in self._loop_heap]
-        heapq.heapify(self._loop_heap)
-        return True
 
     def _drop_on_loop(self) -> list[Job]:
         """Take every job the feed has not taken, never to start (the caller has the lock)."""

@@ -3,6 +3,7 @@ cancellation signal (:mod:`ax_kombu.worker.pools` says what a timeout means)."""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -31,6 +32,21 @@ class Job:
     reported: bool = False
     #: past its deadline, still running; reported as timed out when it returns
     overdue: bool = False
+
+
+#: staged jobs by the time they may start, then submission order: (start_at, seq, job)
+Staged = list[tuple[float, int, Job]]
+
+
+def cancelled_first(heap: Staged) -> bool:
+    """Key the staged jobs whose signal is set to start now, in place (the caller has the
+    pool's lock); True if there were any: they are taken now, and their run ends at once
+    without starting."""
+    if not any(job.cancel for _, _, job in heap):
+        return False
+    heap[:] = [(0.0 if job.cancel else at, seq, job) for at, seq, job in heap]
+    heapq.heapify(heap)
+    return True
 
 
 class Watched(Protocol):

@@ -50,7 +50,7 @@ from typing import Any
 from ax_kombu.core.outcomes import Outcome as Outcome  # noqa: PLC0414 - re-exported
 from ax_kombu.worker.executor import Cancellable, Deferred, Done, Submission, Timeout
 from ax_kombu.worker.feed import FeedSource
-from ax_kombu.worker.jobs import Job, Watchdog, report
+from ax_kombu.worker.jobs import Job, Staged, Watchdog, cancelled_first, report
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Pool(FeedSource):
         #: the staged jobs (accepted, waiting for a thread; see stage_max) by the time they
         #: may start, then submission order: a thread takes the head once it is due, so a
         #: job waiting for its start time takes no thread
-        self._heap: list[tuple[float, int, Job]] = []
+        self._heap: Staged = []
         self._seq = itertools.count()
         self._work = threading.Condition(self._lock)
         self._running: set[Job] = set()
@@ -242,10 +242,8 @@ class Pool(FeedSource):
         time (their run ends at once without starting: the caller's ``fn`` sees the
         signal), so their slots free up."""
         with self._lock:
-            looped = self._release_on_loop()
-            if any(job.cancel for _, _, job in self._heap):
-                self._heap = [(0.0 if job.cancel else at, seq, job) for at, seq, job in self._heap]
-                heapq.heapify(self._heap)
+            looped = cancelled_first(self._loop_heap)
+            if cancelled_first(self._heap):
                 self._work.notify_all()
         if looped and self._poke is not None:
             self._poke()
