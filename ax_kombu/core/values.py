@@ -78,8 +78,8 @@ def trigger_ms(now_ms: int, run_at: datetime | None, delay: Any) -> int:
         return _run_at_ms(run_at, latest)
     if delay is None:
         return now_ms
-    at = now_ms + round(_delay_s(delay) * 1000)
-    if at > latest:
+    ms = _delay_s(delay) * 1000  # a finite delay may still overflow here (1e308 s)
+    if not math.isfinite(ms) or (at := now_ms + round(ms)) > latest:
         raise ValidationError(f"delay {show(delay)} is too far ahead: at most "
                               f"{MAX_HORIZON_MS // 86_400_000} days")
     return at

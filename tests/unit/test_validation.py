@@ -31,6 +31,7 @@ def row(**kw: Any) -> dict[str, Any]:
     ({"run_at": "2030-01-01"}, "must be a datetime"),
     ({"delay": -1}, ">= 0"),
     ({"delay": float("nan")}, "finite"),
+    ({"delay": 1e308}, "too far ahead"),  # finite, but not once in ms
     ({"delay": "5s"}, "seconds or a timedelta"),
     ({"payload": {"x": object()}}, "JSON"),
     ({"payload": {"x": float("inf")}}, "JSON"),
