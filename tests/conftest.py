@@ -24,6 +24,8 @@ from .services import (
     create_rabbit_vhost,
     delete_rabbit_vhost,
     delete_redis_keys,
+    own_queues,
+    own_redis_broker,
     pg_url_for,
     reachable,
     unavailable,
@@ -136,17 +138,13 @@ _counter = itertools.count()
 
 
 def _own_queues() -> dict[str, str]:
-    suffix = f".t{next(_counter)}"
-    return {"queue_high": "high" + suffix, "queue_default": "default" + suffix,
-            "queue_slow": "slow" + suffix}
+    return own_queues(f".t{next(_counter)}")
 
 
 @pytest.fixture
 def redis_broker(redis_url: str) -> Iterator[dict[str, str]]:
     """Redis settings for one test: its own queues under its own key prefix."""
-    overrides = _own_queues()
-    overrides["broker_url"] = redis_url
-    overrides["broker_key_prefix"] = f"axtest:{RUN_ID}:{overrides['queue_high']}:"
+    overrides = own_redis_broker(redis_url, f".t{next(_counter)}")
     yield overrides
     delete_redis_keys(redis_url, overrides["broker_key_prefix"])
 

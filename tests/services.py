@@ -85,6 +85,19 @@ def delete_rabbit_vhost(name: str) -> None:
         subprocess.run([ctl, "delete_vhost", name], capture_output=True, timeout=60, check=False)
 
 
+def own_queues(suffix: str) -> dict[str, str]:
+    """Queue settings of their own: each ax queue's name with ``suffix``."""
+    return {"queue_high": "high" + suffix, "queue_default": "default" + suffix,
+            "queue_slow": "slow" + suffix}
+
+
+def own_redis_broker(url: str, suffix: str) -> dict[str, str]:
+    """Redis broker settings on ``url`` with queues (:func:`own_queues`) and a key prefix of
+    their own; :func:`delete_redis_keys` with its ``broker_key_prefix`` cleans them up."""
+    return {**own_queues(suffix), "broker_url": url,
+            "broker_key_prefix": f"axtest:{RUN_ID}:high{suffix}:"}
+
+
 def delete_redis_keys(url: str, prefix: str) -> None:
     """Delete every key under ``prefix`` (a test's or a module's own) from Redis at ``url``."""
     import redis

@@ -35,7 +35,7 @@ from ax_kombu.api import Client
 from ax_kombu.config import from_env
 from ax_kombu.store.engine import make_engine
 
-from ..services import RUN_ID, delete_redis_keys
+from ..services import delete_redis_keys, own_redis_broker
 from ..waiting import wait_until
 
 #: the repository root: the workers import ``tests.e2e.e2e_tasks`` from it
@@ -232,26 +232,17 @@ def empty_tables(url: str, tables: str) -> None:
     engine.dispose()
 
 
-def own_redis_broker(redis_url: str, name: str) -> dict[str, str]:
-    """Broker settings on ``redis_url`` with queues and a key prefix of their own
-    (``name`` and a random suffix)."""
-    suffix = f".{name}{uuid.uuid4().hex[:6]}"
-    return {"broker_url": redis_url, "queue_high": "high" + suffix,
-            "queue_default": "default" + suffix, "queue_slow": "slow" + suffix,
-            "broker_key_prefix": f"axtest:{RUN_ID}:{suffix}:"}
-
-
 S = TypeVar("S", bound=System)
 
 
 @contextmanager
 def module_cluster(make: Callable[[dict[str, str]], S], database_url: str, redis_url: str,
                    name: str, tables: str) -> Iterator[S]:
-    """The system ``make`` builds from its broker settings (:func:`own_redis_broker`), for
+    """The system ``make`` builds from its broker settings (:func:`tests.services.own_redis_broker`), for
     one test module: ``tables`` of ``database_url`` are emptied before and after; at the
     end every daemon is stopped, the system closed and its Redis keys deleted."""
     empty_tables(database_url, tables)
-    broker = own_redis_broker(redis_url, name)
+    broker = own_redis_broker(redis_url, f".{name}{uuid.uuid4().hex[:6]}")
     ax = make(broker)
     try:
         yield ax
