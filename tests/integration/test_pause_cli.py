@@ -7,18 +7,10 @@ from __future__ import annotations
 import getpass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
-
 from ax_kombu.api import Client
-from ax_kombu.store.schema import audit
 
 from .ax_cli import Ax
-
-
-def audit_rows(client: Client) -> list[tuple[str, str, str, str]]:
-    with client.store.engine.connect() as conn:
-        return [(r.actor, r.via, r.action, r.target)
-                for r in conn.execute(select(audit).order_by(audit.c.id))]
+from .console import audit_rows
 
 
 def test_pause_list_status_and_resume(ax: Ax, client: Client) -> None:
