@@ -31,13 +31,9 @@ mypy checks a typed task's arguments with ``plugins = ax_kombu.mypy_plugin``
 
 from __future__ import annotations
 
-import atexit
-import os
-import threading
 from typing import Any
 
-from ax_kombu.api import Client
-from ax_kombu.config import Settings, from_env
+from ax_kombu.config import Settings
 from ax_kombu.core.backoff import Backoff
 from ax_kombu.core.context import Context
 from ax_kombu.core.states import Status
@@ -57,6 +53,8 @@ from ax_kombu.facade import (
     alerts,
     cancel,
     cancel_many,
+    client,
+    configure,
     enqueue,
     enqueue_many,
     get,
@@ -97,36 +95,6 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_lock = threading.Lock()
-_client: Client | None = None
-_overrides: dict[str, Any] = {}
-
-
-def configure(**settings: Any) -> Settings:
-    """Override settings for this process (above ``AX_*`` variables); returns them.
-
-    Raises:
-        ConfigurationError: an unknown or invalid setting.
-    """
-    global _client
-    resolved = from_env(**{**_overrides, **settings})
-    with _lock:
-        _overrides.update(settings)
-        if _client is not None:
-            _client.close()
-            _client = None
-    return resolved
-
-
-def client() -> Client:
-    """This process's producer client, created on first use (and again after fork)."""
-    global _client
-    with _lock:
-        if _client is None or _client.pid != os.getpid():
-            _client = Client(from_env(**_overrides))
-        return _client
-
-
 def __getattr__(name: str) -> Any:
     """``ax.celery`` (:mod:`ax_kombu.celery`), ``ax.aio`` and ``ax.AsyncClient``
     (:mod:`ax_kombu.aio`), imported on first use: ``import ax_kombu`` imports neither
@@ -139,9 +107,3 @@ def __getattr__(name: str) -> Any:
     if name == "AsyncClient":
         return importlib.import_module("ax_kombu.aio").AsyncClient
     raise AttributeError(f"module 'ax_kombu' has no attribute {name!r}")
-
-
-@atexit.register
-def _close() -> None:
-    if _client is not None and _client.pid == os.getpid():
-        _client.close()

@@ -42,6 +42,7 @@ from typing import Any, Self, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from ax_kombu import config
 from ax_kombu.api import Client, item_rows, read_task, task_ids
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core import states
@@ -321,10 +322,8 @@ def client() -> AsyncClient:
     Raises:
         RuntimeError: no event loop is running.
     """
-    from ax_kombu import _overrides  # the overrides ax.configure keeps, read at each call
-
     loop = asyncio.get_running_loop()
-    wanted = dict(_overrides)
+    wanted = dict(config.process_overrides)
     found = _clients.get(loop)
     if found is not None and found[0] == wanted and found[1].pid == os.getpid():
         return found[1]

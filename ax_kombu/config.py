@@ -138,6 +138,12 @@ def _coerce(name: str, kind: Any, raw: str) -> Any:
     return raw
 
 
+#: the settings :func:`ax_kombu.configure` set in this process, above ``AX_*`` variables;
+#: the process's clients (:func:`ax_kombu.client`, :func:`ax_kombu.aio.client`) are made
+#: from them. Changed in place, read at each use.
+process_overrides: dict[str, Any] = {}
+
+
 def from_env(environ: Mapping[str, str] | None = None, /, **overrides: Any) -> Settings:
     """Defaults, then ``AX_*`` variables from ``environ``, then ``overrides``."""
     environ = os.environ if environ is None else environ

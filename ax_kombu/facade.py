@@ -1,19 +1,26 @@
 """The module-level producer API, :mod:`ax_kombu`'s functions (``ax.enqueue``, ``ax.get``,
-``ax.schedule``…): each calls the same method of the process's client,
-:func:`ax_kombu.client` (one :class:`~ax_kombu.api.Client` per process, made on first use
-from ``AX_*`` variables and :func:`ax_kombu.configure`'s settings, and again after a fork),
-which documents what it guarantees. Imported into :mod:`ax_kombu`, where users call them
-and where ``help()`` shows them (their ``__module__`` is ``ax_kombu``).
+``ax.schedule``…): each calls the same method of the process's client, :func:`client`
+(one :class:`~ax_kombu.api.Client` per process, made on first use from ``AX_*`` variables
+and :func:`configure`'s settings, and again after a fork), which documents what it
+guarantees. The client lives here; the settings it is made from are
+:data:`ax_kombu.config.process_overrides` (:mod:`ax_kombu.aio`'s clients read them too).
+Imported into :mod:`ax_kombu`, where users call them and where ``help()`` shows them
+(their ``__module__`` is ``ax_kombu``).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
-import ax_kombu  # its client(), looked up at each call as the functions did in ax_kombu
+from ax_kombu import config
 from ax_kombu import tasks as _tasks
+from ax_kombu.api import Client
+from ax_kombu.config import Settings, from_env
 from ax_kombu.core.backoff import Backoff
 from ax_kombu.moving import UNCHANGED as _UNCHANGED
 from ax_kombu.recurring import JobView
@@ -22,11 +29,47 @@ from ax_kombu.tasks import Task
 from ax_kombu.views import TaskId, TaskView
 
 __all__ = [
-    "alerts", "cancel", "cancel_many", "enqueue", "enqueue_many", "get", "jobs", "limits",
-    "next_fires", "pause", "pause_queue", "pause_type", "pauses", "processor",
+    "alerts", "cancel", "cancel_many", "client", "configure", "enqueue", "enqueue_many", "get",
+    "jobs", "limits", "next_fires", "pause", "pause_queue", "pause_type", "pauses", "processor",
     "remove_alert", "reschedule", "resume", "resume_queue", "resume_type", "run_now",
     "schedule", "set_alert", "set_limit", "task", "unschedule", "wait",
 ]
+
+#: guards the process client's creation and replacement
+_lock = threading.Lock()
+_client: Client | None = None
+
+
+def configure(**settings: Any) -> Settings:
+    """Override settings for this process (above ``AX_*`` variables); returns them.
+
+    Raises:
+        ConfigurationError: an unknown or invalid setting.
+    """
+    global _client
+    resolved = from_env(**{**config.process_overrides, **settings})
+    with _lock:
+        config.process_overrides.update(settings)
+        if _client is not None:
+            _client.close()
+            _client = None
+    return resolved
+
+
+def client() -> Client:
+    """This process's producer client, created on first use (and again after fork)."""
+    global _client
+    with _lock:
+        if _client is None or _client.pid != os.getpid():
+            _client = Client(from_env(**config.process_overrides))
+        return _client
+
+
+@atexit.register
+def _close() -> None:
+    if _client is not None and _client.pid == os.getpid():
+        _client.close()
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 P = ParamSpec("P")
@@ -85,7 +128,7 @@ def enqueue(task_type: str, payload: Any = None, *, run_at: datetime | None = No
         ValidationError: bad input, or a ``connection`` that cannot be used; nothing was
             written.
     """
-    return ax_kombu.client().enqueue(task_type, payload, run_at=run_at, delay=delay, priority=priority,
+    return client().enqueue(task_type, payload, run_at=run_at, delay=delay, priority=priority,
                             biz_key=biz_key, max_retry=max_retry, timeout_ms=timeout_ms,
                             processor=processor, callback_url=callback_url, trace_id=trace_id,
                             order_key=order_key, order_policy=order_policy, shards=shards,
@@ -99,12 +142,12 @@ def enqueue_many(items: Iterable[Mapping[str, Any]], *, connection: Any = None) 
     Raises:
         ValidationError: any item is invalid (the message names it); nothing was written.
     """
-    return ax_kombu.client().enqueue_many(items, connection=connection)
+    return client().enqueue_many(items, connection=connection)
 
 
 def get(task_id: int) -> TaskView:
     """A read-only view of the task. Raises TaskNotFound."""
-    return ax_kombu.client().get(task_id)
+    return client().get(task_id)
 
 
 def wait(task_id: int, timeout: float = 30.0) -> TaskView:
@@ -112,7 +155,7 @@ def wait(task_id: int, timeout: float = 30.0) -> TaskView:
     returned). On PostgreSQL it is woken by the end's ``NOTIFY ax_ended`` (re-reading the
     row each second besides); on SQLite it polls. Raises TaskNotFound, or WaitTimeout after
     ``timeout`` seconds."""
-    return ax_kombu.client().wait(task_id, timeout)
+    return client().wait(task_id, timeout)
 
 
 def cancel(task_id: int | None = None, *, task_type: str | None = None,
@@ -126,7 +169,7 @@ def cancel(task_id: int | None = None, *, task_type: str | None = None,
         TaskNotFound: no such task.
         IllegalTransition: it has already finished.
     """
-    return ax_kombu.client().cancel(task_id, task_type=task_type, biz_key=biz_key)
+    return client().cancel(task_id, task_type=task_type, biz_key=biz_key)
 
 
 def cancel_many(*, task_type: str | None = None, status: str | None = None,
@@ -144,7 +187,7 @@ def cancel_many(*, task_type: str | None = None, status: str | None = None,
         ValidationError: neither task_type nor biz_keys, a final status, a bad filter;
             nothing changed.
     """
-    return ax_kombu.client().cancel_many(task_type=task_type, status=status, biz_keys=biz_keys,
+    return client().cancel_many(task_type=task_type, status=status, biz_keys=biz_keys,
                                 since=since)
 
 
@@ -163,14 +206,14 @@ def reschedule(task_id: int | None = None, *, task_type: str | None = None,
         TooLateToMove: it is claimed, staged on a worker for its start, or running.
         IllegalTransition: it has finished.
     """
-    return ax_kombu.client().reschedule(task_id, task_type=task_type, biz_key=biz_key, run_at=run_at,
+    return client().reschedule(task_id, task_type=task_type, biz_key=biz_key, run_at=run_at,
                                delay=delay, payload=payload)
 
 
 def run_now(task_id: int | None = None, *, task_type: str | None = None,
             biz_key: str | None = None) -> TaskView:
     """Move a task that has not started to now; raises as :func:`reschedule`."""
-    return ax_kombu.client().run_now(task_id, task_type=task_type, biz_key=biz_key)
+    return client().run_now(task_id, task_type=task_type, biz_key=biz_key)
 
 
 def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None = None,
@@ -211,7 +254,7 @@ def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None
         ValidationError: bad input (a bad cron expression, an unknown zone, both or
             neither of cron/every…); nothing was written.
     """
-    return ax_kombu.client().schedule(name, task_type, payload, cron=cron, every=every, tz=tz,
+    return client().schedule(name, task_type, payload, cron=cron, every=every, tz=tz,
                              misfire=misfire, misfire_grace_s=misfire_grace_s,
                              strategy=strategy, priority=priority, max_retry=max_retry,
                              timeout_ms=timeout_ms, processor=processor,
@@ -221,30 +264,30 @@ def schedule(name: str, task_type: str, payload: Any = None, *, cron: str | None
 def pause(name: str) -> JobView:
     """Pause a recurring job: its undispatched occurrences are removed and none is created
     until :func:`resume`. Raises JobNotFound."""
-    return ax_kombu.client().pause(name)
+    return client().pause(name)
 
 
 def resume(name: str) -> JobView:
     """Resume a paused job; occurrences missed meanwhile go by its misfire policy.
     Raises JobNotFound."""
-    return ax_kombu.client().resume(name)
+    return client().resume(name)
 
 
 def unschedule(name: str) -> int:
     """Remove a recurring job and its occurrences not yet dispatched; returns how many
     occurrences were removed. Raises JobNotFound."""
-    return ax_kombu.client().unschedule(name)
+    return client().unschedule(name)
 
 
 def jobs() -> list[JobView]:
     """Every recurring job, by name."""
-    return ax_kombu.client().jobs()
+    return client().jobs()
 
 
 def next_fires(name: str, count: int = 5) -> list[datetime]:
     """The next ``count`` fire times of the job ``name``, as aware datetimes in its zone.
     Raises JobNotFound."""
-    return ax_kombu.client().next_fires(name, count)
+    return client().next_fires(name, count)
 
 
 def processor(task_type: str, *, retry_on: tuple[type[BaseException], ...] | None = None,
@@ -276,7 +319,7 @@ def task(task_type: str, *, priority: str = "default", max_retry: int | None = N
         ValidationError: a bad argument, or a function with a parameter named like an
             enqueue option; nothing is registered.
     """
-    return _tasks.task(task_type, client=ax_kombu.client, priority=priority, max_retry=max_retry,
+    return _tasks.task(task_type, client=client, priority=priority, max_retry=max_retry,
                        timeout=timeout, retry_on=retry_on, backoff=backoff)
 
 
@@ -287,12 +330,12 @@ def set_limit(task_type: str, max_running: int | None) -> None:
     Raises:
         ValidationError: not a task type, or ``max_running`` not an int ≥ 1 (or None).
     """
-    ax_kombu.client().set_limit(task_type, max_running)
+    client().set_limit(task_type, max_running)
 
 
 def limits() -> dict[str, int]:
     """Every cluster-wide limit: task type → most running at once."""
-    return ax_kombu.client().limits()
+    return client().limits()
 
 
 def pause_type(task_type: str) -> bool:
@@ -303,29 +346,29 @@ def pause_type(task_type: str) -> bool:
     Raises:
         ValidationError: not a task type name; nothing was written.
     """
-    return ax_kombu.client().pause_type(task_type)
+    return client().pause_type(task_type)
 
 
 def resume_type(task_type: str) -> bool:
     """Lift the pause of ``task_type``: its waiting tasks are claimed and run, each once.
     Returns False if it was not paused."""
-    return ax_kombu.client().resume_type(task_type)
+    return client().resume_type(task_type)
 
 
 def pause_queue(queue: str) -> bool:
     """Pause a queue (by its configured name, e.g. ``AX_QUEUE_SLOW``'s) cluster-wide, as
     :func:`pause_type` does a type. Raises ValidationError for an unknown queue name."""
-    return ax_kombu.client().pause_queue(queue)
+    return client().pause_queue(queue)
 
 
 def resume_queue(queue: str) -> bool:
     """Lift the pause of a queue; returns False if it was not paused."""
-    return ax_kombu.client().resume_queue(queue)
+    return client().resume_queue(queue)
 
 
 def pauses() -> list[Pause]:
     """Every paused type and queue (``kind``, ``name``, ``paused_at`` epoch ms, ``actor``)."""
-    return ax_kombu.client().pauses()
+    return client().pauses()
 
 
 def set_alert(task_type: str, *, on: Iterable[str] | str | None = None,
@@ -348,18 +391,18 @@ def set_alert(task_type: str, *, on: Iterable[str] | str | None = None,
     Raises:
         ValidationError: a bad type, event, duration, URL or secret; nothing is written.
     """
-    return ax_kombu.client().set_alert(task_type, on=on, late_after=late_after, webhook=webhook,
+    return client().set_alert(task_type, on=on, late_after=late_after, webhook=webhook,
                               secret=secret)
 
 
 def remove_alert(task_type: str) -> bool:
     """Remove the alert of ``task_type``; False if there was none."""
-    return ax_kombu.client().remove_alert(task_type)
+    return client().remove_alert(task_type)
 
 
 def alerts() -> list[dict[str, Any]]:
     """Every per-type alert (without secrets) and its open incident, if any."""
-    return ax_kombu.client().alerts()
+    return client().alerts()
 
 
 for _name in __all__:  # documented, shown and pickled as ax_kombu's, where they are called

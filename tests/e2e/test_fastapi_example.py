@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import text
 
 import ax_kombu as ax
+from ax_kombu import config, facade
 
 from .system import System
 
@@ -29,8 +30,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 def shop(pg_url: str, redis_broker: dict[str, str], tmp_path: Path,
          monkeypatch: pytest.MonkeyPatch) -> Iterator[System]:
     monkeypatch.setenv("AX_DATABASE_URL", pg_url)
-    monkeypatch.setattr(ax, "_overrides", {})
-    monkeypatch.setattr(ax, "_client", None)
+    monkeypatch.setattr(config, "process_overrides", {})
+    monkeypatch.setattr(facade, "_client", None)
     monkeypatch.setattr(service, "CLOSE_AFTER_S", 1.0)
     ax.configure(database_url=pg_url)
     system = System(pg_url, redis_broker, tmp_path)

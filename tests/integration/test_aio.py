@@ -355,13 +355,13 @@ def test_sqlite_runs_in_a_thread_without_blocking_the_loop(sqlite_url: str,
 
 def test_module_functions_use_one_client_per_loop_and_follow_configure(
         pg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ax_kombu._overrides, "database_url", pg_settings.database_url)
+    monkeypatch.setitem(ax_kombu.config.process_overrides, "database_url", pg_settings.database_url)
 
     async def first_loop() -> tuple[AsyncClient, AsyncClient, AsyncClient, str]:
         c1, c2 = aio.client(), aio.client()
         task = await aio.enqueue("mod", {"n": 1}, delay=60)
         view = await aio.cancel(task)
-        monkeypatch.setitem(ax_kombu._overrides, "dedup_window_ms", 0)
+        monkeypatch.setitem(ax_kombu.config.process_overrides, "dedup_window_ms", 0)
         c3 = aio.client()  # the settings changed: a new client
         await aio.aclose()
         return c1, c2, c3, str(view.status)

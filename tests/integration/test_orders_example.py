@@ -13,6 +13,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 import ax_kombu as ax
+from ax_kombu import config, facade
 from ax_kombu.config import from_env
 from ax_kombu.worker.processors import Resolver
 from examples.orders import app
@@ -33,8 +34,8 @@ def shop(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
     app.Base.metadata.drop_all(engine)
     app.Base.metadata.create_all(engine)
     monkeypatch.setattr(app, "Sessions", sessionmaker(engine))
-    monkeypatch.setattr(ax, "_overrides", {})
-    monkeypatch.setattr(ax, "_client", None)
+    monkeypatch.setattr(config, "process_overrides", {})
+    monkeypatch.setattr(facade, "_client", None)
     ax.configure(database_url=pg_url)
     yield engine
     ax.configure()  # closes the client this test made; monkeypatch restores the rest

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import ax_kombu as ax
+from ax_kombu import config, facade
 from ax_kombu.config import Settings, from_env
 from ax_kombu.core.states import Status
 from ax_kombu.store import transitions
@@ -61,8 +62,8 @@ def settings(pg_url: str, redis_broker: dict[str, str]) -> Settings:
 def dispatch(settings: Settings, pg_url: str,
              monkeypatch: pytest.MonkeyPatch) -> Iterator[Dispatch]:
     """The scheduler's part by hand, and the process-wide ``ax`` API on this database."""
-    monkeypatch.setattr(ax, "_overrides", {})
-    monkeypatch.setattr(ax, "_client", None)
+    monkeypatch.setattr(config, "process_overrides", {})
+    monkeypatch.setattr(facade, "_client", None)
     ax.configure(database_url=pg_url)
     d = Dispatch(settings)
     yield d

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import func, select
 
 import ax_kombu as ax
+from ax_kombu import config, facade
 from ax_kombu.store.schema import tasks as task_table
 from ax_kombu.tasks import install, parse_timeout
 from ax_kombu.worker import processors
@@ -26,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def producer(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[ax.Client]:
     """The process-wide ``ax`` API on this test's SQLite store (put back afterwards)."""
-    monkeypatch.setattr(ax, "_overrides", {})
-    monkeypatch.setattr(ax, "_client", None)
+    monkeypatch.setattr(config, "process_overrides", {})
+    monkeypatch.setattr(facade, "_client", None)
     ax.configure(database_url=sqlite_url)
     yield ax.client()
     ax.configure()
