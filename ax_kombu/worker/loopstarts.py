@@ -78,15 +78,16 @@ class LoopStarter:
         #: where a run started on the loop waits for what the loop may not (made on first use)
         self._blocking: ThreadPoolExecutor | None = None
 
-    def deferred(self, task: TaskMessage | RunTask) -> bool:
-        """Whether the run's processor is ``async def`` (its run starts on the loop); a
-        processor that does not resolve fails its run on a thread, as before."""
+    def processor(self, task: TaskMessage | RunTask) -> Callable[..., Any] | None:
+        """The run's processor, resolved once when the run is submitted (its start calls
+        this one); None if it does not resolve, or the payload is unreadable: the run's
+        start resolves it again and fails with the reason, on a thread."""
         if type(task.payload) is UnreadablePayload:
-            return False
+            return None
         try:
-            return self.is_async(self._resolver.resolve(task.processor, task.callback_url))
+            return self._resolver.resolve(task.processor, task.callback_url)
         except Exception:  # noqa: BLE001 - the run's own start reports it
-            return False
+            return None
 
     def is_async(self, func: Callable[..., Any]) -> bool:
         """:func:`~ax_kombu.worker.processors.is_async`, remembered per processor (a run

@@ -126,15 +126,16 @@ class Starter:
             by_lane.setdefault(run.lane, []).append(run)
         self._stage.add(runs)
         now = time.monotonic()
-        starts_on_loop, deferred = self._on_loop.start, self._on_loop.deferred
+        starts_on_loop, processor = self._on_loop.start, self._on_loop.processor
         for lane, lane_runs in by_lane.items():
             jobs = []
             for run in lane_runs:
                 # a run received before its trigger time waits in the stage, not in a thread
                 wait_s = self._wait_s(run.task)
-                on_loop = deferred(run.task)
+                func = processor(run.task)
+                on_loop = func is not None and self._is_async(func)
                 jobs.append(Submission(
-                    partial(starts_on_loop if on_loop else self._start, run),
+                    partial(starts_on_loop, run) if on_loop else partial(self._start, run, func),
                     partial(self._done, run), partial(self._timeout_s, run.task), run.labels,
                     run.cancel, now + wait_s if wait_s else 0.0, on_loop))
             if not self._executors[lane].submit_reserved(jobs):  # room reserved; stopping
@@ -150,9 +151,10 @@ class Starter:
         trigger time, then ``timeout_ms``."""
         return self._wait_s(task) + task.timeout_ms / 1000.0
 
-    def _start(self, run: Run[Lane]) -> Any:
+    def _start(self, run: Run[Lane], func: Callable[..., Any] | None = None) -> Any:
         """An executor's thread takes a staged run: the checks of the module docstring,
-        then its processor (raises :class:`Withdrawn` if it may not start)."""
+        then its processor, ``func`` as resolved at submit (None: resolved here; raises
+        :class:`Withdrawn` if it may not start)."""
         task, cancel = run.task, run.cancel
         assert cancel is not None  # given at submit
         while (left_ms := task.trigger_time - self._clock()) > 0 and not cancel.wait(
@@ -164,9 +166,10 @@ class Starter:
             listed = self._take(run, covered is not False)
         if listed:
             self._release(run)
-        return self._begin(run, left_ms, here=False)
+        return self._begin(run, left_ms, here=False, func=func)
 
-    def _begin(self, run: Run[Lane], left_ms: float, *, here: bool) -> Any:
+    def _begin(self, run: Run[Lane], left_ms: float, *, here: bool,
+               func: Callable[..., Any] | None = None) -> Any:
         """The checks are passed: STARTED, the processor called (or its coroutine handed to
         the loop; ``here``: from the loop's own thread)."""
         task, cancel = run.task, run.cancel
@@ -186,7 +189,7 @@ class Starter:
                       shard_total=task.shard_total)
         began, deferred = time.monotonic(), False
         try:
-            value = self._execute(run, task, ctx, here)
+            value = self._execute(run, task, ctx, here, func)
             deferred = type(value) is Deferred
             return value
         finally:
@@ -227,15 +230,18 @@ class Starter:
                 run.move(State.STAGED)
                 run.move(State.STARTED)
 
-    def _execute(self, run: Run[Lane], task: RunTask, ctx: Context, here: bool) -> Any:
+    def _execute(self, run: Run[Lane], task: RunTask, ctx: Context, here: bool,
+                 func: Callable[..., Any] | None = None) -> Any:
         """Call a plain processor inside the run's scopes; an ``async def`` one is a
         :class:`Deferred`: its coroutine runs on the event loop, where the scopes are
         entered (context variables are per asyncio task). ``here``: this is the loop's
         thread, where a plain processor must not run (it is not one unless the registry
-        changed since the run was submitted): it goes to a thread."""
+        changed since the run was submitted): it goes to a thread. ``func``: the processor
+        resolved at submit (None: resolved now, raising why it cannot be)."""
         if type(task.payload) is UnreadablePayload:
             raise ProcessorRefused("the stored payload is not JSON")
-        func = self._resolver.resolve(task.processor, task.callback_url)
+        if func is None:
+            func = self._resolver.resolve(task.processor, task.callback_url)
         if self._is_async(func):
             body = partial(self._awaited, func, task, ctx, run.lane)
             launch = self.loop.run_here if here else self.loop.run
