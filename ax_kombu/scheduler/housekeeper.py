@@ -94,6 +94,9 @@ log = logging.getLogger(__name__)
 
 #: how often a store without wake-ups (SQLite) is polled for new tasks
 POLL_WITHOUT_WAKEUPS_MS = 50
+#: how often ``ax_oldest_overdue_seconds`` is read from the store: a gauge scraped every
+#: 15 s or so; in a burst its in-flight probe reads thousands of index entries
+OVERDUE_INTERVAL_MS = 5000
 #: a failed step waits this long before its next try, doubling per failure in a row ...
 STEP_BACKOFF_MS = 1000
 #: ... up to this
@@ -347,7 +350,7 @@ class Housekeeper(Loop):
     def _measure_overdue(self, now: int) -> None:
         """``ax_oldest_overdue_seconds`` from the store: it rises even when nothing is
         published (the delay histogram then has no samples)."""
-        self._next["overdue"] = now + int(self._settings.heartbeat_interval_s * 1000)
+        self._next["overdue"] = now + OVERDUE_INTERVAL_MS
         with self._store.engine.connect() as conn:
             metrics.oldest_overdue.set(recovery.oldest_overdue_ms(conn, now) / 1000.0)
 

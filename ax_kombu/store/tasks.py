@@ -138,3 +138,16 @@ def cancelled_among(conn: Connection, task_ids: Sequence[int]) -> list[int]:
 
 _CANCELLED_AMONG_PG = text("SELECT task_id FROM ax_task WHERE task_id = ANY(:ids) "
                            "AND status = 'CANCELLED'")
+
+
+def cancelled_on(conn: Connection, node: str, lo_ms: int, hi_ms: int) -> list[int]:
+    """The CANCELLED tasks ``node`` had fenced (a cancel keeps ``owner_node``) whose trigger
+    time is in ``[lo_ms, hi_ms]``: the worker's periodic check for its runs, one range read
+    of the ``(status, trigger_time)`` index. Its cost follows the cancelled tasks of that
+    window, not the thousands of runs a worker may hold in a burst (which
+    :func:`cancelled_among` would send id by id)."""
+    return [r[0] for r in conn.execute(_CANCELLED_ON, {"node": node, "lo": lo_ms, "hi": hi_ms})]
+
+
+_CANCELLED_ON = text("SELECT task_id FROM ax_task WHERE status = 'CANCELLED' "
+                     "AND trigger_time >= :lo AND trigger_time <= :hi AND owner_node = :node")

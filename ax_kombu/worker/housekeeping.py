@@ -3,7 +3,10 @@ step of the node): cancellations, expired waits, pool gauges, the listing's scan
 
 * **Cancellations** (:meth:`Housekeeping.signal_cancelled`, every heartbeat interval): the
   runs whose task was cancelled meanwhile (``ax cancel``) have their signal set: a waiting
-  run ends without starting, a running one sees ``ctx.cancelled``.
+  run ends without starting, a running one sees ``ctx.cancelled``. One read of the
+  cancelled tasks this node fenced within its runs' trigger times
+  (:func:`~ax_kombu.store.tasks.cancelled_on`), not a list of every id it holds: in a burst
+  a worker holds thousands, and the check runs every second.
 * **Waits about to end** (:meth:`Housekeeping.watch_waiting`, every :data:`WATCH_S` while
   runs wait for a trigger time): the same for the runs due within :data:`WATCH_AHEAD_MS`
   only, so that ``ax cancel`` up to about that long before a trigger time stops the run
@@ -24,7 +27,7 @@ from sqlalchemy import Engine
 
 from ax_kombu.observability import metrics
 from ax_kombu.store.clock import DbClock
-from ax_kombu.store.tasks import cancelled_among
+from ax_kombu.store.tasks import cancelled_among, cancelled_on
 from ax_kombu.worker.lanes import Lane
 from ax_kombu.worker.run import Run
 from ax_kombu.worker.shutdown import Shutdown
@@ -45,8 +48,9 @@ class Housekeeping:
     """The jobs of the module docstring (each called on the node's timer thread)."""
 
     def __init__(self, *, engine: Engine, clock: DbClock, lanes: Sequence[Lane],
-                 stage: Stage, starter: Starter, shutdown: Shutdown) -> None:
+                 stage: Stage, starter: Starter, shutdown: Shutdown, node: str) -> None:
         self._engine = engine
+        self._node = node
         self._clock = clock
         self._lanes = lanes
         self._stage = stage
@@ -55,7 +59,13 @@ class Housekeeping:
 
     def signal_cancelled(self) -> None:
         """Set the signal of every run whose task was cancelled (``ax cancel``)."""
-        self._signal(list(self._stage.runs))
+        by_id = {r.task.task_id: r for r in list(self._stage.runs)}
+        if not by_id:
+            return
+        times = [r.task.trigger_time for r in by_id.values()]
+        with self._engine.connect() as conn:
+            cancelled = cancelled_on(conn, self._node, min(times), max(times))
+        self._starter.wake([by_id[t] for t in cancelled if t in by_id], "cancelled")
 
     def watch_waiting(self) -> None:
         """The same for the runs waiting for a trigger time at most WATCH_AHEAD_MS away."""

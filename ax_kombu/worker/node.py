@@ -122,7 +122,8 @@ class Worker:
                                        on_refused=self._declared_dead)
         self.housekeeping = Housekeeping(
             engine=self.store.engine, clock=self.store.clock, lanes=self.lanes,
-            stage=self.intake.stage, starter=self.intake.starter, shutdown=self.shutdown)
+            stage=self.intake.stage, starter=self.intake.starter, shutdown=self.shutdown,
+            node=self.node_id)
         self.blueprint = Blueprint("worker", self.steps())
         #: /healthz and /readyz (served on the metrics port): beating, registered, consuming
         self.probe = Probe()

@@ -12,6 +12,7 @@ from ax_kombu.api import Client
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
 from ax_kombu.store import claims, transitions
+from ax_kombu.store.tasks import cancelled_on
 from ax_kombu.store.engine import db_now_precise_ms, make_engine
 from ax_kombu.store.schema import tasks
 
@@ -104,6 +105,28 @@ def test_cancel_only_unfinished_tasks(client: Client) -> None:
         client.cancel(12345)
     with pytest.raises(TaskNotFound):
         client.get(12345)
+
+
+def test_a_worker_finds_the_cancelled_tasks_it_fenced_within_its_runs_trigger_times(
+        client: Client) -> None:
+    """The worker's periodic cancel check: one read by node and trigger-time window, which
+    finds a cancel of a run it fenced, and neither another node's nor one outside the
+    window nor one not cancelled."""
+    ids = [client.enqueue("t", {"i": i}, delay=60 + i) for i in range(5)]
+    at = {t: client.get(t).trigger_time for t in ids}
+    owners = ["w1", "w1", "w2", "w1", "w1"]
+    with client.store.engine.begin() as conn:
+        for task_id, owner in zip(ids, owners, strict=True):
+            conn.execute(tasks.update().where(tasks.c.task_id == task_id)
+                         .values(status="RUNNING", owner_node=owner, attempt=1))
+    for task_id in ids[:4]:  # the fifth stays RUNNING
+        client.cancel(task_id)
+    with client.store.engine.connect() as conn:
+        in_window = cancelled_on(conn, "w1", at[ids[0]], at[ids[4]])
+        narrow = cancelled_on(conn, "w1", at[ids[1]], at[ids[2]])
+        elsewhere = cancelled_on(conn, "w3", at[ids[0]], at[ids[4]])
+    assert sorted(in_window) == [ids[0], ids[1], ids[3]]  # w2's and the running one left
+    assert narrow == [ids[1]] and elsewhere == []
 
 
 def test_illegal_transition_is_refused_and_changes_nothing(client: Client) -> None:
