@@ -3,10 +3,12 @@ step of the node): cancellations, expired waits, pool gauges, the listing's scan
 
 * **Cancellations** (:meth:`Housekeeping.signal_cancelled`, every heartbeat interval): the
   runs whose task was cancelled meanwhile (``ax cancel``) have their signal set: a waiting
-  run ends without starting, a running one sees ``ctx.cancelled``. One read of the
-  cancelled tasks this node fenced within its runs' trigger times
-  (:func:`~ax_kombu.store.tasks.cancelled_on`), not a list of every id it holds: in a burst
-  a worker holds thousands, and the check runs every second.
+  run ends without starting, a running one sees ``ctx.cancelled``. When the worker has
+  many runs due within a minute (a burst: thousands, and the check runs every second), one
+  read of the cancelled tasks this node fenced in that window
+  (:func:`~ax_kombu.store.tasks.cancelled_on`); otherwise its runs' ids
+  (:func:`~ax_kombu.store.tasks.cancelled_among`), so a backlog's late runs beside new
+  ones never make it read hours of other cancelled tasks (:func:`by_window`).
 * **Waits about to end** (:meth:`Housekeeping.watch_waiting`, every :data:`WATCH_S` while
   runs wait for a trigger time): the same for the runs due within :data:`WATCH_AHEAD_MS`
   only, so that ``ax cancel`` up to about that long before a trigger time stops the run
@@ -44,6 +46,21 @@ WATCH_S = 0.05
 WATCH_AHEAD_MS = 250
 
 
+#: the cancel check reads by trigger-time window (not id by id) from this many runs held...
+WINDOW_FROM_RUNS = 200
+#: ...spread over at most this long: a wider window (a backlog's late runs beside new ones)
+#: could hold many cancelled tasks of other workers, which the ids never reach
+WINDOW_MAX_MS = 60_000
+
+
+def by_window(runs: int, lo_ms: int, hi_ms: int) -> bool:
+    """Whether the cancel check of ``runs`` runs whose trigger times span ``[lo_ms, hi_ms]``
+    reads the window (:func:`~ax_kombu.store.tasks.cancelled_on`: a burst's thousands of
+    runs due within seconds) rather than their ids (:func:`~ax_kombu.store.tasks.
+    cancelled_among`: few runs, or runs spread over a long time)."""
+    return runs >= WINDOW_FROM_RUNS and hi_ms - lo_ms <= WINDOW_MAX_MS
+
+
 class Housekeeping:
     """The jobs of the module docstring (each called on the node's timer thread)."""
 
@@ -63,8 +80,12 @@ class Housekeeping:
         if not by_id:
             return
         times = [r.task.trigger_time for r in by_id.values()]
+        lo, hi = min(times), max(times)
         with self._engine.connect() as conn:
-            cancelled = cancelled_on(conn, self._node, min(times), max(times))
+            if by_window(len(by_id), lo, hi):
+                cancelled = cancelled_on(conn, self._node, lo, hi)
+            else:
+                cancelled = cancelled_among(conn, list(by_id))
         self._starter.wake([by_id[t] for t in cancelled if t in by_id], "cancelled")
 
     def watch_waiting(self) -> None:
