@@ -46,7 +46,7 @@ WATCH_S = 0.05
 WATCH_AHEAD_MS = 250
 
 
-#: the cancel check reads by trigger-time window (not id by id) from this many runs held...
+#: the cancel check reads by trigger-time window (not id by id) from this many runs a worker has...
 WINDOW_FROM_RUNS = 200
 #: ...spread over at most this long: a wider window (a backlog's late runs beside new ones)
 #: could hold many cancelled tasks of other workers, which the ids never reach
