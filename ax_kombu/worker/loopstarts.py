@@ -1,9 +1,9 @@
 """Runs started on the event loop: the start protocol of a deferred run.
 
 **A deferred run starts on the loop.** A run whose processor is ``async def``
-(:meth:`LoopStarter.deferred`) is submitted ``on_loop``: the event loop
-(:mod:`ax_kombu.worker.eventloop`) takes it from its pool (the same slots) and runs the
-checks of :mod:`ax_kombu.worker.starts` on its own thread, none of them waiting
+(:meth:`LoopStarter.processor`, resolved once at submit) is submitted ``on_loop``: the
+event loop (:mod:`ax_kombu.worker.eventloop`) takes it from its pool (the same slots) and
+runs the checks of :mod:`ax_kombu.worker.starts` on its own thread, none of them waiting
 (:meth:`LoopStarter.start`). The rare check that would wait goes elsewhere and the run
 starts after it, the same protocol: a trigger time not yet reached on the database clock
 (a timer of the loop's), an uncertain lease or a LISTED run's release commit (one of
@@ -37,8 +37,9 @@ ASYNC_KINDS_MAX = 1024
 #: threads that run the start checks a deferred run's start on the loop may not wait for
 BLOCKING_THREADS = 4
 
-#: a run's start on an executor's thread (the thread protocol; may wait)
-Start = Callable[[Run[Lane]], Any]
+#: a run's start on an executor's thread (the thread protocol; may wait), with its processor
+#: as resolved at submit
+Start = Callable[[Run[Lane], Callable[..., Any]], Any]
 #: under the stage's lock: STARTED if the run may start now; True if it is LISTED
 Take = Callable[[Run[Lane], bool], bool]
 
@@ -46,7 +47,8 @@ Take = Callable[[Run[Lane], bool], bool]
 class Begin(Protocol):
     """The checks are passed: the run begins (``here``: on the loop's thread)."""
 
-    def __call__(self, run: Run[Lane], left_ms: float, *, here: bool) -> Any: ...
+    def __call__(self, run: Run[Lane], left_ms: float, *, here: bool,
+                 func: Callable[..., Any] | None = None) -> Any: ...
 
 
 class LoopStarter:
@@ -103,29 +105,31 @@ class LoopStarter:
         except TypeError:  # an unhashable callable
             return is_async(func)
 
-    def start(self, run: Run[Lane]) -> Any:
-        """The event loop takes a staged run of an ``async def`` processor: the same checks,
-        none waiting on the loop's thread (see the module docstring); a check that would
-        wait makes the run a :class:`Deferred` that starts after it."""
+    def start(self, run: Run[Lane], func: Callable[..., Any]) -> Any:
+        """The event loop takes a staged run of an ``async def`` processor (``func``, as
+        resolved at submit): the same checks, none waiting on the loop's thread (see the
+        module docstring); a check that would wait makes the run a :class:`Deferred` that
+        starts after it."""
         task, cancel = run.task, run.cancel
         assert cancel is not None  # given at submit
         left_ms = task.trigger_time - self._clock()
         if left_ms > 0 and not cancel:  # the database clock is behind the pool's: wait on
-            return Deferred(partial(self._start_later, run, left_ms / 1000.0))
+            return Deferred(partial(self._start_later, run, func, left_ms / 1000.0))
         covered = self._lease.covers(run.incarnation)
         if covered is None and not cancel:
-            return Deferred(partial(self.elsewhere, partial(self._start, run)))
+            return Deferred(partial(self.elsewhere, partial(self._start, run, func)))
         with self._stage.lock:
             listed = self._take(run, covered is not False)
         if listed:  # (the thread protocol takes it again: a LISTED run has not moved)
-            return Deferred(partial(self.elsewhere, partial(self._start, run)))
-        return self._begin(run, left_ms, here=True)
+            return Deferred(partial(self.elsewhere, partial(self._start, run, func)))
+        return self._begin(run, left_ms, here=True, func=func)
 
-    def _start_later(self, run: Run[Lane], delay_s: float, ended: RunEnded) -> None:
+    def _start_later(self, run: Run[Lane], func: Callable[..., Any], delay_s: float,
+                     ended: RunEnded) -> None:
         """Start ``run`` on the loop after ``delay_s`` (the loop's thread)."""
         def again() -> None:
             try:
-                value = self.start(run)
+                value = self.start(run, func)
             except BaseException as exc:  # noqa: BLE001 - the run's outcome
                 ended(None, exc)
                 return

@@ -132,12 +132,14 @@ class Starter:
             for run in lane_runs:
                 # a run received before its trigger time waits in the stage, not in a thread
                 wait_s = self._wait_s(run.task)
-                func = processor(run.task)
-                on_loop = func is not None and self._is_async(func)
-                jobs.append(Submission(
-                    partial(starts_on_loop, run) if on_loop else partial(self._start, run, func),
-                    partial(self._done, run), partial(self._timeout_s, run.task), run.labels,
-                    run.cancel, now + wait_s if wait_s else 0.0, on_loop))
+                func = processor(run.task)  # resolved once: its start calls this one
+                if func is not None and self._is_async(func):
+                    start, on_loop = partial(starts_on_loop, run, func), True
+                else:
+                    start, on_loop = partial(self._start, run, func), False
+                jobs.append(Submission(start, partial(self._done, run),
+                                       partial(self._timeout_s, run.task), run.labels,
+                                       run.cancel, now + wait_s if wait_s else 0.0, on_loop))
             if not self._executors[lane].submit_reserved(jobs):  # room reserved; stopping
                 for run in lane_runs:
                     self._done(run, Outcome(False, abandoned="the pool is closed"))
