@@ -76,17 +76,7 @@ class Housekeeping:
 
     def signal_cancelled(self) -> None:
         """Set the signal of every run whose task was cancelled (``ax cancel``)."""
-        by_id = {r.task.task_id: r for r in list(self._stage.runs)}
-        if not by_id:
-            return
-        times = [r.task.trigger_time for r in by_id.values()]
-        lo, hi = min(times), max(times)
-        with self._engine.connect() as conn:
-            if by_window(len(by_id), lo, hi):
-                cancelled = cancelled_on(conn, self._node, lo, hi)
-            else:
-                cancelled = cancelled_among(conn, list(by_id))
-        self._starter.wake([by_id[t] for t in cancelled if t in by_id], "cancelled")
+        self._signal(list(self._stage.runs))
 
     def watch_waiting(self) -> None:
         """The same for the runs waiting for a trigger time at most WATCH_AHEAD_MS away."""
@@ -97,12 +87,19 @@ class Housekeeping:
                       if now < r.task.trigger_time <= now + WATCH_AHEAD_MS])
 
     def _signal(self, runs: list[Run[Lane]]) -> None:
+        """Set the signal of those of ``runs`` whose task was cancelled, read by their
+        trigger-time window or by their ids (:func:`by_window`)."""
         by_id = {r.task.task_id: r for r in runs}
         if not by_id:
             return
+        times = [r.task.trigger_time for r in by_id.values()]
+        lo, hi = min(times), max(times)
         with self._engine.connect() as conn:
-            cancelled = cancelled_among(conn, list(by_id))
-        self._starter.wake([by_id[task_id] for task_id in cancelled], "cancelled")
+            if by_window(len(by_id), lo, hi):
+                cancelled = cancelled_on(conn, self._node, lo, hi)
+            else:
+                cancelled = cancelled_among(conn, list(by_id))
+        self._starter.wake([by_id[t] for t in cancelled if t in by_id], "cancelled")
 
     def hand_back_expired(self) -> None:
         """Write back the runs whose timeout passed while they waited (module docstring)."""
