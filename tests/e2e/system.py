@@ -238,9 +238,10 @@ S = TypeVar("S", bound=System)
 @contextmanager
 def module_cluster(make: Callable[[dict[str, str]], S], database_url: str, redis_url: str,
                    name: str, tables: str) -> Iterator[S]:
-    """The system ``make`` builds from its broker settings (:func:`tests.services.own_redis_broker`), for
-    one test module: ``tables`` of ``database_url`` are emptied before and after; at the
-    end every daemon is stopped, the system closed and its Redis keys deleted."""
+    """The system ``make`` builds from its broker settings
+    (:func:`tests.services.own_redis_broker`), for one test module: ``tables`` of
+    ``database_url`` are emptied before and after; at the end every daemon is stopped, the
+    system closed and its Redis keys deleted."""
     empty_tables(database_url, tables)
     broker = own_redis_broker(redis_url, f".{name}{uuid.uuid4().hex[:6]}")
     ax = make(broker)
