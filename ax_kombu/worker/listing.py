@@ -194,8 +194,8 @@ class Listing:
 class ListingScan:
     """Every :data:`SCAN_S` (a step of the node): list the staged runs their lane's threads
     will not reach within :data:`LIST_AFTER_S` (after its free threads, at its measured run
-    time, earliest trigger first), and have the listed runs now within reach released
-    early. STAGED → LISTED under the stage's lock, as a pool thread takes runs."""
+    time, in the order the threads take them: :func:`_take_order`), and have the listed runs
+    now within reach released early. STAGED → LISTED under the stage's lock, as a pool thread takes runs."""
 
     def __init__(self, stage: Stage, lanes: Sequence[Lane], listing: Listing) -> None:
         self._stage = stage
@@ -220,7 +220,7 @@ class ListingScan:
                 elif run.state is State.LISTED:
                     soon.append(run.task.task_id)
             for lane, waiting in by_lane.items():
-                waiting.sort(key=lambda r: r.task.trigger_time)
+                waiting.sort(key=_take_order)
                 soon += [r.task.task_id for r in waiting[:reach[lane]]
                          if r.state is State.LISTED]
                 for run in waiting[reach[lane]:]:
@@ -230,6 +230,16 @@ class ListingScan:
             if listed:  # under the lock: a thread that takes one of them must find it listed
                 self._listing.add(listed)
         self._listing.release_soon(soon)
+
+
+def _take_order(run: Run[Lane]) -> tuple[float, int]:
+    """The order its pool's threads take waiting runs in (:attr:`Run.order
+    <ax_kombu.worker.run.Run.order>`): the scan lists the runs at its end and releases those
+    at its head, so the threads reach released runs, not listed ones. (The stage is a set:
+    sorted by trigger time alone, the runs of one burst came in hash order, and the threads
+    kept reaching listed runs and waiting a write each: docs/benchmarks.md, "Issue 39, fifth
+    session".)"""
+    return run.order
 
 
 def _encode(ids: Iterable[int]) -> str:

@@ -137,6 +137,10 @@ class Run(Generic[L]):
     cancel: Cancellation | None = None
     #: the worker incarnation its RUNNING move was fenced under
     incarnation: int = 0
+    #: its place in its pool's take order once submitted: the time it may start (the
+    #: executor's clock; 0.0: at once) and its submission number — a thread takes the
+    #: smallest first, and the listing's scan reads the stage in that order
+    order: tuple[float, int] = (0.0, 0)
 
     def move(self, to: State) -> None:
         """Move to ``to``.

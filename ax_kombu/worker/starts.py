@@ -36,6 +36,7 @@ outcome is durable (:meth:`Starter.take_completed`, on the consuming thread).
 
 from __future__ import annotations
 
+import itertools
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -108,6 +109,9 @@ class Starter:
         #: the node writes them back (:meth:`take_expired`), or the recovery does
         self.expired: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[Run[Lane]] = queue.SimpleQueue()
+        #: numbers the submitted runs: with its start time, a run's place in its pool's take
+        #: order (:attr:`Run.order <ax_kombu.worker.run.Run.order>`)
+        self._submitted = itertools.count(1)
         #: where ``async def`` processors run (started on first use; the node stops it)
         self.loop = EventLoop()
         #: the start protocol of runs started on the loop (:mod:`~ax_kombu.worker.loopstarts`)
@@ -125,13 +129,17 @@ class Starter:
             run.cancel = Cancellation()
             by_lane.setdefault(run.lane, []).append(run)
         self._stage.add(runs)
-        now = time.monotonic()
+        now, clock = time.monotonic(), self._clock
         starts_on_loop, processor = self._on_loop.start, self._on_loop.processor
         for lane, lane_runs in by_lane.items():
             jobs = []
             for run in lane_runs:
-                # a run received before its trigger time waits in the stage, not in a thread
-                wait_s = self._wait_s(run.task)
+                # its trigger time on the pool's clock: a run received before it waits in the
+                # stage, not in a thread; due runs are taken earliest trigger first (a due
+                # run keyed "at once" went ahead of every run staged before its trigger time,
+                # which then waited for as long as late runs kept coming)
+                start_at = now + (run.task.trigger_time - clock()) / 1000.0
+                run.order = (start_at, next(self._submitted))
                 func = processor(run.task)  # resolved once: its start calls this one
                 if func is not None and self._is_async(func):
                     start, on_loop = partial(starts_on_loop, run, func), True
@@ -139,7 +147,7 @@ class Starter:
                     start, on_loop = partial(self._start, run, func), False
                 jobs.append(Submission(start, partial(self._done, run),
                                        partial(self._timeout_s, run.task), run.labels,
-                                       run.cancel, now + wait_s if wait_s else 0.0, on_loop))
+                                       run.cancel, start_at, on_loop))
             if not self._executors[lane].submit_reserved(jobs):  # room reserved; stopping
                 for run in lane_runs:
                     self._done(run, Outcome(False, abandoned="the pool is closed"))

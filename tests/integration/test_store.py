@@ -12,9 +12,9 @@ from ax_kombu.api import Client
 from ax_kombu.core.states import Status
 from ax_kombu.exceptions import IllegalTransition, TaskNotFound, ValidationError
 from ax_kombu.store import claims, transitions
-from ax_kombu.store.tasks import cancelled_on
 from ax_kombu.store.engine import db_now_precise_ms, make_engine
 from ax_kombu.store.schema import tasks
+from ax_kombu.store.tasks import cancelled_on
 
 
 def count(client: Client) -> int:

@@ -1,5 +1,6 @@
 """A run fenced under an incarnation that was then declared dead never starts, even when its
-receipt batch comes back after the worker withdrew its stage (the race a SIGSTOP found)."""
+receipt batch comes back after the worker withdrew its stage (the race a SIGSTOP found);
+and the place the starter gives each staged run is the order its pool's thread takes them."""
 
 from __future__ import annotations
 
@@ -63,24 +64,25 @@ class Receipts:
         return None
 
 
-def _intake(calls: Calls, lease: Lease) -> tuple[Intake, Lane]:
+def _intake(calls: Calls, lease: Lease, size: int = 2) -> tuple[Intake, Lane]:
     wakeup = Wakeup()
-    lane = Lane("default", Queue("q"), 2, 1, wakeup.poke, 1.0)
+    lane = Lane("default", Queue("q"), size, 1, wakeup.poke, 1.0)
     intake = Intake([lane], receipts=Receipts(), results=calls,  # type: ignore[arg-type]
                     resolver=calls, stats=Counters(), wakeup=wakeup,  # type: ignore[arg-type]
                     flags=StopFlags(), clock=lambda: time.time() * 1000, lease=lease)
     return intake, lane
 
 
-def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int) -> Batch:
+def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int,
+           due_in_ms: int = -10) -> Batch:
     now = int(time.time() * 1000)
-    task = TaskMessage(task_id, 1, "t", {}, "tr", now - 10, 60_000, "default", 0, 3, "p", None,
-                       now, "s0")
+    task = TaskMessage(task_id, 1, "t", {}, "tr", now + due_in_ms, 60_000, "default", 0, 3,
+                       "p", None, now, "s0")
     lane.reserved += 1  # as plan() does
     planned = Run(lane=lane, task=task, message=Message(), generation=intake.acks.generation,
                   state=State.PLANNED)
     fenced = RunTask(task_id=task_id, attempt=1, task_type="t", payload={}, trace_id="tr",
-                     trigger_time=now - 10, timeout_ms=60_000, priority="default",
+                     trigger_time=now + due_in_ms, timeout_ms=60_000, priority="default",
                      retry_count=0, max_retry=3, processor="p", callback_url=None,
                      dispatched_at=now, node="s0")  # the row's task, as the RUNNING move read it
     return Batch(start=[planned], release=[], dupes=[],
@@ -207,3 +209,62 @@ def test_a_run_its_pool_gives_up_on_before_it_starts_ends_unstarted_and_is_settl
     assert run.state is State.SETTLED and message.acks == 1
     assert calls.runs == [] and calls.results == []
     lane.pool.close()
+
+
+
+class Gated(Calls):
+    """A processor that holds its thread, for task 60, until :attr:`gate` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.holding = threading.Event()
+
+    def _run(self, payload: Any, ctx: Any) -> None:
+        if ctx.task_id == 60:
+            self.holding.set()
+            self.gate.wait(10)
+        super()._run(payload, ctx)
+
+
+def _receipted(intake: Intake, lane: Lane, dues: dict[int, int]) -> list[Run[Lane]]:
+    """Fence and submit one batch of runs due ``dues[task_id]`` ms from now."""
+    batches = [_batch(intake, lane, task_id, 1, due_in_ms) for task_id, due_in_ms in dues.items()]
+    runs = [batch.start[0] for batch in batches]
+    intake.planner.receipted(Batch(start=runs, release=[], dupes=[], incarnation=1,
+                                   started={k: v for b in batches
+                                            for k, v in (b.started or {}).items()}))
+    return runs
+
+
+def _settle_until(intake: Intake, done: Any) -> None:
+    deadline = time.monotonic() + 5
+    while not done() and time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+
+
+def test_due_runs_are_taken_earliest_trigger_first_in_the_order_the_run_names() -> None:
+    """:attr:`Run.order` (what the listing's scan sorts by) names the runs in the order the
+    lane's thread starts them, and that is the earliest trigger time first, due ones too: a
+    run already due when it arrives does not go ahead of one staged before its own trigger
+    time (it did, keyed "at once": under a steady backlog the staged one waited as long as
+    late runs kept coming)."""
+    calls, lease = Gated(), Lease(5.0)
+    lease.confirm(time.monotonic(), incarnation=1)
+    intake, lane = _intake(calls, lease, size=1)
+    first = _receipted(intake, lane, {60: -10, 61: 50, 62: 300, 63: 120})
+    assert calls.holding.wait(5)  # 60 holds the lane's one thread
+    due_61 = first[1].task.trigger_time
+    while time.time() * 1000 < due_61 + 40:  # 61 is due, and so are the runs that come now
+        time.sleep(0.005)
+    later = _receipted(intake, lane, {64: -10, 65: -30})  # due after 61, before 63 and 62
+    calls.gate.set()
+    _settle_until(intake, lambda: len(calls.results) == 6)
+    taken = [task_id for task_id, _ in calls.runs]
+    triggers = {r.task.task_id: r.task.trigger_time for r in first + later}
+    assert taken[0] == 60 and sorted(taken) == sorted(triggers)
+    assert [triggers[t] for t in taken[1:]] == sorted(triggers[t] for t in taken[1:])
+    assert taken == [r.task.task_id for r in sorted(first + later, key=lambda r: r.order)]
+    lane.pool.close()
+    intake.starter.stop()

@@ -1,10 +1,11 @@
 """The listing's scan (:class:`ax_kombu.worker.listing.ListingScan`): the waiting runs a
 lane's threads will not reach within LIST_AFTER_S become LISTED (and the listing is told),
-earliest trigger first kept off the list; once the lane will reach them, they are released
-early. Pure memory: the listing's writer is a stand-in."""
+those the threads take first kept off the list; once the lane will reach them, they are
+released early. Pure memory: the listing's writer is a stand-in."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -47,7 +48,8 @@ def lane() -> Iterator[Lane]:
 
 
 def staged(lane: Lane, stage: Stage, triggers: list[int]) -> list[Run[Lane]]:
-    """Runs fenced and waiting in ``lane``'s pool (their jobs wait far ahead)."""
+    """Runs fenced and waiting in ``lane``'s pool (their jobs wait far ahead), submitted in
+    the order given (their :attr:`Run.order`, as the starter numbers them)."""
     runs = []
     for task_id, trigger in enumerate(triggers, 1):
         task = TaskMessage(task_id=task_id, attempt=1, task_type="t", payload={},
@@ -55,7 +57,7 @@ def staged(lane: Lane, stage: Stage, triggers: list[int]) -> list[Run[Lane]]:
                            priority="default", retry_count=0, max_retry=0, processor="p",
                            callback_url=None, dispatched_at=0, node="s")
         runs.append(Run(lane=lane, task=task, message=None, generation=1,
-                        state=State.FENCED, incarnation=7))
+                        state=State.FENCED, incarnation=7, order=(float(trigger), task_id)))
         assert lane.pool.try_submit(lambda: None, lambda outcome: None,
                                     start_at=time.monotonic() + 600)
     stage.add(runs)
@@ -83,3 +85,26 @@ def test_a_lane_whose_run_time_is_unmeasured_lists_nothing(lane: Lane) -> None:
     runs = staged(lane, stage, [100, 200])
     ListingScan(stage, [lane], told)()  # type: ignore[arg-type]
     assert all(r.state is State.STAGED for r in runs) and told.added == []
+
+
+def test_a_bursts_runs_are_listed_in_the_order_the_threads_take_them(lane: Lane) -> None:
+    """Runs of one trigger time (a burst): the runs the threads take first stay off the list
+    and the later ones are listed, whatever order the stage (a set) yields them in; as the
+    lane's reach grows, the next ones in take order are released. (Sorted by trigger time
+    alone, a burst's runs were listed at random, and the threads kept reaching listed runs
+    and waiting for a write each.)"""
+    stage, told = Stage(), Told()
+    scan = ListingScan(stage, [lane], told)  # type: ignore[arg-type]
+    runs = staged(lane, stage, [100] * 40)
+    takes = list(range(1, 41))
+    random.Random(7).shuffle(takes)
+    for run, taken in zip(runs, takes, strict=True):
+        run.order = (0.0, taken)  # due at once: taken by submission number
+    first = sorted(runs, key=lambda r: r.order)
+    lane.timed(0.3)  # one thread, 0.3 s a run (and 1 ms besides): it reaches 3 within 1 s
+    scan()
+    assert [r.state for r in first] == [State.STAGED] * 3 + [State.LISTED] * 37
+    assert told.soon == []
+    lane.run_s = 0.12  # now 8 are within reach: the next 5 in take order are released early
+    scan()
+    assert told.soon == [r.task.task_id for r in first[3:8]]
