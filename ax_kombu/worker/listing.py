@@ -195,7 +195,8 @@ class ListingScan:
     """Every :data:`SCAN_S` (a step of the node): list the staged runs their lane's threads
     will not reach within :data:`LIST_AFTER_S` (after its free threads, at its measured run
     time, in the order the threads take them: :func:`_take_order`), and have the listed runs
-    now within reach released early. STAGED → LISTED under the stage's lock, as a pool thread takes runs."""
+    now within reach released early. STAGED → LISTED under the stage's lock, as a pool thread
+    takes runs."""
 
     def __init__(self, stage: Stage, lanes: Sequence[Lane], listing: Listing) -> None:
         self._stage = stage

@@ -137,8 +137,8 @@ class Run(Generic[L]):
     cancel: Cancellation | None = None
     #: the worker incarnation its RUNNING move was fenced under
     incarnation: int = 0
-    #: its place in its pool's take order once submitted: the time it may start (the
-    #: executor's clock; 0.0: at once) and its submission number — a thread takes the
+    #: its place in its pool's take order once submitted: its trigger time on the executor's
+    #: clock (past for a run due already) and its submission number — a thread takes the
     #: smallest first, and the listing's scan reads the stage in that order
     order: tuple[float, int] = (0.0, 0)
 
