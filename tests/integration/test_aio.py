@@ -214,9 +214,12 @@ class Lag:
     @property
     def usual(self) -> float:
         """The 99.9th percentile of the lags: the bound the loop keeps but for a few
-        sleeps in ten thousand (see :data:`MAX_ONE_LAG_S`)."""
+        sleeps in ten thousand (see :data:`MAX_ONE_LAG_S`), and at least the worst one left
+        out. A phase of under a thousand sleeps (``enqueue_many`` is quick) had its worst
+        sleep as its 99.9th percentile: one host stall of 14.5 ms in 877 sleeps failed CI."""
         ordered = sorted(self.lags)
-        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.999))] if ordered else 0.0
+        skip = max(1, len(ordered) // 1000)  # the worst ones: MAX_ONE_LAG_S bounds each
+        return ordered[max(0, len(ordered) - 1 - skip)] if ordered else 0.0
 
 
 async def _with_probe(work: Callable[[], Awaitable[T]]) -> tuple[T, Lag]:
