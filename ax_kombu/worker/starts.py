@@ -129,7 +129,9 @@ class Starter:
             run.cancel = Cancellation()
             by_lane.setdefault(run.lane, []).append(run)
         self._stage.add(runs)
-        now, clock = time.monotonic(), self._clock
+        # the database clock's epoch on the pool's clock, read once for the batch: runs of one
+        # trigger time get one start time, and their submission numbers order them
+        epoch_s = time.monotonic() - self._clock() / 1000.0
         starts_on_loop, processor = self._on_loop.start, self._on_loop.processor
         for lane, lane_runs in by_lane.items():
             jobs = []
@@ -138,7 +140,7 @@ class Starter:
                 # stage, not in a thread; due runs are taken earliest trigger first (a due
                 # run keyed "at once" went ahead of every run staged before its trigger time,
                 # which then waited for as long as late runs kept coming)
-                start_at = now + (run.task.trigger_time - clock()) / 1000.0
+                start_at = epoch_s + run.task.trigger_time / 1000.0
                 run.order = (start_at, next(self._submitted))
                 func = processor(run.task)  # resolved once: its start calls this one
                 if func is not None and self._is_async(func):
