@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -89,6 +90,15 @@ def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int,
                  started={task_id: fenced}, incarnation=incarnation)
 
 
+
+def _settle_until(intake: Intake, done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Settle as the consuming thread does, every 10 ms, until ``done()`` or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        intake.settle()
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started(kind: str) -> None:
     calls, lease = Calls(kind), Lease(5.0)
@@ -102,10 +112,7 @@ def test_a_batch_fenced_before_the_worker_was_declared_dead_is_not_started(kind:
     lease.confirm(time.monotonic(), incarnation=2)
     fresh = _batch(intake, lane, 43, incarnation=2)  # fenced under the new incarnation
     intake.planner.receipted(fresh)
-    deadline = time.monotonic() + 5
-    while (intake.stage.runs or lane.pool.active) and time.monotonic() < deadline:
-        intake.settle()
-        time.sleep(0.01)
+    _settle_until(intake, lambda: not (intake.stage.runs or lane.pool.active))
     assert calls.runs == [(43, 1)]  # the old incarnation's run never started ...
     assert calls.results == [43]    # ... and recorded nothing (the row is recovered)
     if kind == "async":  # started on the event loop, without a pool thread
@@ -126,10 +133,7 @@ def test_a_run_whose_timeout_passes_while_it_waits_is_kept_for_hand_back(kind: s
     assert batch.started is not None  # the row's settings are what runs
     batch.started[44].timeout_ms = 200
     intake.planner.receipted(batch)
-    deadline = time.monotonic() + 10
-    while intake.stage.runs and time.monotonic() < deadline:
-        intake.settle()
-        time.sleep(0.01)
+    _settle_until(intake, lambda: not intake.stage.runs, 10.0)
     assert not intake.stage.runs
     assert calls.runs == [] and calls.results == []  # never started, nothing recorded
     assert intake.starter.take_expired() == [waiting]
@@ -143,16 +147,10 @@ def test_an_async_run_waits_for_an_uncertain_lease_off_the_loop_then_starts() ->
     calls, lease = Calls("async"), Lease(5.0)
     intake, lane = _intake(calls, lease)
     intake.planner.receipted(_batch(intake, lane, 45, incarnation=1))
-    deadline = time.monotonic() + 0.3
-    while time.monotonic() < deadline:
-        intake.settle()
-        time.sleep(0.01)
+    _settle_until(intake, lambda: False, 0.3)  # settle for 0.3 s
     assert calls.runs == []  # the lease is not known: not started
     lease.confirm(time.monotonic(), incarnation=1)
-    deadline = time.monotonic() + 10
-    while intake.stage.runs and time.monotonic() < deadline:
-        intake.settle()
-        time.sleep(0.01)
+    _settle_until(intake, lambda: not intake.stage.runs, 10.0)
     assert calls.runs == [(45, 1)] and calls.results == [45]
     lane.pool.close()
     intake.starter.stop()
@@ -235,13 +233,6 @@ def _receipted(intake: Intake, lane: Lane, dues: dict[int, int]) -> list[Run[Lan
                                    started={k: v for b in batches
                                             for k, v in (b.started or {}).items()}))
     return runs
-
-
-def _settle_until(intake: Intake, done: Any) -> None:
-    deadline = time.monotonic() + 5
-    while not done() and time.monotonic() < deadline:
-        intake.settle()
-        time.sleep(0.01)
 
 
 def test_due_runs_are_taken_earliest_trigger_first_in_the_order_the_run_names() -> None:
