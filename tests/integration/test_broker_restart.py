@@ -1,10 +1,14 @@
 """A broker that stops and comes back mid-run loses nothing.
 
 Redis: a private redis-server of this test, stopped and started again on the
-same port. RabbitMQ: the local server's application is stopped and started
-(``rabbitmqctl stop_app`` / ``start_app``). The consumer here plays the
-worker's part of the contract (DISPATCHING → RUNNING fenced by attempt), so
-anything lost in flight comes back through the scheduler's ack timeout.
+same port. The consumer here plays the worker's part of the contract
+(DISPATCHING → RUNNING fenced by attempt), so anything lost in flight comes back
+through the scheduler's ack timeout.
+
+RabbitMQ's restart is the fault suite's (``tests/faults/test_faults.py::test_rabbitmq_restart``:
+real daemons, a ledger, a private node). It is not repeated here: this test ran
+``rabbitmqctl stop_app`` on the shared server, and whatever RabbitMQ test the other
+pytest-xdist worker was running meanwhile saw its publishes fail.
 """
 
 from __future__ import annotations
@@ -66,29 +70,16 @@ class PrivateRedis:
         wait_port(self.port, up=False)
 
 
-@pytest.fixture(params=["redis", "amqp"])
-def outage(request: pytest.FixtureRequest) -> Iterator[tuple[dict[str, str], Any, Any]]:
-    """(broker settings, stop(), start()) for a broker this test may stop."""
-    if request.param == "redis":
-        if shutil.which("redis-server") is None:
-            unavailable("redis-server", "not installed (needed to run a private Redis)")
-        server = PrivateRedis(free_port())
-        server.start()
-        yield ({"broker_url": f"redis://127.0.0.1:{server.port}/0"}, server.stop, server.start)
-        if server.proc and server.proc.poll() is None:
-            server.proc.terminate()
-        return
-    url = request.getfixturevalue("rabbit_url")
-    ctl = shutil.which("rabbitmqctl")
-    if ctl is None:
-        unavailable("rabbitmqctl", "not installed")
-
-    def rabbit(action: str) -> None:
-        subprocess.run([ctl, action], check=True, capture_output=True, timeout=120)
-
-    yield ({"broker_url": url, "queue_high": "rh", "queue_default": "rd", "queue_slow": "rs"},
-           lambda: rabbit("stop_app"), lambda: rabbit("start_app"))
-    subprocess.run([ctl, "start_app"], capture_output=True, timeout=120, check=False)  # anyway
+@pytest.fixture
+def outage() -> Iterator[tuple[dict[str, str], Any, Any]]:
+    """(broker settings, stop(), start()) for a private Redis this test may stop."""
+    if shutil.which("redis-server") is None:
+        unavailable("redis-server", "not installed (needed to run a private Redis)")
+    server = PrivateRedis(free_port())
+    server.start()
+    yield ({"broker_url": f"redis://127.0.0.1:{server.port}/0"}, server.stop, server.start)
+    if server.proc and server.proc.poll() is None:
+        server.proc.terminate()
 
 
 def failed_publishes() -> float:
