@@ -162,6 +162,13 @@ class SchedulerSettings:
     #: (A longer lead does not start a burst sooner: the worker's CPU bounds it, not the
     #: pipeline ahead of the due time: docs/benchmarks.md, "Issue 21, second session".)
     claim_lead_ms: int = 250
+    #: when the next task reaches ``claim_lead_ms``, the claim also takes those due up to this
+    #: much later: a stream's next few milliseconds go out in one claim, one publish and one
+    #: RUNNING commit per worker, not one each (at 500 tasks/s, 20 ms gathers about ten;
+    #: docs/benchmarks.md, "Issue 39, sixth session"). Those are staged up to this much
+    #: longer, and none starts before its trigger time. 0: each is claimed at its own lead;
+    #: with ``claim_lead_ms`` 0 (nothing claimed before it is due) there is no window either.
+    claim_window_ms: int = 20
     #: a task DISPATCHING longer than this goes back to READY; the wait doubles
     #: with each re-dispatch of the same task.
     ack_timeout_ms: int = 30_000
@@ -204,13 +211,23 @@ class SchedulerSettings:
     #: it retries); past that another scheduler takes it over (:mod:`ax_kombu.alerts.outbox`).
     alert_takeover_ms: int = 60_000
 
+    @property
+    def claim_reach_ms(self) -> int:
+        """How far ahead of its time a claim takes tasks: ``claim_lead_ms``, then
+        ``claim_window_ms`` (none without a lead)."""
+        return self.claim_lead_ms + (self.claim_window_ms if self.claim_lead_ms else 0)
+
     def _validate_scheduler(self) -> None:
         _positive(self, "preload_window_ms", "preload_batch", "claim_batch",
                   "preload_interval_ms", "max_loaded", "ack_timeout_ms", "max_dispatches",
                   "job_lookahead_ms", "job_interval_ms", "misfire_max")
-        _positive(self, "claim_lead_ms", zero_ok=True)
+        _positive(self, "claim_lead_ms", "claim_window_ms", zero_ok=True)
         if self.claim_lead_ms > 1000:
             raise ConfigurationError(f"claim_lead_ms must be at most 1000, got {self.claim_lead_ms}")
+        if self.claim_lead_ms + self.claim_window_ms > 1000:
+            raise ConfigurationError(
+                f"claim_lead_ms + claim_window_ms must be at most 1000, got "
+                f"{self.claim_lead_ms} + {self.claim_window_ms}")
         if self.job_lookahead_ms > self.preload_window_ms:
             raise ConfigurationError(f"job_lookahead_ms ({self.job_lookahead_ms}) must not "
                                      f"exceed preload_window_ms ({self.preload_window_ms})")

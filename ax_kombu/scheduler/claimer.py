@@ -94,7 +94,8 @@ class Claimer(Loop):
     """Claims fired ids batch after batch and puts the claimed rows in the dispatcher's inbox.
 
     Args:
-        settings: ``claim_batch``, ``claim_lead_ms`` and ``republish_delay_ms`` are read.
+        settings: ``claim_batch``, ``claim_lead_ms``, ``claim_window_ms`` and
+            ``republish_delay_ms`` are read.
         store: the task store.
         node_id: the node the claims are made for.
         fired: the mailbox the timing loop fires ids into; read by this stage alone.
@@ -112,6 +113,9 @@ class Claimer(Loop):
         super().__init__("ax-claimer", fired.ready)
         self._batch = settings.claim_batch
         self._lead_ms = settings.claim_lead_ms
+        #: how far ahead of its ``now`` a claim takes tasks (the timing loop fires that far
+        #: ahead when the next id reaches its lead)
+        self._reach_ms = settings.claim_reach_ms
         self._hold_s = settings.republish_delay_ms / 1000.0
         self._hold_ms = settings.republish_delay_ms
         self._store = store
@@ -163,11 +167,12 @@ class Claimer(Loop):
             return
         now = self._claim_now()
         self._claim(_Claim([fired.popleft() for _ in range(min(len(fired), self._batch))],
-                           now, now + self._lead_ms, resume=False))
+                           now, now + self._reach_ms, resume=False))
 
     def _claim(self, batch: _Claim) -> None:
-        """Claim ``batch`` (ids due up to ``claim_lead_ms`` from its ``now``: they fire that
-        far ahead, see :mod:`ax_kombu.scheduler.timing`) and hand what was claimed to the
+        """Claim ``batch`` (ids due up to ``claim_lead_ms`` plus ``claim_window_ms`` from its
+        ``now``: they fire that far ahead, see :mod:`ax_kombu.scheduler.timing`) and hand what
+        was claimed to the
         dispatcher. On a database error the claim may have committed: it is kept, to be
         resumed (see the module docstring)."""
         incarnation = self._incarnation()
@@ -232,7 +237,8 @@ class Claimer(Loop):
     def _keep_unclaimed(self, batch: list[int], rows: Sequence[Any]) -> None:
         """Ids the claim skipped that are still claimable: gated and due → the gated claim;
         others fire again soon, a Celery-bound one not due yet at its trigger time (its
-        time here is ``claim_lead_ms`` late, see :func:`ax_kombu.store.claims.fire_time`);
+        time here is ``claim_lead_ms`` late, see :func:`ax_kombu.store.claims.fire_time`),
+        each at its own time, never early with a claim window (``hand_solo``);
         the rest (claimed elsewhere, cancelled, parked, paused) are dropped."""
         claimed = {r.task_id for r in rows}
         missing = [t for t in batch if t not in claimed]
@@ -244,14 +250,15 @@ class Claimer(Loop):
             self._timing.retry_later(missing)  # the next claim sorts out which are still ours
             self.db_failed("claim", exc)
             return
-        due_before = self._local_ms() + self._lead_ms
+        due_before = self._local_ms() + self._reach_ms
         gated = [task_id for task_id, trigger, is_gated in ours
                  if is_gated and trigger <= due_before]
         if gated:
             self._claim_gated(gated)
         soon = self._local_ms() + 10
-        self._timing.hand([(task_id, max(trigger, soon)) for task_id, trigger, is_gated in ours
-                           if not (is_gated and trigger <= due_before)])
+        self._timing.hand_solo([(task_id, max(trigger, soon))
+                                for task_id, trigger, is_gated in ours
+                                if not (is_gated and trigger <= due_before)])
 
     def _claim_gated(self, task_ids: list[int]) -> None:
         """One gated claim: claim what may start, park what must wait (one transaction).
@@ -262,7 +269,7 @@ class Claimer(Loop):
             self._ids.next_ids(0)  # renew the id lease now, not inside the transaction
             with self._store.engine.begin() as conn:
                 rows, decision = claim_gated(conn, task_ids, self._node_id, now,
-                                             now + self._lead_ms, self._broadcast)
+                                             now + self._reach_ms, self._broadcast)
         except SQLAlchemyError as exc:
             self._timing.retry_later(task_ids)
             self.db_failed("gated claim", exc)

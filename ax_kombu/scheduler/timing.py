@@ -20,6 +20,15 @@ Contracts:
   the publish and the worker's RUNNING commit are over by the due time (the
   task is published ahead: the worker keeps it in a stage until its trigger time, see
   :mod:`ax_kombu.worker.starts`). Firing is a slot lookup, never a scan.
+* **The claim window**: when the next id reaches its lead, every id due up to
+  ``claim_window_ms`` after it fires with it, so a stream's next few milliseconds are one
+  claim, one publish and one RUNNING commit per worker, not one each; no id fires later
+  than its lead. A wake-up for anything else (ids handed over) fires nothing before then.
+  With no lead (``claim_lead_ms`` 0: nothing is claimed before it is due) there is no window.
+* **Solo ids** fire at their own time, never early with a window: those the claim skipped
+  as not due yet (a runner with a fixed lead, :mod:`ax_kombu.core.runners`, which no claim
+  takes before its time) and handed back with :meth:`TimingLoop.hand_solo`. One met in a
+  window before the claimer has seen it is skipped once, then fires on its own.
 * The loop reads the database clock locally
   (:meth:`ax_kombu.store.clock.DbClock.local_ms`) and never touches the
   database or the broker, so a slow preload, claim or clock re-measurement
@@ -34,6 +43,7 @@ Contracts:
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Sequence
 
@@ -51,18 +61,23 @@ ABSORB_CHUNK = 2000
 Pairs = Sequence[tuple[int, int]]
 
 
+class _Solo(list[tuple[int, int]]):
+    """Pairs handed over by :meth:`TimingLoop.hand_solo`: ids that fire at their own time."""
+
+
 class TimingLoop:
     """Adds handed-over ids to the wheel and fires due ids into ``fired``; :meth:`run` until
     :meth:`stop`, on the caller's thread.
 
     Args:
-        settings: ``claim_lead_ms`` and ``republish_delay_ms`` are read.
+        settings: ``claim_lead_ms``, ``claim_window_ms`` and ``republish_delay_ms`` are read.
         clock: the database clock, read locally only.
         fired: the claimer's mailbox.
     """
 
     def __init__(self, settings: Settings, clock: DbClock, fired: Mailbox[int]) -> None:
         self._lead_ms = settings.claim_lead_ms
+        self._window_ms = settings.claim_reach_ms - settings.claim_lead_ms
         self._republish_delay_ms = settings.republish_delay_ms
         self._clock = clock
         self._fired = fired
@@ -72,6 +87,10 @@ class TimingLoop:
         self.incoming: Mailbox[Pairs] = Mailbox()
         self._stopping = False
         self._drop = False
+        #: solo ids (see the module docstring) → their time; and those a window fired early,
+        #: kept back out of the wheel until their time, as a heap of (time, id)
+        self._solo: dict[int, int] = {}
+        self._kept: list[tuple[int, int]] = []
 
     # -- control (any thread) ------------------------------------------------------------
 
@@ -104,6 +123,12 @@ class TimingLoop:
             self.incoming.put(pairs[start:start + ABSORB_CHUNK]
                               for start in range(0, len(pairs), ABSORB_CHUNK))
 
+    def hand_solo(self, pairs: Pairs) -> None:
+        """From any thread: ``hand`` for ids that must fire at their own time, never early
+        with a claim window (the claim skipped them as not due yet)."""
+        if pairs:
+            self.incoming.put([_Solo(pairs)])
+
     def retry_later(self, ids: Sequence[int]) -> None:
         """Fire ``ids`` again after ``republish_delay_ms`` (this node still has them claimed)."""
         due = int(self._clock.local_ms()) + self._republish_delay_ms
@@ -122,15 +147,43 @@ class TimingLoop:
             self._drop_now()
         self._absorb()
         now = self._clock.local_ms()
-        fired = self.timer.advance(int(now) + self._lead_ms)  # the claim's lead, see above
+        horizon = int(now) + self._lead_ms  # the claim's lead, see above
+        reach = horizon
+        if self._window_ms and (due := self.timer.next_due_ms()) is not None and due <= horizon:
+            reach += self._window_ms  # the claim window, see above
+        fired = self.timer.advance(reach)
+        if self._solo or self._kept:
+            fired = self._solo_on_time(fired, horizon)
         if fired:
             self._fired.put(fired)
         self._sleep(now)
+
+    def _solo_on_time(self, fired: list[int], horizon: int) -> list[int]:
+        """Of ``fired``, the solo ids not due by ``horizon`` are kept back; those kept back
+        that are due by then join what fires."""
+        solo, kept = self._solo, self._kept
+        out = []
+        for key in fired:
+            at = solo.get(key)
+            if at is None:
+                out.append(key)
+            elif at > horizon:
+                heapq.heappush(kept, (at, key))
+            else:
+                del solo[key]
+                out.append(key)
+        while kept and kept[0][0] <= horizon:
+            key = heapq.heappop(kept)[1]
+            if solo.pop(key, None) is not None:  # else it fired from the wheel meanwhile
+                out.append(key)
+        return out
 
     def _drop_now(self) -> None:
         self._drop = False
         self.incoming.items.clear()
         self._fired.items.clear()
+        self._solo.clear()
+        self._kept.clear()
         self.timer = TriggerTimer(int(self._clock.local_ms()), level_sizes=WHEEL_LEVELS)
 
     def _absorb(self) -> None:
@@ -139,6 +192,8 @@ class TimingLoop:
         taken = 0
         while incoming and taken < ABSORB_CHUNK:
             pairs = incoming.popleft()
+            if type(pairs) is _Solo:
+                self._solo.update(pairs)
             self.timer.add_earlier_many(pairs)
             taken += len(pairs)
 
@@ -148,6 +203,8 @@ class TimingLoop:
             return
         timeout = MAX_SLEEP_S
         next_due = self.timer.next_due_ms()
+        if self._kept and (next_due is None or self._kept[0][0] < next_due):
+            next_due = self._kept[0][0]
         if next_due is not None:
             timeout = min(timeout, (next_due - self._lead_ms - now) / 1000.0)
         if timeout > 0:

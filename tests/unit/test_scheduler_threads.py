@@ -76,8 +76,9 @@ def test_each_task_is_published_once_and_never_more_than_the_lead_early(cfg: Set
     published = published_until(cfg, 200)
     assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
     assert all(m.attempt == 1 for m, _ in published.messages)
-    # staged: published at most the lead ahead (the worker starts it at its trigger time)
-    assert all(at_ms >= m.trigger_time - cfg.claim_lead_ms for m, at_ms in published.messages)
+    # staged: published at most the lead and the claim window ahead (the worker starts it at
+    # its trigger time)
+    assert all(at_ms >= m.trigger_time - cfg.claim_reach_ms for m, at_ms in published.messages)
 
 
 @pytest.mark.parametrize("lead_ms", [0, 300])
@@ -88,13 +89,14 @@ def test_tasks_are_claimed_and_published_up_to_the_lead_ahead_never_more(
                                for i in range(40)])
     published = published_until(cfg, 40)
     assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
-    # staged at most the lead ahead (with no lead: never before it is due)
-    assert all(at_ms >= m.trigger_time - lead_ms for m, at_ms in published.messages)
+    # staged at most the lead and the claim window ahead (with no lead: never before it is due)
+    reach_ms = lead_ms + cfg.claim_window_ms if lead_ms else 0
+    assert all(at_ms >= m.trigger_time - reach_ms for m, at_ms in published.messages)
     claimed = [client.get(i) for i in ids]
     ahead = [t.trigger_time - t.dispatched_at for t in claimed if t.dispatched_at is not None]
     assert len(ahead) == 40
-    if lead_ms:  # claimed before due (but never more than the lead before)
-        assert all(0 < a <= lead_ms for a in ahead), ahead
+    if lead_ms:  # claimed before due (but never more than the lead and the window before)
+        assert all(0 < a <= reach_ms for a in ahead), ahead
     else:
         assert all(a <= 0 for a in ahead), ahead
 
