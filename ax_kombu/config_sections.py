@@ -163,11 +163,12 @@ class SchedulerSettings:
     #: pipeline ahead of the due time: docs/benchmarks.md, "Issue 21, second session".)
     claim_lead_ms: int = 250
     #: when the next task reaches ``claim_lead_ms``, the claim also takes those due up to this
-    #: much later: a stream's next few milliseconds go out in one claim, one publish and one
-    #: RUNNING commit per worker, not one each (at 500 tasks/s, 20 ms gathers about ten;
-    #: docs/benchmarks.md, "Issue 39, sixth session"). Those are staged up to this much
-    #: longer, and none starts before its trigger time. 0: each is claimed at its own lead;
-    #: with ``claim_lead_ms`` 0 (nothing claimed before it is due) there is no window either.
+    #: much later: a stream's next few milliseconds go out in one claim and one publish, not
+    #: one each, and the workers' RUNNING commits gather too (at 500 tasks/s, 20 ms gathers
+    #: about eleven; docs/benchmarks.md, "Issue 39, sixth session"). Those are staged up to
+    #: this much longer, and none starts before its trigger time. 0: each is claimed at its
+    #: own lead; with ``claim_lead_ms`` 0 (nothing claimed before it is due) there is no
+    #: window either.
     claim_window_ms: int = 20
     #: a task DISPATCHING longer than this goes back to READY; the wait doubles
     #: with each re-dispatch of the same task.
