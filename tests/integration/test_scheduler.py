@@ -45,8 +45,8 @@ def test_tasks_arrive_in_their_priority_queue_once_with_attempt_one(cfg: Setting
         body = received.body
         assert received.queue == cfg.queue_for(body["priority"])
         assert body["attempt"] == 1
-        # staged: never more than the claim lead early (5 ms clock tolerance)
-        assert received.at_ms >= body["trigger_time"] - cfg.claim_lead_ms - 5
+        # staged: never more than the claim lead and window early (5 ms clock tolerance)
+        assert received.at_ms >= body["trigger_time"] - cfg.claim_reach_ms - 5
     statuses = Counter(client.get(i).status for i in ids[:30])
     assert statuses == {Status.DISPATCHING: 30}
 
@@ -61,7 +61,7 @@ def test_a_short_delay_fires_through_the_wake_up_not_the_next_preload(cfg: Setti
         assert got.wait_for(lambda: len(got.got) == 1, timeout=20)
     trigger = client.get(task_id).trigger_time
     assert got.got[0].body["task_id"] == task_id
-    assert got.got[0].at_ms >= trigger - cfg.claim_lead_ms - 5  # staged, never more
+    assert got.got[0].at_ms >= trigger - cfg.claim_reach_ms - 5  # staged, never more
 
 
 def test_cancelled_task_is_never_published(cfg: Settings, client: Client) -> None:
