@@ -23,6 +23,7 @@ from typing import Any
 import psycopg2
 import pytest
 
+from ax_kombu.api import Client
 from ax_kombu.exceptions import IllegalTransition, TooLateToMove
 
 from ..ledger import Ledger
@@ -59,15 +60,19 @@ def test_a_late_commit_fires_at_the_commit_despite_later_commits_in_between(
     log = Ledger(tmp_path / "runs.jsonl")
     dsn = system.database_url.replace("postgresql+psycopg2://", "postgresql://")
     late = [psycopg2.connect(dsn) for _ in range(3)]
+    # no duplicate check: its advisory lock is taken on one of 512 hash buckets, so now and
+    # then an enqueue below shared a bucket with an open late transaction, and waited for a
+    # commit that this same thread was to make after it (a hang, in CI)
+    producer = Client(system.settings.replace(dedup_window_ms=0))
     try:
         # opened first, each enqueues a task due in 0.5 s and stays open 2-4 s
-        mine = [system.client.enqueue_many([_task(log, 1000 + k, delay=0.5)], connection=c)[0]
+        mine = [producer.enqueue_many([_task(log, 1000 + k, delay=0.5)], connection=c)[0]
                 for k, c in enumerate(late)]
         others: list[int] = []
         committed: dict[int, int] = {}
         started = time.monotonic()
         for step in range(40):  # meanwhile others commit tasks due soon, every 100 ms
-            others += system.enqueue_many([_task(log, step, delay=0.3)])
+            others += [int(i) for i in producer.enqueue_many([_task(log, step, delay=0.3)])]
             for k, conn in enumerate(late):
                 if mine[k] not in committed and time.monotonic() - started >= 2 + k:
                     conn.commit()
@@ -80,6 +85,7 @@ def test_a_late_commit_fires_at_the_commit_despite_later_commits_in_between(
     finally:
         for conn in late:
             conn.close()
+        producer.close()
     system.wait_final(len(others) + len(mine), 30)
     runs = log.by_task()
     assert all(len(runs.get(t, [])) == 1 for t in [*mine, *others]), "lost or doubled"
