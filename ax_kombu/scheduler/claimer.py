@@ -172,9 +172,8 @@ class Claimer(Loop):
     def _claim(self, batch: _Claim) -> None:
         """Claim ``batch`` (ids due up to ``claim_lead_ms`` plus ``claim_window_ms`` from its
         ``now``: they fire that far ahead, see :mod:`ax_kombu.scheduler.timing`) and hand what
-        was claimed to the
-        dispatcher. On a database error the claim may have committed: it is kept, to be
-        resumed (see the module docstring)."""
+        was claimed to the dispatcher. On a database error the claim may have committed: it
+        is kept, to be resumed (see the module docstring)."""
         incarnation = self._incarnation()
         try:
             with tracing.batch_span("ax.claim", len(batch.ids)):

@@ -12,8 +12,8 @@ database clock:
 2. **Timing wheel** (:mod:`~ax_kombu.scheduler.timing`; the thread that calls
    :meth:`Scheduler.run`): an 8 s millisecond wheel in front of a delay
    queue; due ids fire ``claim_lead_ms`` early (with those due within
-   ``claim_window_ms`` after them), in trigger order, as a slot lookup. It reads the clock locally and never waits on the database or the
-   broker.
+   ``claim_window_ms`` after them), in trigger order, as a slot lookup. It
+   reads the clock locally and never waits on the database or the broker.
 3. **Claim** (:mod:`~ax_kombu.scheduler.claimer`): the ids fired while the
    previous claim ran are claimed with one conditional statement; a row moves
    to DISPATCHING for exactly one node, with a new attempt number, and the

@@ -22,8 +22,9 @@ Contracts:
   :mod:`ax_kombu.worker.starts`). Firing is a slot lookup, never a scan.
 * **The claim window**: when the next id reaches its lead, every id due up to
   ``claim_window_ms`` after it fires with it, so a stream's next few milliseconds are one
-  claim and one publish, not one each (and fewer RUNNING commits in the workers); no id fires later
-  than its lead. A wake-up for anything else (ids handed over) fires nothing before then.
+  claim and one publish, not one each (and fewer RUNNING commits in the workers); no id
+  fires later than its lead. A wake-up for anything else (ids handed over) fires nothing
+  before then.
   With no lead (``claim_lead_ms`` 0: nothing is claimed before it is due) there is no window.
 * **Solo ids** fire at their own time, never early with a window: those the claim skipped
   as not due yet (a runner with a fixed lead, :mod:`ax_kombu.core.runners`, which no claim

@@ -90,7 +90,6 @@ def _batch(intake: Intake, lane: Lane, task_id: int, incarnation: int,
                  started={task_id: fenced}, incarnation=incarnation)
 
 
-
 def _settle_until(intake: Intake, done: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Settle as the consuming thread does, every 10 ms, until ``done()`` or ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
