@@ -48,6 +48,7 @@ from ax_kombu.config import Settings, from_env
 from ax_kombu.core import states
 from ax_kombu.exceptions import ValidationError, WaitTimeout
 from ax_kombu.moving import UNCHANGED, Moving
+from ax_kombu.observability import tracing
 from ax_kombu.store.async_engine import AsyncStore, LoopStore, async_connection, libpq_url
 from ax_kombu.store.enqueue import Written
 from ax_kombu.store.waits import SAFETY_POLL_S, AsyncEndListener
@@ -88,6 +89,9 @@ class AsyncClient:
         if not settings.is_sqlite:
             self._store = AsyncStore(settings)
             self._mover = _Mover(settings, self._store.loop_store)
+        # every enqueue reads the current trace context: the OpenTelemetry API's first
+        # import (several ms) happens here, in the constructor, not in a call on the loop
+        tracing.available()
 
     async def __aenter__(self) -> Self:
         return self

@@ -11,7 +11,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,11 +33,12 @@ pytestmark = [pytest.mark.timeout(120)]
 T = TypeVar("T")
 #: the issue's "Done when": the loop never waits longer than this while enqueuing
 MAX_LAG_S = 0.005
-#: the worst single sleep's bound: on this shared VM a step of a few hundred microseconds
-#: now and then shows 5-12 ms of the thread's CPU time (the host's steal is counted as the
-#: running thread's), a few sleeps in ten thousand; code that stalled the loop would do it
-#: at every call, and the 99.9th percentile holds MAX_LAG_S
-MAX_ONE_LAG_S = 0.025
+#: whole measurements the loop-lag test may make. What else the machine does only adds to
+#: a lag, never takes from it (the loop thread's CPU clock also counts the kernel's
+#: interrupt work, as this kernel does no IRQ time accounting): as ``timeit`` takes the
+#: least of its repeats, one measurement that holds the bound shows what ax's own work
+#: costs the loop. Code that stalled the loop would fail every one.
+ATTEMPTS = 3
 
 
 @pytest.fixture
@@ -208,18 +209,10 @@ class Lag:
     worst: float = 0.0
     ticks: int = 0
     collector: float = 0.0
-    #: every sleep's lag
-    lags: list[float] = field(default_factory=list)
 
-    @property
-    def usual(self) -> float:
-        """The 99.9th percentile of the lags: the bound the loop keeps but for a few
-        sleeps in ten thousand (see :data:`MAX_ONE_LAG_S`), and at least the worst one left
-        out. A phase of under a thousand sleeps (``enqueue_many`` is quick) had its worst
-        sleep as its 99.9th percentile: one host stall of 14.5 ms in 877 sleeps failed CI."""
-        ordered = sorted(self.lags)
-        skip = max(1, len(ordered) // 1000)  # the worst ones: MAX_ONE_LAG_S bounds each
-        return ordered[max(0, len(ordered) - 1 - skip)] if ordered else 0.0
+    def __str__(self) -> str:
+        return (f"worst {self.worst * 1000:.1f} ms over {self.ticks} sleeps "
+                f"(longest collector pause {self.collector * 1000:.1f} ms)")
 
 
 async def _with_probe(work: Callable[[], Awaitable[T]]) -> tuple[T, Lag]:
@@ -253,7 +246,6 @@ async def _with_probe(work: Callable[[], Awaitable[T]]) -> tuple[T, Lag]:
             collected = paused[0] - before
             late = min(time.perf_counter() - wall - 0.001, time.thread_time() - cpu)
             lag.worst = max(lag.worst, late - collected)
-            lag.lags.append(late - collected)
             lag.ticks += 1
 
     gc.callbacks.append(collector)
@@ -272,13 +264,17 @@ async def _with_probe(work: Callable[[], Awaitable[T]]) -> tuple[T, Lag]:
 CONCURRENT = 10
 
 
+@pytest.mark.timing
 def test_the_loop_never_stalls_while_enqueuing_10000(pg_settings: Settings,
                                                      sync_client: Client) -> None:
     """The issue's bound: a probe on the loop never waits more than 5 ms for the loop's
     other work while 10,000 tasks are enqueued, 10 concurrent single calls at a time,
-    then in one ``enqueue_many``. (With 50 at a time, the steps of up to 50 calls whose
-    replies arrived together run back to back before the probe's turn: on this 2-core
-    machine on a slow day that is 6-9 ms of the loop's CPU, although no step blocks.)"""
+    then in one ``enqueue_many``: every sleep of the probe, in one of :data:`ATTEMPTS`
+    whole measurements. (With 50 at a time, the steps of up to 50 calls whose replies
+    arrived together would run back to back before the probe's turn; a client's calls take
+    turns, :data:`~ax_kombu.store.async_engine.POOL` at work at once.)
+
+    A timing test: it runs alone (``-m timing``), not beside the other tests."""
     async def body(c: AsyncClient) -> tuple[Lag, Lag]:
         await c.enqueue("warm", {})  # the first call measures the clock, reserves ids
         items = [{"task_type": "batch", "payload": {"n": n}, "delay": 60}
@@ -296,13 +292,18 @@ def test_the_loop_never_stalls_while_enqueuing_10000(pg_settings: Settings,
         assert len(set(ids)) == 10_000 and len(set(batch)) == 10_000
         return single_lag, batch_lag
 
-    single, batch = run(pg_settings, body)
-    for name, lag in (("single enqueues", single), ("enqueue_many", batch)):
-        assert lag.usual < MAX_LAG_S, (f"{name}: the loop stalled {lag.usual * 1000:.1f} ms "
-                                       f"at the 99.9th percentile of {lag.ticks} sleeps")
-        assert lag.worst < MAX_ONE_LAG_S, f"{name}: the loop stalled {lag.worst * 1000:.1f} ms"
+    seen: list[str] = []
+    for _ in range(ATTEMPTS):
+        single, batch = run(pg_settings, body)
+        seen.append(f"single enqueues: {single}; enqueue_many: {batch}")
+        if max(single.worst, batch.worst) < MAX_LAG_S:
+            break
+    else:
+        pytest.fail(f"the loop stalled over {MAX_LAG_S * 1000:.0f} ms in every measurement: "
+                    + " | ".join(seen))
     with sync_client.store.engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM ax_task")).scalar_one() == 20_001
+        count = conn.execute(text("SELECT count(*) FROM ax_task")).scalar_one()
+    assert count == 20_001 * len(seen)
 
 
 def test_a_producer_waiting_on_the_database_does_not_block_the_loop(
