@@ -18,7 +18,8 @@ print(before, "opentelemetry.trace" in sys.modules)
 """
 
 
-def test_the_constructor_imports_the_tracing_api_before_any_call_on_the_loop(tmp_path: Path) -> None:
+def test_the_constructor_imports_the_tracing_api_before_any_call_on_the_loop(
+        tmp_path: Path) -> None:
     program = (PROGRAM.replace("DB", str(tmp_path / "ax.sqlite3"))
                .replace("BROKER", str(tmp_path / "broker.sqlite3")))
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
