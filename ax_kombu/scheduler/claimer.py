@@ -170,10 +170,10 @@ class Claimer(Loop):
                            now, now + self._reach_ms, resume=False))
 
     def _claim(self, batch: _Claim) -> None:
-        """Claim ``batch`` (ids due up to ``claim_lead_ms`` plus ``claim_window_ms`` from its
-        ``now``: they fire that far ahead, see :mod:`ax_kombu.scheduler.timing`) and hand what
-        was claimed to the dispatcher. On a database error the claim may have committed: it
-        is kept, to be resumed (see the module docstring)."""
+        """Claim ``batch`` (ids due up to ``claim_reach_ms`` from its ``now``: the lead and
+        the claim window, as far ahead as they fire, see :mod:`ax_kombu.scheduler.timing`)
+        and hand what was claimed to the dispatcher. On a database error the claim may have
+        committed: it is kept, to be resumed (see the module docstring)."""
         incarnation = self._incarnation()
         try:
             with tracing.batch_span("ax.claim", len(batch.ids)):

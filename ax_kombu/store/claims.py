@@ -50,8 +50,8 @@ def _plus(lead: int, what: str, sign: str) -> str:
 
 def due_by(runner: str = "runner") -> str:
     """SQL: the latest trigger time a claim at ``:now`` takes for the row's runner: ``:now``
-    plus its fixed lead, or ``:due_before`` (``now`` + ``claim_lead_ms`` +
-    ``claim_window_ms``)."""
+    plus its fixed lead, or ``:due_before`` (``now`` + ``claim_reach_ms``: the lead and the
+    claim window, at most 1 s)."""
     whens = " ".join(f"WHEN {runner} = '{name}' THEN {_plus(lead, ':now', '+')}"
                      for name, lead in sorted(FIXED_LEADS.items()))
     return f"CASE {whens} ELSE :due_before END" if whens else ":due_before"

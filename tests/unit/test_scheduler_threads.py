@@ -90,7 +90,7 @@ def test_tasks_are_claimed_and_published_up_to_the_lead_ahead_never_more(
     published = published_until(cfg, 40)
     assert sorted(m.task_id for m, _ in published.messages) == sorted(int(i) for i in ids)
     # staged at most the lead and the claim window ahead (with no lead: never before it is due)
-    reach_ms = lead_ms + cfg.claim_window_ms if lead_ms else 0
+    reach_ms = cfg.claim_reach_ms  # its values: tests/unit/test_config.py
     assert all(at_ms >= m.trigger_time - reach_ms for m, at_ms in published.messages)
     claimed = [client.get(i) for i in ids]
     ahead = [t.trigger_time - t.dispatched_at for t in claimed if t.dispatched_at is not None]
